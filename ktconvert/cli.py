@@ -1,0 +1,190 @@
+"""The `ktconvert` command line. Thin: every command imports its implementation inside the function, so
+`ktconvert --help` loads click and nothing else. Only this module prints results and exits."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
+
+CPU_METHODS = ["amxint4", "amxint8", "bf16", "rawint4", "fp8"]
+
+
+def _emit(result: dict, as_json: bool, render) -> None:
+    if as_json:
+        click.echo(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        click.echo(render(result))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="ktconvert")
+def cli() -> None:
+    """Convert Mixture-of-Experts checkpoints for KTransformers (kt-kernel CPU experts, SGLang-KT GPU weights).
+
+    \b
+    Typical flow:
+      ktconvert inspect MODEL                 what the checkpoint is (reads headers only)
+      ktconvert plan MODEL --method amxint4 --numa 2
+      ktconvert cpu MODEL OUT --method amxint4 --numa 2
+      ktconvert verify OUT --source MODEL     how far the converted experts are from the source
+
+    Exit codes: 0 ok, 1 error, 2 usage, 3 bad input, 4 verification failed, 5 remote failure, 130 interrupted.
+    Set KTCONVERT_DEBUG=1 for tracebacks.
+    """
+
+
+@cli.command()
+@click.argument("src", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def inspect(src: str, as_json: bool) -> None:
+    """Describe checkpoint SRC without reading weights: family, layers, experts, dims, dtypes, bytes per component."""
+    from ktconvert.inspect import inspect as run, render
+
+    _emit(run(src), as_json, render)
+
+
+@cli.command()
+@click.argument("src", type=click.Path(exists=True))
+@click.option("--method", type=click.Choice(CPU_METHODS, case_sensitive=False), required=True,
+              help="kt-kernel method the output is for.")
+@click.option("--numa", type=int, default=1, show_default=True,
+              help="NUMA parts T (= SGLang --kt-threadpool-count). Gate/up split by rows, down by input columns.")
+@click.option("--layout", type=click.Choice(["safetensors", "kt"]), default="safetensors", show_default=True)
+@click.option("--group-size", type=int, default=128, show_default=True, help="Group size for --method rawint4.")
+@click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers' experts.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.argument("out", required=False, type=click.Path())
+def plan(src, method, numa, layout, group_size, include_mtp, as_json, out) -> None:
+    """What a conversion of SRC would write: files, bytes, peak RAM, disk, and the alignment checks.
+
+    No weights are read. A NUMA count that cannot work fails here and lists the ones that would.
+    """
+    from ktconvert.plan import plan as run, render
+
+    result = run(src, method=method, numa=numa, layout=layout, group_size=group_size,
+                 include_mtp=include_mtp, out=out)
+    _emit(result, as_json, render)
+
+
+@cli.command("tiny-model")
+@click.argument("out", type=click.Path())
+@click.option("--arch", required=True, help="Family or model_type (ktconvert families lists them).")
+@click.option("--layers", type=int, default=None, help="Decoder layers (default: family's tiny default).")
+@click.option("--experts", type=int, default=None, help="Routed experts per MoE layer.")
+@click.option("--hidden", type=int, default=None, help="Hidden size H.")
+@click.option("--intermediate", type=int, default=None, help="Expert intermediate size I.")
+@click.option("--dtype", default="bf16", show_default=True, help="bf16, fp16, fp32, fp8 (block), ct-int4, mxfp4.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--force", is_flag=True, help="Overwrite a non-empty OUT.")
+def tiny_model(out, arch, layers, experts, hidden, intermediate, dtype, seed, force) -> None:
+    """Write a small seeded random checkpoint of family ARCH with the real hub layout, names and config.json.
+
+    Weights are heavy-tailed like trained checkpoints. Defaults satisfy kt-kernel's alignment for T=1 and T=2.
+    """
+    from ktconvert.tiny import make_tiny_model
+
+    path = make_tiny_model(out, arch=arch, layers=layers, experts=experts, hidden=hidden,
+                           intermediate=intermediate, dtype=dtype, seed=seed, force=force)
+    click.echo(f"wrote {path}")
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("out", type=click.Path())
+@click.option("--method", type=click.Choice(CPU_METHODS, case_sensitive=False), required=True,
+              help="amxint4/amxint8: kt-kernel AMX tiles; bf16/rawint4/fp8: kt-kernel's in-place native formats.")
+@click.option("--numa", type=int, default=1, show_default=True,
+              help="NUMA parts T; must equal SGLang's --kt-threadpool-count at run time.")
+@click.option("--layout", type=click.Choice(["safetensors", "kt"]), default="safetensors", show_default=True,
+              help="safetensors: one merged shard per MoE layer; kt: the _layer_L/_numa_t/*.kt tree.")
+@click.option("--quant", type=click.Choice(["rtn", "mse", "gptq"]), default="rtn", show_default=True,
+              help="rtn is byte-identical to kt-kernel's converter; mse searches each row's scale.")
+@click.option("--group-size", type=int, default=128, show_default=True, help="Group size for --method rawint4.")
+@click.option("--threads", type=int, default=None, help="Worker threads (default: all cores). Bytes never depend on it.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted conversion in OUT.")
+@click.option("--force", is_flag=True, help="Delete an existing OUT and start over.")
+@click.option("--include-dense", is_flag=True, help="Also write non-expert tensors (blk.-renamed) into OUT.")
+@click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers' experts.")
+@click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
+@click.option("--quiet", is_flag=True, help="No progress output.")
+@click.option("--json-progress", is_flag=True, help="Progress as JSON lines on stderr.")
+def cpu(src, out, method, numa, layout, quant, group_size, threads, resume, force, include_dense, include_mtp,
+        allow_drop_bias, quiet, json_progress) -> None:
+    """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable)."""
+    from ktconvert.pipeline import convert_cpu
+    from ktconvert.progress import make_progress
+
+    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+        summary = convert_cpu(src, out, method=method, numa=numa, layout=layout, quant=quant,
+                              group_size=group_size, threads=threads, resume=resume, force=force,
+                              include_dense=include_dense, include_mtp=include_mtp,
+                              allow_drop_bias=allow_drop_bias, progress=progress)
+    click.echo(summary)
+
+
+@cli.command()
+@click.argument("out")
+@click.option("--source", type=click.Path(exists=True), help="Compare with the source weights.")
+@click.option("--hashes", is_flag=True, help="Re-hash every file and tensor against ktconvert.json.")
+@click.option("--tokens", type=int, default=8, show_default=True, help="Random activations per check.")
+@click.option("--layers", default=None, help="Comma-separated layer indices (default: sample).")
+@click.option("--experts", default="4", show_default=True, help="'all' or how many experts per layer.")
+@click.option("--threshold", type=float, default=None, help="Max relative L2 error vs source (default per method).")
+@click.option("--remote", default=None, is_flag=False, flag_value="", help="Compare with a hub repo's file hashes.")
+@click.option("--hub", type=click.Choice(["hf", "modelscope"]), default="hf", show_default=True)
+@click.option("--revision", default=None)
+@click.option("--endpoint", default=None, help="Hub endpoint URL.")
+@click.option("--json", "as_json", is_flag=True)
+def verify(out, source, hashes, tokens, layers, experts, threshold, remote, hub, revision, endpoint, as_json) -> None:
+    """Check a converted output OUT: structure, hashes, numerics (native kernels) and error against the source."""
+    from ktconvert.verify import render, verify as run
+
+    result = run(out, source=source, hashes=hashes, tokens=tokens, layers=layers, experts=experts,
+                 threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint)
+    _emit(result, as_json, render)
+    if not result.get("ok", False):
+        sys.exit(4)
+
+
+@cli.command()
+def env() -> None:
+    """Versions, CPU features and the native implementation in use."""
+    from ktconvert.envinfo import env_info
+
+    click.echo(json.dumps(env_info(), indent=2, sort_keys=True))
+
+
+@cli.command()
+def families() -> None:
+    """List the architecture families (manifests) and the config model_type values they cover."""
+    from ktconvert.architecture import load_manifests
+
+    for name, man in sorted(load_manifests().items()):
+        click.echo(f"{name:14s} {', '.join(man.model_types)}")
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except KtConvertError as exc:
+        if os.environ.get("KTCONVERT_DEBUG"):
+            raise
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Sources (readers of checkpoints) and sinks (writers of outputs). Only this package opens model files."""

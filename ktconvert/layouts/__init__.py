@@ -1,0 +1,1 @@
+"""Pure index math: kernel tile orders and NUMA splits. numpy only; no I/O."""
