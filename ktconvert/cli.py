@@ -151,6 +151,32 @@ def verify(out, source, hashes, tokens, layers, experts, threshold, remote, hub,
 
 
 @cli.command()
+@click.argument("workdir", type=click.Path(), default="ktconvert-demo")
+@click.option("--arch", default="qwen3_moe", show_default=True, help="Family of the generated tiny model.")
+@click.option("--method", type=click.Choice(["amxint4", "amxint8"]), default="amxint4", show_default=True)
+@click.option("--numa", type=int, default=2, show_default=True)
+def demo(workdir, arch, method, numa) -> None:
+    """The main job on an embedded example: generate a tiny ARCH model in WORKDIR/model, convert it to
+    WORKDIR/out, and verify the output against the model (hashes and numerics)."""
+    from pathlib import Path
+
+    from ktconvert.pipeline import convert_cpu
+    from ktconvert.progress import make_progress
+    from ktconvert.tiny import make_tiny_model
+    from ktconvert.verify import render, verify as run_verify
+
+    root = Path(workdir)
+    model = make_tiny_model(root / "model", arch=arch, force=True)
+    click.echo(f"tiny model: {model}")
+    with make_progress() as progress:
+        click.echo(convert_cpu(model, root / "out", method=method, numa=numa, force=True, progress=progress))
+    result = run_verify(str(root / "out"), source=str(model), hashes=True)
+    click.echo(render(result))
+    if not result.get("ok", False):
+        sys.exit(4)
+
+
+@cli.command()
 def env() -> None:
     """Versions, CPU features and the native implementation in use."""
     from ktconvert.envinfo import env_info
@@ -165,6 +191,117 @@ def families() -> None:
 
     for name, man in sorted(load_manifests().items()):
         click.echo(f"{name:14s} {', '.join(man.model_types)}")
+
+def _progress_options(fn):
+    fn = click.option("--json-progress", is_flag=True, help="Progress as JSON lines on stderr.")(fn)
+    return click.option("--quiet", is_flag=True, help="No progress output.")(fn)
+
+
+@cli.command()
+@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.argument("repo")
+@click.option("--hub", type=click.Choice(["hf", "modelscope"]), default="hf", show_default=True)
+@click.option("--revision", default=None, help="Branch to upload to (default: the hub's main branch).")
+@click.option("--private", is_flag=True, help="Create the repo private.")
+@click.option("--endpoint", default=None, help="Hub endpoint URL (default: HF_ENDPOINT / MODELSCOPE_ENDPOINT).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
+@_progress_options
+def publish(out, repo, hub, revision, private, endpoint, as_json, quiet, json_progress) -> None:
+    """Upload output folder OUT to hub repo REPO, then check the remote hashes.
+
+    OUT is first re-hashed against its ktconvert.json (a damaged folder is refused). The upload is resumable: run the
+    same command again after an interruption and only what the hub lacks is sent. A README.md model card states the
+    kt-kernel / SGLang flags. Token: HF_TOKEN / MODELSCOPE_API_TOKEN (or a stored login); never printed.
+    """
+    from ktconvert.hub import publish as run, render_remote
+    from ktconvert.progress import make_progress
+
+    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+        result = run(out, repo, hub=hub, revision=revision, private=private, endpoint=endpoint, progress=progress)
+    _emit(result, as_json, lambda r: render_remote(r) + f"\n{r['url']}")
+
+
+@cli.command()
+@click.argument("jobs", type=click.Path(exists=True, dir_okay=False))
+@click.option("--keep-going", is_flag=True, help="Run the remaining jobs after one fails.")
+@click.option("--dry-run", is_flag=True, help="Print every job's plan; read no weights.")
+@click.option("--summary", "summary_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the per-job summary JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+@_progress_options
+def batch(jobs, keep_going, dry_run, summary_path, as_json, quiet, json_progress) -> None:
+    """Run the conversion / bundle / publish jobs of JOBS (TOML, see examples/jobs.toml) in order, resumably.
+
+    Exits non-zero if any job failed (with the first failed job's exit code).
+    """
+    from ktconvert import batch as mod
+    from ktconvert.progress import make_progress
+
+    job_list = mod.load_jobs(jobs)
+    if dry_run:
+        plans = mod.plan_jobs(job_list)
+        click.echo(json.dumps(plans, indent=2, sort_keys=True) if as_json else mod.render_plans(plans))
+        return
+    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+        summary = mod.run_jobs(job_list, keep_going=keep_going, progress=progress)
+    if summary_path:
+        with open(summary_path, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    _emit(summary, as_json, mod.render_summary)
+    if not summary["ok"]:
+        sys.exit(summary["exit_code"])
+
+
+@cli.command()
+@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.argument("dest", type=click.Path(dir_okay=False))
+@click.option("--level", type=int, default=3, show_default=True, help="zstd level (1-22).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
+@_progress_options
+def bundle(out, dest, level, as_json, quiet, json_progress) -> None:
+    """Pack output folder OUT into one deterministic zstd tar DEST (.tar.zst), ktconvert.json first."""
+    from ktconvert.bundle import bundle as run
+    from ktconvert.progress import make_progress
+
+    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+        result = run(out, dest, level=level, progress=progress)
+    _emit(result, as_json, lambda r: f"wrote {r['path']}: {r['files']} files, {r['bytes_in']} -> {r['bytes_out']} "
+                                     f"bytes (ratio {r['ratio']:.3f})")
+
+
+@cli.command()
+@click.argument("src", type=click.Path(exists=True, dir_okay=False))
+@click.argument("dest", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
+@_progress_options
+def unbundle(src, dest, as_json, quiet, json_progress) -> None:
+    """Restore bundle SRC into new folder DEST, verifying every file (nothing is left behind on failure)."""
+    from ktconvert.bundle import unbundle as run
+    from ktconvert.progress import make_progress
+
+    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+        result = run(src, dest, progress=progress)
+    _emit(result, as_json, lambda r: f"restored {r['checked']} files + ktconvert.json into {r['dest']}")
+
+
+@cli.command("hub-server")
+@click.option("--port", type=int, default=8765, show_default=True)
+@click.option("--root", type=click.Path(file_okay=False), required=True, help="Folder holding the repos.")
+def hub_server(port, root) -> None:
+    """Run a local stand-in for the HF Hub and ModelScope on 127.0.0.1 (for trying publish / hub sources).
+
+    \b
+    HF:         HF_ENDPOINT=http://127.0.0.1:PORT HF_TOKEN=x ktconvert publish OUT me/repo
+    ModelScope: ktconvert publish OUT me/repo --hub modelscope --endpoint http://127.0.0.1:PORT
+    """
+    from ktconvert.hubserver import HubServer
+
+    server = HubServer(root, port)
+    click.echo(f"hub stand-in on {server.url} (root {root}); Ctrl-C to stop", err=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.stop()
 
 
 def main() -> None:

@@ -58,3 +58,22 @@ class ExpertSource(Protocol):
 
 # name -> class with classmethods sniff(path) -> bool and open(path) -> ExpertSource
 SOURCES: Registry = Registry("input format")
+
+# modules whose import registers a source in SOURCES (imported on first open_source, never at package import)
+SOURCE_MODULES = ("ktconvert.formats.hf_source",)
+
+
+def open_source(path) -> ExpertSource:
+    """Open checkpoint `path` with the first registered source whose sniff(path) accepts it."""
+    import importlib
+
+    from ktconvert.errors import InputError
+
+    for module in SOURCE_MODULES:
+        importlib.import_module(module)
+    for _name, cls in SOURCES.items():
+        if cls.sniff(path):
+            return cls.open(path)
+    raise InputError("no reader recognises this input", file=str(path),
+                     expected="a directory with *.safetensors (+ config.json) or a .safetensors file",
+                     hint="known input formats: " + ", ".join(SOURCES.names()))

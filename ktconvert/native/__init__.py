@@ -1,1 +1,232 @@
-"""Optional native library (built from native/*.c by the package build); numpy paths are used without it."""
+"""Optional native library (built from native/*.c by the package build), loaded lazily with ctypes.
+
+Without it every caller uses the numpy reference paths; ``available()`` says which. The library picks its
+implementation at run time (CPUID + XGETBV; see native/kt_native.h): the best of avx512 > avx2 > scalar, or the one
+``KTCONVERT_FORCE_IMPL=scalar|avx2|avx512`` names (forcing one the CPU lacks raises NativeError naming the missing
+feature). ``KTCONVERT_FORCE_IMPL=numpy`` makes ``available()`` False, so callers take their numpy paths.
+``KTCONVERT_NO_NATIVE=1`` hides the library altogether; ``KTCONVERT_NATIVE_LIB=/path.so`` loads that file instead of
+the one next to this module.
+
+Other modules binding more C functions (ktconvert/native/runtime.py) use ``lib()``, ``resolve_impl()`` and the
+status constants below.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ktconvert.errors import NativeError, NumericError, ShapeError
+
+# Status codes and implementation ids of native/kt_native.h.
+KT_OK, KT_E_SHAPE, KT_E_NONFINITE, KT_E_IMPL, KT_E_ARG = 0, 1, 2, 3, 4
+IMPL_IDS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+ABI_VERSION = 1
+_STATUS_TEXT = {KT_E_SHAPE: "bad shape", KT_E_NONFINITE: "NaN/Inf in input", KT_E_IMPL: "implementation not supported",
+                KT_E_ARG: "bad argument"}
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib": CDLL | None, "error": str | None, "pool": ThreadPoolExecutor, "pool_size": int
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_C_INT = ctypes.c_int
+_SIGNATURES = {
+    "kt_abi_version": (_C_INT, []),
+    "kt_cpu_features": (_C_INT, []),
+    "kt_cpu_feature_name": (ctypes.c_char_p, [_C_INT]),
+    "kt_impl_missing": (_C_INT, [_C_INT]),
+    "kt_impl_best": (_C_INT, []),
+    "kt_select_impl": (_C_INT, []),
+    "kt_resolve_impl": (_C_INT, [_C_INT]),
+    "kt_impl_name": (ctypes.c_char_p, [_C_INT]),
+    "kt_amx_nblock_rows": (_I64, [_C_INT]),
+    "kt_amx_nblocks": (_I64, [_I64, _C_INT]),
+    "kt_amx_check_shape": (_C_INT, [_I64, _I64, _C_INT]),
+    "kt_amx_quantize": (_C_INT, [_P, _I64, _I64, _C_INT, _C_INT, _P, _P, _I64, _I64, _P]),
+}
+
+
+def _library_candidates() -> list[Path]:
+    """Paths to try, best first: $KTCONVERT_NATIVE_LIB, else _ktnative<EXT_SUFFIX> next to this file (where both
+    ``pip install .`` and the in-place build of ``pip install -e .`` / ``setup.py build_ext --inplace`` put it)."""
+    explicit = os.environ.get("KTCONVERT_NATIVE_LIB")
+    if explicit:
+        return [Path(explicit)]
+    here = Path(__file__).resolve().parent
+    exact = [here / f"_ktnative{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    return [p for p in exact if p.is_file()] or sorted(here.glob("_ktnative*.so"))
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("KTCONVERT_NO_NATIVE", "") not in ("", "0"):
+        return None, "disabled by KTCONVERT_NO_NATIVE"
+    candidates = _library_candidates()
+    if not candidates:
+        return None, "native library not built (pip install -e . or python setup.py build_ext --inplace)"
+    try:
+        handle = ctypes.CDLL(str(candidates[0]))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(handle, name)
+            fn.restype, fn.argtypes = restype, argtypes
+    except (OSError, AttributeError) as exc:
+        return None, f"cannot load {candidates[0].name}: {exc} (stale build? rebuild with pip install -e .)"
+    if handle.kt_abi_version() != ABI_VERSION:
+        return None, f"{candidates[0].name}: ABI version {handle.kt_abi_version()}, expected {ABI_VERSION} (rebuild)"
+    return handle, None
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded ctypes library (signatures of kt_native.h set), or None when it is missing or unloadable."""
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                _state["lib"], _state["error"] = _load()
+    return _state["lib"]
+
+
+def load_error() -> str | None:
+    """Why lib() is None (one line), or None when the library is loaded."""
+    lib()
+    return _state["error"]
+
+
+def _numpy_forced() -> bool:
+    return os.environ.get("KTCONVERT_FORCE_IMPL", "").strip().lower() == "numpy"
+
+
+def available() -> bool:
+    """True when the native quantizer should be used: the library is built, loadable and not disabled
+    (KTCONVERT_NO_NATIVE), and KTCONVERT_FORCE_IMPL is not "numpy" (which selects the numpy reference paths)."""
+    return lib() is not None and not _numpy_forced()
+
+
+def cpu_features() -> list[str]:
+    """Names of the usable CPU features the library detected (e.g. ["avx2", "fma", "avx512f", ...]); [] without it."""
+    handle = lib()
+    if handle is None:
+        return []
+    mask = handle.kt_cpu_features()
+    return [handle.kt_cpu_feature_name(i).decode() for i in range(32)
+            if mask >> i & 1 and handle.kt_cpu_feature_name(i)]
+
+
+def _missing_features(handle: ctypes.CDLL, impl_id: int) -> str:
+    mask = handle.kt_impl_missing(impl_id)
+    return ", ".join(handle.kt_cpu_feature_name(i).decode() for i in range(32) if mask >> i & 1)
+
+
+def resolve_impl(impl: str | None = None) -> int:
+    """Implementation id (1 scalar, 2 avx2, 3 avx512) a call with ``impl`` runs; None means the automatic choice
+    (KTCONVERT_FORCE_IMPL honoured). Raises NativeError if the library is missing, the name is unknown or the CPU
+    lacks a feature it needs."""
+    handle = lib()
+    if handle is None:
+        raise NativeError(load_error() or "native library not available")
+    if impl is not None and impl not in IMPL_IDS:
+        raise NativeError("unknown implementation", expected=" | ".join(IMPL_IDS), found=repr(impl))
+    requested = IMPL_IDS[impl or "auto"]
+    chosen = handle.kt_resolve_impl(requested)
+    if chosen > 0:
+        return chosen
+    forced = os.environ.get("KTCONVERT_FORCE_IMPL", "") if requested == 0 else impl
+    source = "KTCONVERT_FORCE_IMPL" if requested == 0 else "impl"
+    if -chosen == KT_E_IMPL:
+        raise NativeError(f"{source}={forced}: this CPU lacks {_missing_features(handle, IMPL_IDS[forced])}",
+                          hint="unset KTCONVERT_FORCE_IMPL to pick the best supported one")
+    raise NativeError(f"{source}={forced!r} is not an implementation", expected="scalar | avx2 | avx512")
+
+
+def implementation() -> str | None:
+    """"avx512" | "avx2" | "scalar": what the native quantizer runs by default here; None when available() is
+    False. Raises NativeError when KTCONVERT_FORCE_IMPL names an unknown or unsupported implementation."""
+    if not available():
+        return None
+    return lib().kt_impl_name(resolve_impl(None)).decode()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """A shared pool with at least ``threads`` workers (ctypes calls release the GIL)."""
+    with _lock:
+        if _state.get("pool_size", 0) < threads:
+            old = _state.get("pool")
+            _state["pool"] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ktnative")
+            _state["pool_size"] = threads
+            if old is not None:
+                old.shutdown(wait=False)
+        return _state["pool"]
+
+
+def _split(count: int, parts: int) -> list[tuple[int, int]]:
+    """[0, count) as `parts` contiguous ranges of near-equal length (none empty)."""
+    parts = max(1, min(parts, count))
+    bounds = [count * i // parts for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def _check_amx_input(w_bf16: np.ndarray, bits: int, name: str | None) -> None:
+    if bits not in (4, 8):
+        raise ShapeError("unsupported AMX bit width", tensor=name, expected="4 or 8", found=bits)
+    if not isinstance(w_bf16, np.ndarray) or w_bf16.dtype != np.uint16 or w_bf16.ndim != 2:
+        found = f"{getattr(w_bf16, 'dtype', type(w_bf16).__name__)} {list(getattr(w_bf16, 'shape', ()))}"
+        raise ShapeError("weights must be BF16 bits", tensor=name, expected="uint16 [n, k]", found=found)
+    n, k = w_bf16.shape
+    k_multiple = 128 if bits == 4 else 64
+    if n <= 0 or k <= 0 or n % 32 or k % k_multiple:
+        raise ShapeError(f"AMXINT{bits} needs n % 32 == 0 and k % {k_multiple} == 0", tensor=name,
+                         expected=f"[n, k] with n a multiple of 32, k a multiple of {k_multiple}", found=[n, k])
+
+
+def _raise_nonfinite(w_bf16: np.ndarray, row: int, name: str | None) -> None:
+    special = (w_bf16 & np.uint16(0x7F80)) == np.uint16(0x7F80)
+    col = int(np.flatnonzero(special[row])[0])
+    kind = "NaN" if w_bf16[row, col] & np.uint16(0x007F) else "Inf"
+    raise NumericError(f"{int(special.sum())} non-finite value(s), first {kind} at row {row}, column {col}",
+                       tensor=name, hint="the source checkpoint is corrupt at this tensor")
+
+
+def amx_quantize(w_bf16: np.ndarray, bits: int, threads: int = 1, impl: str | None = None,
+                 name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """AMXINT4 (bits=4) / AMXINT8 (bits=8) quantization and tile packing (kt-format.md 2.1, 2.2) in C.
+
+    w_bf16: uint16 [n, k] BF16 bits (n % 32 == 0; k % 128 == 0 for bits 4, k % 64 == 0 for bits 8).
+    threads: worker threads; N-blocks are split between them, the bytes never depend on it.
+    impl: None (automatic, KTCONVERT_FORCE_IMPL honoured) or "scalar" | "avx2" | "avx512".
+    name: tensor name used in error messages.
+    returns: (blob uint8 [n*k/2] or [n*k] in kt-kernel's tile order, scale float32 [n] = d per row);
+    byte-identical to ktconvert.quant.amx + ktconvert.layouts.tiles.
+    Raises ShapeError, NumericError (NaN/Inf: names the first row and column), NativeError (library missing,
+    unsupported impl).
+    """
+    _check_amx_input(w_bf16, bits, name)
+    impl_id = resolve_impl(impl)
+    handle = lib()
+    w = np.ascontiguousarray(w_bf16)
+    n, k = w.shape
+    blob = np.empty(n * k // (2 if bits == 4 else 1), dtype=np.uint8)
+    scale = np.empty(n, dtype=np.float32)
+    ranges = _split(int(handle.kt_amx_nblocks(n, bits)), int(threads))
+    err_rows = np.full(len(ranges), -1, dtype=np.int64)
+
+    def run(i: int) -> int:
+        begin, end = ranges[i]
+        return handle.kt_amx_quantize(w.ctypes.data, n, k, bits, impl_id, blob.ctypes.data, scale.ctypes.data,
+                                      begin, end, err_rows.ctypes.data + 8 * i)
+
+    if len(ranges) == 1:
+        statuses = [run(0)]
+    else:
+        futures = [_pool(len(ranges) - 1).submit(run, i) for i in range(1, len(ranges))]
+        statuses = [run(0)] + [f.result() for f in futures]
+    if any(s == KT_E_NONFINITE for s in statuses):
+        _raise_nonfinite(w, int(min(r for r, s in zip(err_rows, statuses) if s == KT_E_NONFINITE)), name)
+    bad = next((s for s in statuses if s != KT_OK), KT_OK)
+    if bad != KT_OK:
+        raise NativeError(f"kt_amx_quantize failed: {_STATUS_TEXT.get(bad, 'status')} ({bad})", tensor=name,
+                          found=f"[n, k] = [{n}, {k}], bits {bits}")
+    return blob, scale

@@ -1,0 +1,378 @@
+"""Architecture manifests (manifests/*.toml, shipped as ``ktconvert.manifests``) and config.json resolution.
+
+Everything family-specific is data in a manifest; this module only knows the schema and the MoE layer rules
+(``first_dense_freq``, ``sparse_step``, ``all``). Pure: it reads the manifest files and nothing else.
+
+Extra manifest directories come from the environment variable ``KTCONVERT_MANIFEST_PATH`` (os.pathsep-separated);
+a manifest there claiming a model_type already known replaces the shipped one.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ktconvert.errors import ManifestError
+
+MANIFEST_PATH_ENV = "KTCONVERT_MANIFEST_PATH"
+
+# [config] fields: (required, default). A default of None means "derived" (see _resolve_fields).
+CONFIG_FIELDS: dict[str, tuple[bool, Any]] = {
+    "n_layers": (True, None),
+    "n_experts": (True, None),
+    "hidden": (True, None),
+    "intermediate": (True, None),
+    "experts_per_tok": (True, None),
+    "first_dense": (False, 0),
+    "layer_freq": (False, 1),
+    "sparse_step": (False, 1),
+    "mlp_only_layers": (False, ()),
+    "mtp_layers": (False, 0),
+    "n_shared": (False, 0),
+    "shared_intermediate": (False, None),   # default: intermediate * n_shared
+}
+TOP_KEYS = {"family", "model_types", "text_config", "name_prefixes", "notes", "config", "defaults",
+            "moe_layers", "experts", "components", "tiny"}
+EXPERT_KEYS = {"form", "pattern", "proj", "gate_up", "down", "gate_up_bias", "down_bias", "gate_up_interleaved",
+               "mxfp4"}
+TINY_KEYS = {"config", "attention", "linear_attention", "attn_bias", "qk_norm", "q_gate", "sinks", "router",
+             "router_bias", "router_bias_fp32", "shared", "shared_gate", "dense_mlp", "mtp", "extra_tensors",
+             "name_prefix", "fused_transposed", "null_keys"}
+DEFAULT_PREFIXES = ("model.",)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How routed experts are stored. Patterns are relative to the name prefix and use {L}, {E}, {proj}.
+
+    form "per_expert": ``pattern`` with ``proj`` mapping gate/up/down to the file's names (2-D [I,H] / [H,I]).
+    form "fused": ``gate_up`` ([E, 2I, H] or [E, H, 2I]) and ``down`` ([E, H, I] or [E, I, H]) per layer; the reader
+    detects the orientation from shapes. ``gate_up_interleaved``: rows/cols alternate gate, up (gpt-oss); otherwise
+    the first I are gate. ``mxfp4``: the hub may store each fused tensor as ``<name>_blocks`` + ``<name>_scales``.
+    """
+
+    form: str
+    pattern: str = ""
+    proj: dict[str, str] = field(default_factory=dict)
+    gate_up: str = ""
+    down: str = ""
+    gate_up_bias: str = ""
+    down_bias: str = ""
+    gate_up_interleaved: bool = False
+    mxfp4: bool = False
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One family's manifest. ``config_keys[field]`` are the config.json keys tried in order."""
+
+    family: str
+    model_types: tuple[str, ...]
+    source: str
+    config_keys: dict[str, tuple[str, ...]]
+    defaults: dict[str, Any]
+    moe_rule: str
+    experts: ExpertLayout
+    components: dict[str, tuple[str, ...]]
+    text_config: str | None = None
+    name_prefixes: tuple[str, ...] = DEFAULT_PREFIXES
+    notes: str = ""
+    tiny: dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A config.json resolved against its manifest.
+
+    moe_layers: decoder layers with routed experts (MTP excluded); mtp_layers: n_layers .. n_layers+mtp-1.
+    first_dense: leading layers without routed experts. config: the dict the fields came from (text_config if nested).
+    name_prefix: prefix in front of every manifest pattern ("model.", "model.language_model.", ...).
+    """
+
+    family: str
+    model_type: str
+    n_layers: int
+    moe_layers: tuple[int, ...]
+    mtp_layers: tuple[int, ...]
+    n_experts: int
+    hidden: int
+    intermediate: int
+    experts_per_tok: int
+    n_shared: int
+    shared_intermediate: int
+    first_dense: int
+    name_prefix: str
+    manifest: Manifest
+    config: dict
+
+    @property
+    def fused(self) -> bool:
+        return self.manifest.experts.form == "fused"
+
+    def expert_names(self, layer: int, expert: int) -> dict[str, str]:
+        """Per-expert form: {"gate": name, "up": name, "down": name} for one expert."""
+        lay = self.manifest.experts
+        return {role: self.name_prefix + lay.pattern.format(L=layer, E=expert, proj=proj)
+                for role, proj in lay.proj.items()}
+
+    def fused_names(self, layer: int) -> dict[str, str]:
+        """Fused form: {"gate_up": name, "down": name} plus "gate_up_bias"/"down_bias" where the family has them."""
+        lay = self.manifest.experts
+        names = {"gate_up": lay.gate_up, "down": lay.down, "gate_up_bias": lay.gate_up_bias,
+                 "down_bias": lay.down_bias}
+        return {k: self.name_prefix + v.format(L=layer) for k, v in names.items() if v}
+
+
+# ---------------------------------------------------------------- loading
+
+def _fail(source: str, message: str, **kw) -> ManifestError:
+    return ManifestError(message, file=source, **kw)
+
+
+def _check_keys(source: str, table: dict, allowed: set[str], where: str) -> None:
+    for key in table:
+        if key not in allowed:
+            raise _fail(source, f"unknown key {where}{key!r}", expected="one of " + ", ".join(sorted(allowed)))
+
+
+def _str_list(source: str, value: Any, where: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _fail(source, f"{where} must be a list of strings", found=repr(value))
+    return tuple(value)
+
+
+def _parse_experts(source: str, table: dict) -> ExpertLayout:
+    _check_keys(source, table, EXPERT_KEYS, "[experts] ")
+    form = table.get("form", "per_expert")
+    if form == "per_expert":
+        if not table.get("pattern") or set(table.get("proj", {})) != {"gate", "up", "down"}:
+            raise _fail(source, "[experts] per_expert needs pattern and proj = {gate, up, down}")
+    elif form == "fused":
+        if not table.get("gate_up") or not table.get("down"):
+            raise _fail(source, "[experts] fused needs gate_up and down")
+    else:
+        raise _fail(source, "[experts] form", expected="per_expert or fused", found=repr(form))
+    return ExpertLayout(form=form, **{k: v for k, v in table.items() if k != "form"})
+
+
+def _parse_components(source: str, table: dict) -> dict[str, tuple[str, ...]]:
+    out = {}
+    for name, patterns in table.items():
+        out[name] = _str_list(source, patterns, f"[components] {name}")
+        for pat in out[name]:
+            try:
+                re.compile(pat)
+            except re.error as exc:
+                raise _fail(source, f"[components] {name}: bad regex {pat!r}: {exc}") from None
+    return out
+
+
+def parse_manifest(text: str, source: str) -> Manifest:
+    """Parse one manifest's TOML text. source names the file in errors."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise _fail(source, f"not valid TOML: {exc}") from None
+    _check_keys(source, data, TOP_KEYS, "")
+    for key in ("family", "model_types", "config", "experts"):
+        if key not in data:
+            raise _fail(source, f"missing key {key!r}")
+    config = data["config"]
+    _check_keys(source, config, set(CONFIG_FIELDS), "[config] ")
+    defaults = data.get("defaults", {})
+    _check_keys(source, defaults, set(CONFIG_FIELDS), "[defaults] ")
+    rule_table = data.get("moe_layers", {"rule": "all"})
+    _check_keys(source, rule_table, {"rule"}, "[moe_layers] ")
+    rule = rule_table.get("rule", "all")
+    if rule not in MOE_RULES:
+        raise _fail(source, "[moe_layers] rule", expected=" or ".join(sorted(MOE_RULES)), found=repr(rule))
+    tiny = data.get("tiny", {})
+    for model_type, table in tiny.items():
+        _check_keys(source, table, TINY_KEYS, f"[tiny.{model_type}] ")
+    return Manifest(
+        family=data["family"],
+        model_types=_str_list(source, data["model_types"], "model_types"),
+        source=source,
+        config_keys={name: _str_list(source, keys, f"[config] {name}") for name, keys in config.items()},
+        defaults=dict(defaults),
+        moe_rule=rule,
+        experts=_parse_experts(source, data["experts"]),
+        components=_parse_components(source, data.get("components", {})),
+        text_config=data.get("text_config"),
+        name_prefixes=_str_list(source, data.get("name_prefixes", list(DEFAULT_PREFIXES)), "name_prefixes"),
+        notes=data.get("notes", ""),
+        tiny=tiny,
+    )
+
+
+def _manifest_files() -> list[tuple[str, str]]:
+    """(source name, text) of every manifest: shipped ones first, then KTCONVERT_MANIFEST_PATH directories."""
+    files = []
+    shipped = resources.files("ktconvert.manifests")
+    for entry in sorted(shipped.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".toml"):
+            files.append((f"manifests/{entry.name}", entry.read_text(encoding="utf-8")))
+    for directory in filter(None, os.environ.get(MANIFEST_PATH_ENV, "").split(os.pathsep)):
+        path = Path(directory)
+        if not path.is_dir():
+            raise ManifestError(f"{MANIFEST_PATH_ENV} entry is not a directory", file=directory)
+        for toml in sorted(path.glob("*.toml")):
+            files.append((str(toml), toml.read_text(encoding="utf-8")))
+    return files
+
+
+def load_manifests() -> dict[str, Manifest]:
+    """model_type -> Manifest for every shipped manifest and every one on KTCONVERT_MANIFEST_PATH (later wins)."""
+    by_type: dict[str, Manifest] = {}
+    for source, text in _manifest_files():
+        manifest = parse_manifest(text, source)
+        for model_type in manifest.model_types:
+            by_type[model_type] = manifest
+    return by_type
+
+
+def families() -> dict[str, Manifest]:
+    """family name -> Manifest."""
+    return {m.family: m for m in load_manifests().values()}
+
+
+def manifest_for(model_type: str) -> Manifest:
+    """The manifest claiming model_type (a family name works too); ManifestError listing the known ones otherwise."""
+    manifests = load_manifests()
+    if model_type in manifests:
+        return manifests[model_type]
+    by_family = {m.family: m for m in manifests.values()}
+    if model_type in by_family:
+        return by_family[model_type]
+    raise ManifestError(
+        f"unknown model_type {model_type!r}", expected="one of " + ", ".join(sorted(manifests)),
+        hint=f"add a family by dropping a TOML file into manifests/ or a directory on {MANIFEST_PATH_ENV} "
+             "(see docs/architecture.md, 'Architecture manifests')")
+
+
+# ---------------------------------------------------------------- resolution
+
+def _rule_all(n_layers: int, fields: dict) -> list[int]:
+    return list(range(n_layers))
+
+
+def _rule_first_dense_freq(n_layers: int, fields: dict) -> list[int]:
+    first, freq = int(fields["first_dense"]), int(fields["layer_freq"]) or 1
+    return [layer for layer in range(n_layers) if layer >= first and layer % freq == 0]
+
+
+def _rule_sparse_step(n_layers: int, fields: dict) -> list[int]:
+    step, dense = int(fields["sparse_step"]) or 1, set(fields["mlp_only_layers"] or ())
+    return [layer for layer in range(n_layers) if layer not in dense and (layer + 1) % step == 0]
+
+
+MOE_RULES: dict[str, Callable[[int, dict], list[int]]] = {
+    "all": _rule_all,
+    "first_dense_freq": _rule_first_dense_freq,
+    "sparse_step": _rule_sparse_step,
+}
+
+
+def _lookup(config: dict, key: str) -> tuple[bool, Any]:
+    """Dotted keys walk nested dicts ("quantization_config.weight_block_size")."""
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node or node[part] is None:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _config_sources(config: dict, manifest: Manifest) -> list[tuple[str, dict]]:
+    sub = manifest.text_config
+    if sub and isinstance(config.get(sub), dict):
+        return [(f"{sub}.", config[sub]), ("", config)]
+    return [("", config)]
+
+
+def _resolve_fields(config: dict, manifest: Manifest) -> dict[str, Any]:
+    sources = _config_sources(config, manifest)
+    fields: dict[str, Any] = {}
+    for name, (required, default) in CONFIG_FIELDS.items():
+        tried = []
+        for key in manifest.config_keys.get(name, ()):
+            for where, node in sources:
+                found, value = _lookup(node, key)
+                tried.append(where + key)
+                if found:
+                    fields[name] = value
+                    break
+            if name in fields:
+                break
+        if name not in fields:
+            if name in manifest.defaults:
+                fields[name] = manifest.defaults[name]
+            elif required:
+                raise ManifestError(f"config.json has no {name} for family {manifest.family}",
+                                    expected="one of the keys " + ", ".join(tried or ["(none listed)"]),
+                                    hint=f"manifest {manifest.source}")
+            else:
+                fields[name] = default
+    return fields
+
+
+def _pick_prefix(manifest: Manifest, tensor_names: Iterable[str] | None) -> str:
+    if tensor_names is None:
+        return manifest.name_prefixes[0]
+    names = list(tensor_names)
+    for prefix in manifest.name_prefixes:
+        if any(n.startswith(prefix + "layers.") for n in names):
+            return prefix
+    raise ManifestError(f"no tensor name starts with any layer prefix of family {manifest.family}",
+                        expected=", ".join(p + "layers." for p in manifest.name_prefixes),
+                        found=", ".join(sorted(names)[:3]) or "no tensors")
+
+
+def resolve(config: dict, tensor_names: Iterable[str] | None = None) -> ModelInfo:
+    """config.json dict (+ optional checkpoint tensor names, to pick the name prefix) -> ModelInfo."""
+    model_type = config.get("model_type")
+    manifests = load_manifests()
+    if model_type not in manifests:
+        for value in config.values():
+            if isinstance(value, dict) and value.get("model_type") in manifests:
+                model_type = value["model_type"]
+                break
+    manifest = manifest_for(str(model_type))
+    fields = _resolve_fields(config, manifest)
+    n_layers = int(fields["n_layers"])
+    moe_layers = tuple(MOE_RULES[manifest.moe_rule](n_layers, fields))
+    n_shared = int(fields["n_shared"])
+    intermediate = int(fields["intermediate"])
+    shared_i = fields["shared_intermediate"]
+    sources = _config_sources(config, manifest)
+    return ModelInfo(
+        family=manifest.family,
+        model_type=str(config.get("model_type", model_type)),
+        n_layers=n_layers,
+        moe_layers=moe_layers,
+        mtp_layers=tuple(range(n_layers, n_layers + int(fields["mtp_layers"]))),
+        n_experts=int(fields["n_experts"]),
+        hidden=int(fields["hidden"]),
+        intermediate=intermediate,
+        experts_per_tok=int(fields["experts_per_tok"]),
+        n_shared=n_shared,
+        shared_intermediate=int(shared_i) if shared_i is not None else intermediate * n_shared,
+        first_dense=moe_layers[0] if moe_layers else n_layers,
+        name_prefix=_pick_prefix(manifest, tensor_names),
+        manifest=manifest,
+        config=sources[0][1],
+    )
+
+
+def component_of(manifest: Manifest, tensor_name: str) -> str:
+    """The first [components] category whose regex matches tensor_name (file order), else "other"."""
+    for category, patterns in manifest.components.items():
+        if any(re.search(p, tensor_name) for p in patterns):
+            return category
+    return "other"

@@ -1,0 +1,162 @@
+"""Writers for the in-place methods (bf16, rawint4, fp8): HF-named expert tensors kt-kernel's native loaders read.
+
+Layout: one shard per MoE layer, ``model-{i:05d}-of-{n:05d}.safetensors`` (i = position of the layer in the list of
+converted layers, from 1), holding ``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.<suffix>`` for every
+expert (suffixes from the method's ``tensor_specs``). ``finalize`` writes ``model.safetensors.index.json`` and a
+``config.json``: the source config with ``quantization_config`` describing the output (compressed-tensors
+pack-quantized for rawint4, ``quant_method: fp8`` for fp8, none for bf16).
+
+Every shard goes through ``StreamingSafetensorsWriter`` (temp name, atomic rename); memory is one expert.
+
+Use::
+
+    sink = InplaceSink(out_dir, METHODS.get("rawint4").with_group_size(64), layers, n_experts, hidden, inter)
+    w = sink.begin_layer(L); w.put_expert(e, expert_weights) ...; files, tensors = w.finish()
+    sink.finalize(source_config)
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ktconvert.errors import OutputError, ShapeError
+from ktconvert.formats.st_writer import StreamingSafetensorsWriter, build_header, fsync_dir
+
+INDEX_NAME = "model.safetensors.index.json"
+PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+EXPERT_PREFIX = "model.layers.{L}.mlp.experts.{E}.{proj}"
+RAWINT4_TARGET = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
+
+
+def shard_name(i: int, total: int) -> str:
+    return f"model-{i:05d}-of-{total:05d}.safetensors"
+
+
+class InplaceSink:
+    """Output directory for one in-place method. layers: MoE layer indices in output order."""
+
+    def __init__(self, out_dir, method, layers, n_experts: int, hidden: int, intermediate: int, numa: int = 1):
+        self.out_dir = Path(out_dir)
+        self.method = method
+        self.layers = list(layers)
+        self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
+        method.check_layer(hidden, intermediate, numa)
+        self.shapes = {"gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
+        self.files: dict[str, dict] = {}
+        self.tensor_sha256: dict[str, str] = {}
+
+    def shard_of(self, layer: int) -> str:
+        return shard_name(self.layers.index(layer) + 1, len(self.layers))
+
+    def layer_specs(self, layer: int) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of every tensor in layer's shard."""
+        specs = []
+        for e in range(self.n_experts):
+            for proj, (n, k) in self.shapes.items():
+                base = EXPERT_PREFIX.format(L=layer, E=e, proj=PROJ_NAMES[proj])
+                specs += [(f"{base}.{suffix}", dtype, shape) for suffix, dtype, shape in self.method.tensor_specs(n, k)]
+        return specs
+
+    def planned_files(self) -> dict[str, int]:
+        """{shard name: exact bytes} for plan / dry runs (headers included), index and config not counted."""
+        out = {}
+        for layer in self.layers:
+            header, spans = build_header(self.layer_specs(layer), None)
+            out[self.shard_of(layer)] = len(header) + sum(e - b for b, e in spans.values())
+        return out
+
+    def begin_layer(self, layer: int) -> "InplaceLayerWriter":
+        if layer not in self.layers:
+            raise OutputError("layer not in this output's plan", file=self.out_dir, found=str(layer))
+        return InplaceLayerWriter(self, layer)
+
+    def _record(self, writer: StreamingSafetensorsWriter) -> None:
+        self.files[writer.path.name] = {"bytes": writer.size, "sha256": writer.sha256, "git_sha1": writer.git_sha1}
+        self.tensor_sha256.update(writer.tensor_sha256)
+
+    def finalize(self, source_config: dict | None = None) -> None:
+        """Write the index and config.json (both via temp name + rename)."""
+        weight_map = {name: self.shard_of(layer) for layer in self.layers for name, _, _ in self.layer_specs(layer)}
+        total = sum(self.method.matrix_bytes(n, k) for n, k in self.shapes.values()) * self.n_experts * len(self.layers)
+        _write_json(self.out_dir / INDEX_NAME, {"metadata": {"total_size": total},
+                                                "weight_map": dict(sorted(weight_map.items()))})
+        if source_config is not None:
+            _write_json(self.out_dir / "config.json", output_config(source_config, self.method))
+
+
+class InplaceLayerWriter:
+    """One layer's shard; experts may arrive in any order. finish() -> (files, tensor sha256s)."""
+
+    def __init__(self, sink: InplaceSink, layer: int):
+        self.sink, self.layer = sink, layer
+        sink.out_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = StreamingSafetensorsWriter(sink.out_dir / sink.shard_of(layer), sink.layer_specs(layer))
+
+    def put_matrix(self, proj: str, expert: int, w_bf16) -> None:
+        """Encode one expert matrix (uint16 BF16 bits in HF orientation) and write its tensors."""
+        want = self.sink.shapes[proj]
+        base = EXPERT_PREFIX.format(L=self.layer, E=expert, proj=PROJ_NAMES[proj])
+        if tuple(w_bf16.shape) != want:
+            raise ShapeError("expert matrix has the wrong shape", tensor=base, expected=str(list(want)),
+                             found=str(list(w_bf16.shape)))
+        for suffix, array in self.sink.method.encode(w_bf16, where=base).items():
+            self.writer.write(f"{base}.{suffix}", array)
+
+    def put_expert(self, expert: int, ew) -> None:
+        """All three matrices of ExpertWeights `ew` (biases are not part of these formats)."""
+        for proj, w in ew.projections():
+            self.put_matrix(proj, expert, w)
+
+    def put(self, proj: str, expert: int, t: int, blob, scale) -> None:
+        """Pipeline form (``method.quantize`` output): only NUMA part 0 exists for in-place methods."""
+        if t != 0:
+            raise OutputError("in-place methods are written whole; numa parts are sliced by kt-kernel",
+                              found=f"part {t}")
+        base = EXPERT_PREFIX.format(L=self.layer, E=expert, proj=PROJ_NAMES[proj])
+        specs = self.sink.method.tensor_specs(*self.sink.shapes[proj])
+        self.writer.write(f"{base}.{specs[0][0]}", blob)
+        if len(specs) > 1:
+            self.writer.write(f"{base}.{specs[1][0]}", scale)
+        if len(specs) > 2:   # rawint4 weight_shape
+            import numpy as np
+
+            self.writer.write(f"{base}.{specs[2][0]}", np.array(self.sink.shapes[proj], dtype=np.int64))
+
+    def finish(self) -> tuple[dict, dict]:
+        self.writer.close()
+        self.sink._record(self.writer)
+        name = self.writer.path.name
+        return {name: self.sink.files[name]}, dict(self.writer.tensor_sha256)
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+def output_config(source_config: dict, method) -> dict:
+    """The source config.json with quantization_config describing `method`'s expert tensors."""
+    config = {k: v for k, v in source_config.items() if k != "quantization_config"}
+    if method.kt_method == "RAWINT4":
+        config["quantization_config"] = ct_int4_config(method.group_size, [RAWINT4_TARGET], ["lm_head"])
+    elif method.kt_method == "FP8":
+        config["quantization_config"] = method.quantization_config()
+    return config
+
+
+def ct_int4_config(group_size: int, targets: list[str], ignore: list[str] | None = None) -> dict:
+    """quantization_config of a symmetric INT4 pack-quantized checkpoint (as llmcompressor 0.14 writes it)."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
+               "dynamic": False, "actorder": None, "block_structure": None, "observer": None,
+               "observer_kwargs": {}, "scale_dtype": None, "zp_dtype": None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": targets, "format": "pack-quantized", "weights": weights,
+                                          "input_activations": None, "output_activations": None}},
+            "ignore": list(ignore or ["lm_head"]), "kv_cache_scheme": None, "global_compression_ratio": None}
+
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

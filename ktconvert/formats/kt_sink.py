@@ -1,0 +1,377 @@
+"""kt-kernel CPU expert outputs (kt-format.md §2.3, §3.3, §3.4), written one MoE layer at a time.
+
+Layouts:
+
+* ``safetensors`` (merged): one shard per MoE layer, ``model-{i:05d}-of-{N:05d}.safetensors`` with i = the layer's
+  position in the sorted MoE layer list (from 1) and N = MoE layers (+1 for the non-expert shard when
+  ``include_dense``). Keys ``blk.{L}.ffn_{gate|up|down}_exps.{E}.numa.{t}.weight`` (I8 1-D [quant bytes]) and
+  ``.scale`` (F32 1-D [n]); no ``__metadata__`` (as kt-kernel's converter). ``finalize`` writes
+  ``model.safetensors.index.json`` with the real total_size, from the shard headers on disk.
+* ``kt``: ``_layer_{L}/_numa_{t}/{PREFIX}_{proj}_{E}_{bytes}Byte_{quant|scale}_.kt`` raw bytes. Nothing at the top
+  level ends in ``.safetensors`` (that would switch kt-kernel to merged mode).
+
+Per NUMA part t of T: gate/up are [n=I/T, k=H] (rows t*I/T..), down is [n=H, k=I/T] (input columns t*I/T..).
+A layer becomes visible atomically: merged by the shard's rename, kt by renaming ``_layer_{L}.partial/``.
+Both layouts report tensor hashes under the merged key names, so the same conversion hashes the same either way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from ktconvert.errors import OutputError, ShapeError
+from ktconvert.formats.out_manifest import FileRecord, hash_bytes, record_for, write_atomic
+from ktconvert.formats.st_writer import StreamingSafetensorsWriter, fsync_dir
+
+PROJS = ("gate", "up", "down")
+LAYOUTS = ("safetensors", "kt")
+INDEX_NAME = "model.safetensors.index.json"
+COPY_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
+COPY_GLOBS = ("*.tiktoken",)
+_KT_RE = re.compile(r"^_layer_(\d+)/_numa_(\d+)/([A-Z0-9_]+?)_(gate|up|down)_(\d+)_(\d+)Byte_(quant|scale)_\.kt$")
+
+
+class LayerResult(NamedTuple):
+    """What a finished layer (or the dense shard) wrote: its files and {tensor key: sha256}."""
+
+    files: list[FileRecord]
+    tensors: dict[str, str]
+
+
+def merged_key(layer: int, proj: str, expert: int, t: int, part: str) -> str:
+    """``blk.{L}.ffn_{proj}_exps.{E}.numa.{t}.{weight|scale}``."""
+    return f"blk.{layer}.ffn_{proj}_exps.{expert}.numa.{t}.{part}"
+
+
+def kt_relpath(layer: int, t: int, prefix: str, proj: str, expert: int, nbytes: int, part: str) -> str:
+    """``_layer_{L}/_numa_{t}/{PREFIX}_{proj}_{E}_{bytes}Byte_{quant|scale}_.kt`` (part: "quant" or "scale")."""
+    return f"_layer_{layer}/_numa_{t}/{prefix}_{proj}_{expert}_{nbytes}Byte_{part}_.kt"
+
+
+def parse_kt_relpath(rel: str) -> dict | None:
+    """{layer, t, prefix, proj, expert, bytes, part} of a .kt file's relative path, or None."""
+    m = _KT_RE.match(rel)
+    if m is None:
+        return None
+    layer, t, prefix, proj, expert, nbytes, part = m.groups()
+    return {"layer": int(layer), "t": int(t), "prefix": prefix, "proj": proj, "expert": int(expert),
+            "bytes": int(nbytes), "part": part}
+
+
+def key_for_kt_path(rel: str) -> str | None:
+    """Merged tensor key of a .kt file's relative path, or None if `rel` is not a .kt expert file name."""
+    f = parse_kt_relpath(rel)
+    if f is None:
+        return None
+    return merged_key(f["layer"], f["proj"], f["expert"], f["t"], "weight" if f["part"] == "quant" else "scale")
+
+
+def shard_name(i: int, total: int) -> str:
+    return f"model-{i:05d}-of-{total:05d}.safetensors"
+
+
+def dense_key(name: str) -> str:
+    """kt-kernel's non-expert renaming: leading ``model.layers.`` → ``blk.``, else strip one leading ``model.``."""
+    if name.startswith("model.layers."):
+        return "blk." + name[len("model.layers."):]
+    if name.startswith("model."):
+        return name[len("model."):]
+    return name
+
+
+def part_shape(proj: str, hidden: int, intermediate: int, numa: int) -> tuple[int, int]:
+    """[n, k] of one NUMA part of `proj`: gate/up [I/T, H], down [H, I/T]."""
+    if proj not in PROJS:
+        raise ShapeError("unknown projection", expected="/".join(PROJS), found=repr(proj))
+    if numa < 1 or intermediate % numa:
+        raise ShapeError("intermediate size must be a multiple of the NUMA count",
+                         expected="I % T == 0", found=f"I={intermediate}, T={numa}")
+    part = intermediate // numa
+    return (part, hidden) if proj in ("gate", "up") else (hidden, part)
+
+
+class KtSink:
+    """Output folder for kt-kernel CPU experts.
+
+    out_dir:      output folder (created if absent)
+    layout:       "safetensors" (merged shards) or "kt" (.kt tree)
+    method:       CpuMethod-like: ``file_prefix`` ("INT4"), ``quant_bytes(n, k)``, ``scale_bytes(n)``
+    numa:         NUMA parts T; moe_layers: MoE layer indices to be written; experts: E; hidden: H;
+    intermediate: I (expert intermediate size); include_dense: reserve the last shard for non-expert tensors
+    """
+
+    def __init__(self, out_dir, layout: str, method, numa: int, moe_layers, experts: int, hidden: int,
+                 intermediate: int, include_dense: bool = False):
+        if layout not in LAYOUTS:
+            raise OutputError("unknown output layout", expected=" or ".join(LAYOUTS), found=repr(layout))
+        if include_dense and layout != "safetensors":
+            raise OutputError("non-expert tensors can only go into the merged layout", found="layout kt",
+                              hint="a top-level .safetensors file would switch kt-kernel into merged mode")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.layout, self.method, self.numa = layout, method, int(numa)
+        self.moe_layers = sorted(int(x) for x in moe_layers)
+        self.experts, self.hidden, self.intermediate = int(experts), int(hidden), int(intermediate)
+        self.include_dense = bool(include_dense)
+        self.n_shards = len(self.moe_layers) + int(self.include_dense)
+        self.sizes = {p: self._part_sizes(p) for p in PROJS}
+
+    def _part_sizes(self, proj: str) -> tuple[int, int, int, int]:
+        n, k = part_shape(proj, self.hidden, self.intermediate, self.numa)
+        return n, k, int(self.method.quant_bytes(n, k)), int(self.method.scale_bytes(n))
+
+    def shard_for(self, layer: int) -> str:
+        """Merged shard file name of MoE layer `layer`."""
+        if layer not in self.moe_layers:
+            raise OutputError("layer is not one of the planned MoE layers", tensor=f"layer {layer}",
+                              expected=str(self.moe_layers))
+        return shard_name(self.moe_layers.index(layer) + 1, self.n_shards)
+
+    def dense_shard(self) -> str:
+        return shard_name(self.n_shards, self.n_shards)
+
+    def layer_tensors(self, layer: int) -> list[tuple[str, str, tuple[int]]]:
+        """[(key, dtype, shape)] of one layer in merged form: weight I8 [quant bytes], scale F32 [n]."""
+        specs = []
+        for proj in PROJS:
+            n, _, qbytes, sbytes = self.sizes[proj]
+            for e in range(self.experts):
+                for t in range(self.numa):
+                    specs.append((merged_key(layer, proj, e, t, "weight"), "I8", (qbytes,)))
+                    specs.append((merged_key(layer, proj, e, t, "scale"), "F32", (sbytes // 4,)))
+        return specs
+
+    def layer_files(self, layer: int) -> list[str]:
+        """Relative paths the finished layer consists of."""
+        if self.layout == "safetensors":
+            return [self.shard_for(layer)]
+        prefix = self.method.file_prefix
+        return sorted(kt_relpath(layer, t, prefix, proj, e, nbytes, part)
+                      for proj in PROJS for e in range(self.experts) for t in range(self.numa)
+                      for part, nbytes in (("quant", self.sizes[proj][2]), ("scale", self.sizes[proj][3])))
+
+    def layer_done(self, layer: int) -> bool:
+        """True when the layer's final output exists (a shard file, or the ``_layer_{L}`` folder)."""
+        if self.layout == "safetensors":
+            return (self.out_dir / self.shard_for(layer)).is_file()
+        return (self.out_dir / f"_layer_{layer}").is_dir()
+
+    def layer_result_from_disk(self, layer: int) -> LayerResult:
+        """Re-hash a finished layer's files (for a resumed run whose journal lacks them): records + tensor hashes."""
+        from ktconvert.formats.out_manifest import hash_file, hash_safetensors
+
+        files, tensors = [], {}
+        for rel in self.layer_files(layer):
+            path = self.out_dir / rel
+            if not path.is_file():
+                raise OutputError("finished layer lacks a file", file=rel, tensor=f"layer {layer}")
+            if self.layout == "safetensors":
+                size, sha256, git_sha1, per_tensor = hash_safetensors(path)
+                tensors.update(per_tensor)
+            else:
+                size, sha256, git_sha1 = hash_file(path)
+                tensors[key_for_kt_path(rel)] = sha256
+            files.append(FileRecord(rel, size, sha256, git_sha1))
+        return LayerResult(files, dict(sorted(tensors.items())))
+
+    def begin_layer(self, layer: int) -> "LayerWriter":
+        """Start writing MoE layer `layer`; nothing becomes visible until ``finish()``."""
+        if layer not in self.moe_layers:
+            raise OutputError("layer is not one of the planned MoE layers", tensor=f"layer {layer}",
+                              expected=str(self.moe_layers))
+        cls = MergedLayerWriter if self.layout == "safetensors" else KtLayerWriter
+        return cls(self, layer)
+
+    def write_dense(self, specs, read: Callable[[str], np.ndarray]) -> LayerResult:
+        """Stream non-expert tensors into the last shard, one tensor in memory at a time.
+
+        specs: [(source name, safetensors dtype, shape)]; read(source name) -> array (raw bits for BF16/F8).
+        Keys are renamed with ``dense_key``.
+        """
+        if not self.include_dense:
+            raise OutputError("sink was created without include_dense", file=self.dense_shard())
+        renamed = [(dense_key(name), dtype, tuple(shape)) for name, dtype, shape in specs]
+        with StreamingSafetensorsWriter(self.out_dir / self.dense_shard(), renamed) as writer:
+            for (name, _, _), (key, _, _) in zip(specs, renamed):
+                writer.write(key, read(name))
+        record = FileRecord(self.dense_shard(), writer.size, writer.sha256, writer.git_sha1)
+        return LayerResult([record], dict(writer.tensor_sha256))
+
+    def missing_layers(self) -> list[int]:
+        return [layer for layer in self.moe_layers if not self.layer_done(layer)]
+
+    def finalize(self, copy_from=None, extra_files: dict | None = None) -> list[FileRecord]:
+        """Check every layer is done, write the index (merged), copy config/tokenizer files from `copy_from` and
+        write `extra_files` ({relative name: bytes or source path}); returns the records of the files it wrote."""
+        missing = self.missing_layers()
+        if missing:
+            raise OutputError(f"{len(missing)} MoE layer(s) not written", file=str(self.out_dir),
+                              found="layers " + ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else ""))
+        if self.include_dense and not (self.out_dir / self.dense_shard()).is_file():
+            raise OutputError("non-expert shard not written", file=self.dense_shard())
+        self._remove_stale_partials()
+        records = [self._write_index()] if self.layout == "safetensors" else []
+        for rel, src in sorted(_copy_sources(copy_from).items()) + sorted((extra_files or {}).items()):
+            write_atomic(self.out_dir / rel, src if isinstance(src, (bytes, bytearray)) else Path(src).read_bytes())
+            records.append(record_for(self.out_dir, rel))
+        return records
+
+    def _write_index(self) -> FileRecord:
+        from ktconvert.formats.safetensors_reader import parse_header
+
+        weight_map, total = {}, 0
+        for i in range(1, self.n_shards + 1):
+            header = parse_header(self.out_dir / shard_name(i, self.n_shards))
+            for key, ref in header.tensors.items():
+                weight_map[key] = shard_name(i, self.n_shards)
+                total += ref.nbytes
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        write_atomic(self.out_dir / INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+        return record_for(self.out_dir, INDEX_NAME)
+
+    def _remove_stale_partials(self) -> None:
+        """Delete this sink's leftovers from interrupted runs (``.*.partial`` files, ``_layer_*.partial/``)."""
+        for entry in self.out_dir.iterdir():
+            if entry.name.startswith(".") and entry.name.endswith(".partial") and entry.is_file():
+                entry.unlink()
+            elif re.fullmatch(r"_layer_\d+\.(partial|old)", entry.name) and entry.is_dir():
+                shutil.rmtree(entry)
+
+
+def _copy_sources(copy_from) -> dict[str, Path]:
+    """{name: path} of the config / tokenizer files present in the source folder."""
+    if copy_from is None:
+        return {}
+    src = Path(copy_from)
+    src = src if src.is_dir() else src.parent
+    found = {name: src / name for name in COPY_NAMES if (src / name).is_file()}
+    for pattern in COPY_GLOBS:
+        found.update({p.name: p for p in src.glob(pattern) if p.is_file()})
+    return found
+
+
+class LayerWriter:
+    """Common checks of one layer's puts: projection, expert and part in range, byte counts as planned."""
+
+    def __init__(self, sink: KtSink, layer: int):
+        self.sink, self.layer = sink, layer
+        self.tensors: dict[str, str] = {}
+
+    def _checked(self, proj: str, expert: int, t: int, blob, scale) -> tuple[np.ndarray, np.ndarray]:
+        """(blob as int8 1-D, scale as float32 1-D) after checking them against the plan."""
+        where = merged_key(self.layer, proj, expert, t, "weight")
+        if proj not in PROJS or not 0 <= expert < self.sink.experts or not 0 <= t < self.sink.numa:
+            raise OutputError("expert part out of range", tensor=where,
+                              expected=f"proj in {PROJS}, expert < {self.sink.experts}, numa < {self.sink.numa}")
+        if where in self.tensors:
+            raise OutputError("expert part written twice", tensor=where)
+        _, _, qbytes, sbytes = self.sink.sizes[proj]
+        blob, scale = np.asarray(blob), np.asarray(scale)
+        if blob.dtype not in (np.uint8, np.int8) or blob.nbytes != qbytes:
+            raise OutputError("wrong quant blob", tensor=where, expected=f"uint8/int8 [{qbytes}]",
+                              found=f"{blob.dtype} {list(blob.shape)}")
+        if scale.dtype != np.float32 or scale.nbytes != sbytes:
+            raise OutputError("wrong scale", tensor=where.replace(".weight", ".scale"),
+                              expected=f"float32 [{sbytes // 4}]", found=f"{scale.dtype} {list(scale.shape)}")
+        return np.ascontiguousarray(blob).reshape(-1).view(np.int8), np.ascontiguousarray(scale).reshape(-1)
+
+    def _missing(self) -> list[str]:
+        expected = {key for key, dtype, _ in self.sink.layer_tensors(self.layer) if dtype == "I8"}
+        return sorted(expected - set(self.tensors))
+
+
+class MergedLayerWriter(LayerWriter):
+    """One layer's shard, written expert part by expert part at known offsets."""
+
+    def __init__(self, sink: KtSink, layer: int):
+        super().__init__(sink, layer)
+        self.writer = StreamingSafetensorsWriter(sink.out_dir / sink.shard_for(layer), sink.layer_tensors(layer))
+
+    def put(self, proj: str, expert: int, t: int, blob, scale) -> None:
+        """blob: uint8/int8 [quant bytes]; scale: float32 [n] of NUMA part t of expert `expert`'s `proj`."""
+        blob, scale = self._checked(proj, expert, t, blob, scale)
+        weight_key = merged_key(self.layer, proj, expert, t, "weight")
+        self.tensors[weight_key] = self.writer.write(weight_key, blob)
+        scale_key = merged_key(self.layer, proj, expert, t, "scale")
+        self.tensors[scale_key] = self.writer.write(scale_key, scale)
+
+    def finish(self) -> LayerResult:
+        self.writer.close()
+        w = self.writer
+        return LayerResult([FileRecord(self.sink.shard_for(self.layer), w.size, w.sha256, w.git_sha1)],
+                           dict(sorted(self.tensors.items())))
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+class KtLayerWriter(LayerWriter):
+    """One layer's ``_layer_{L}`` folder, built as ``_layer_{L}.partial/`` and renamed when complete."""
+
+    def __init__(self, sink: KtSink, layer: int):
+        super().__init__(sink, layer)
+        self.final_dir = sink.out_dir / f"_layer_{layer}"
+        self.partial_dir = sink.out_dir / f"_layer_{layer}.partial"
+        if self.partial_dir.exists():
+            shutil.rmtree(self.partial_dir)
+        for t in range(sink.numa):
+            (self.partial_dir / f"_numa_{t}").mkdir(parents=True)
+        self.records: list[FileRecord] = []
+
+    def put(self, proj: str, expert: int, t: int, blob, scale) -> None:
+        """blob: uint8/int8 [quant bytes]; scale: float32 [n] of NUMA part t of expert `expert`'s `proj`."""
+        blob, scale = self._checked(proj, expert, t, blob, scale)
+        for part, data, key_part in (("quant", blob, "weight"), ("scale", scale, "scale")):
+            rel = kt_relpath(self.layer, t, self.sink.method.file_prefix, proj, expert, data.nbytes, part)
+            self._write_file(rel, memoryview(data.view(np.uint8)))
+            self.tensors[merged_key(self.layer, proj, expert, t, key_part)] = self.records[-1].sha256
+
+    def _write_file(self, rel: str, data: memoryview) -> None:
+        write_atomic(self.partial_dir / Path(rel).relative_to(f"_layer_{self.layer}"), data, durable=False)
+        self.records.append(FileRecord(rel, *hash_bytes(data)))
+
+    def finish(self) -> LayerResult:
+        missing = self._missing()
+        if missing:
+            self.abort()
+            raise OutputError(f"layer incomplete: {len(missing)} expert part(s) never written",
+                              tensor=missing[0], file=self.final_dir.name)
+        try:
+            self._fsync_tree()
+            self._swap_into_place()
+        except OSError as exc:
+            raise OutputError(f"cannot finish layer folder ({exc.strerror})", file=str(self.final_dir)) from None
+        return LayerResult(sorted(self.records, key=lambda r: r.path), dict(sorted(self.tensors.items())))
+
+    def _fsync_tree(self) -> None:
+        for t in range(self.sink.numa):
+            numa_dir = self.partial_dir / f"_numa_{t}"
+            for name in os.listdir(numa_dir):
+                fd = os.open(numa_dir / name, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fsync_dir(numa_dir)
+        fsync_dir(self.partial_dir)
+
+    def _swap_into_place(self) -> None:
+        old = self.sink.out_dir / f"_layer_{self.layer}.old"
+        if self.final_dir.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(self.final_dir, old)
+        os.replace(self.partial_dir, self.final_dir)
+        fsync_dir(self.sink.out_dir)
+        if old.exists():
+            shutil.rmtree(old)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.partial_dir, ignore_errors=True)

@@ -1,0 +1,283 @@
+"""Lazy, strict reader of HF safetensors checkpoints: headers parsed by hand, tensors read by byte range.
+
+Why not `safetensors.safe_open`: its numpy framework has no BF16/F8 dtypes, and it does not expose file ranges
+(style.md §2.1). Every header is validated before any tensor byte is read; a read allocates exactly the tensor
+(or the one slice) it returns and holds no map of the file afterwards.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ktconvert.errors import InputError
+from ktconvert.formats.base import TensorRef
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+_PREAD_CHUNK = 1 << 30  # Linux returns at most ~2 GiB per read call
+
+# safetensors dtype name -> (bytes per element, numpy dtype the raw bits are returned as)
+DTYPES: dict[str, tuple[int, str]] = {
+    "BOOL": (1, "|b1"),
+    "U8": (1, "|u1"),
+    "I8": (1, "|i1"),
+    "F8_E4M3": (1, "|u1"),
+    "F8_E5M2": (1, "|u1"),
+    "F8_E8M0": (1, "|u1"),
+    "U16": (2, "<u2"),
+    "I16": (2, "<i2"),
+    "F16": (2, "<f2"),
+    "BF16": (2, "<u2"),
+    "U32": (4, "<u4"),
+    "I32": (4, "<i4"),
+    "F32": (4, "<f4"),
+    "U64": (8, "<u8"),
+    "I64": (8, "<i8"),
+    "F64": (8, "<f8"),
+}
+
+
+@dataclass
+class ShardHeader:
+    """One parsed .safetensors file: its tensors (absolute offsets), __metadata__ and header size in bytes."""
+
+    path: Path
+    tensors: dict[str, TensorRef]
+    metadata: dict
+    header_bytes: int  # 8 + JSON length
+    file_bytes: int
+
+
+def _bad(path: Path, msg: str, tensor: str | None = None, **kw) -> InputError:
+    return InputError(msg, file=path.name, tensor=tensor, **kw)
+
+
+def _read_header_json(path: Path, fd: int, size: int) -> tuple[dict, int]:
+    """Return (parsed JSON header, header length n) of an open shard of `size` bytes."""
+    if size < 8:
+        raise _bad(path, "not a safetensors file: shorter than the 8-byte header length", found=f"{size} bytes")
+    head = os.pread(fd, min(size, 1 << 16), 0)
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise _bad(path, "safetensors header truncated or unreadable",
+                   expected=f"8 + {n} header bytes within the file", found=f"file of {size} bytes")
+    raw = head[8:8 + n] if 8 + n <= len(head) else os.pread(fd, n, 8)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _bad(path, f"safetensors header is not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise _bad(path, "safetensors header is not a JSON object", found=type(header).__name__)
+    return header, n
+
+
+def _tensor_ref(path: Path, name: str, entry, data_start: int, data_len: int) -> TensorRef:
+    """Validate one header entry ({dtype, shape, data_offsets}) and return its TensorRef (absolute offset).
+
+    Written as plain loops: a DeepSeek-V3 checkpoint has ~90k entries, all checked on every open."""
+    try:
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    except (TypeError, KeyError):
+        raise _bad(path, "header entry lacks dtype/shape/data_offsets", name, found=repr(entry)[:80]) from None
+    spec = DTYPES.get(dtype) if type(dtype) is str else None
+    if spec is None:
+        raise _bad(path, "unsupported dtype", name, expected="one of " + ", ".join(DTYPES), found=repr(dtype))
+    nbytes = spec[0]
+    if type(shape) is not list:
+        raise _bad(path, "bad shape", name, expected="list of non-negative ints", found=repr(shape))
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise _bad(path, "bad shape", name, expected="list of non-negative ints", found=repr(shape))
+        nbytes *= d
+    if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int
+            or type(offsets[1]) is not int or not 0 <= offsets[0] <= offsets[1]):
+        raise _bad(path, "bad data_offsets", name, expected="[begin, end] with 0 <= begin <= end",
+                   found=repr(offsets))
+    begin, end = offsets
+    if end - begin != nbytes:
+        raise _bad(path, "data_offsets span does not match shape x dtype size", name,
+                   expected=f"{nbytes} bytes for {dtype} {list(shape)}", found=f"{end - begin} bytes")
+    if end > data_len:
+        raise _bad(path, "tensor data lies past the end of the file (truncated?)", name,
+                   expected=f"data end {data_start + end}", found=f"file of {data_start + data_len} bytes")
+    return TensorRef(file=path, name=name, dtype=dtype, shape=tuple(shape), offset=data_start + begin, nbytes=nbytes)
+
+
+def _check_no_overlap(path: Path, refs: list[TensorRef]) -> None:
+    ordered = sorted((r for r in refs if r.nbytes), key=lambda r: r.offset)
+    for prev, cur in zip(ordered, ordered[1:]):
+        if cur.offset < prev.offset + prev.nbytes:
+            raise _bad(path, f"tensor data overlaps {prev.name}", cur.name,
+                       expected=f"begin >= {prev.offset + prev.nbytes}", found=str(cur.offset))
+
+
+def parse_header(path: str | os.PathLike) -> ShardHeader:
+    """Parse and validate one .safetensors header strictly; reads only the header bytes."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise _bad(path, f"cannot open shard ({exc.strerror})") from None
+    try:
+        size = os.fstat(fd).st_size
+        header, n = _read_header_json(path, fd, size)
+    finally:
+        os.close(fd)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise _bad(path, "__metadata__ is not a JSON object", found=type(metadata).__name__)
+    data_start = 8 + n
+    refs = {name: _tensor_ref(path, name, entry, data_start, size - data_start) for name, entry in header.items()}
+    _check_no_overlap(path, list(refs.values()))
+    return ShardHeader(path=path, tensors=refs, metadata=metadata, header_bytes=data_start, file_bytes=size)
+
+
+def _load_json(path: Path, what: str) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise _bad(path, f"cannot read {what} ({exc.strerror})") from None
+    except ValueError as exc:
+        raise _bad(path, f"{what} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise _bad(path, f"{what} is not a JSON object", found=type(value).__name__)
+    return value
+
+
+def _index_weight_map(index_path: Path) -> dict[str, str]:
+    weight_map = _load_json(index_path, "index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise _bad(index_path, "index has no weight_map of tensor name -> shard file name")
+    return weight_map
+
+
+def _shard_files(root: Path) -> tuple[list[Path], Path | None, dict[str, str] | None]:
+    """(shard paths in order, index path or None, weight_map or None) for a directory or a single file."""
+    if root.is_file():
+        return [root], None, None
+    index_path = root / INDEX_NAME
+    if index_path.is_file():
+        weight_map = _index_weight_map(index_path)
+        names = sorted(set(weight_map.values()))
+        missing = [s for s in names if not (root / s).is_file()]
+        if missing:
+            tensor = min(t for t, s in weight_map.items() if s == missing[0])
+            raise _bad(index_path, f"index names a missing shard {missing[0]}", tensor,
+                       found=f"{len(missing)} missing: {', '.join(missing[:3])}")
+        return [root / s for s in names], index_path, weight_map
+    if (root / SINGLE_NAME).is_file():
+        return [root / SINGLE_NAME], None, None
+    shards = sorted(root.glob("*.safetensors"))
+    if not shards:
+        raise _bad(root, "no .safetensors files and no " + INDEX_NAME)
+    return shards, None, None
+
+
+@dataclass
+class Checkpoint:
+    """An HF checkpoint with every header parsed and validated; no tensor data read.
+
+    tensors: name -> TensorRef (absolute byte offsets); shards: one ShardHeader per file, in index order;
+    config: config.json as a dict ({} when absent); root: the directory (or the single file's directory).
+    """
+
+    root: Path
+    config: dict
+    tensors: dict[str, TensorRef]
+    shards: list[ShardHeader]
+    index_file: Path | None = None
+    config_file: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "Checkpoint":
+        """Open a checkpoint directory (model.safetensors, or shards + index) or one .safetensors file."""
+        path = Path(path)
+        if not path.exists():
+            raise InputError("checkpoint not found", file=str(path))
+        files, index_path, weight_map = _shard_files(path)
+        shards = [parse_header(f) for f in files]
+        tensors = _merge_shards(shards)
+        if weight_map is not None:
+            _check_index_against_shards(index_path, weight_map, tensors, {s.path.name: s for s in shards})
+        root = path.parent if path.is_file() else path
+        config_file = root / "config.json"
+        config = _load_json(config_file, "config.json") if config_file.is_file() else {}
+        return cls(root=root, config=config, tensors=tensors, shards=shards, index_file=index_path,
+                   config_file=config_file if config_file.is_file() else None)
+
+    def files(self) -> list[Path]:
+        """Shard paths, index order."""
+        return [s.path for s in self.shards]
+
+    def ref(self, name: str) -> TensorRef:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise InputError("tensor not in checkpoint", file=self.root.name, tensor=name) from None
+
+    def read(self, name: str) -> np.ndarray:
+        """The whole tensor `name` with its shape; raw bits for BF16 (uint16) and F8 (uint8) types."""
+        ref = self.ref(name)
+        return _pread_array(ref, ref.offset, ref.nbytes, ref.shape)
+
+    def read_slice(self, name: str, index0: int) -> np.ndarray:
+        """Slice [index0] along dim 0 of a >= 2-D tensor (one expert of a fused [E, ...] tensor); reads only it."""
+        ref = self.ref(name)
+        if len(ref.shape) < 2 or not 0 <= index0 < ref.shape[0]:
+            raise InputError("bad slice of tensor", file=ref.file.name, tensor=name,
+                             expected=f"index in [0, {ref.shape[0] if ref.shape else 0}) of a >= 2-D tensor",
+                             found=f"index {index0} of shape {list(ref.shape)}")
+        step = ref.nbytes // ref.shape[0]
+        return _pread_array(ref, ref.offset + index0 * step, step, ref.shape[1:])
+
+    read_rows = read_slice  # the name architecture.md uses
+
+    def total_bytes(self) -> int:
+        return sum(s.file_bytes for s in self.shards)
+
+
+def _merge_shards(shards: list[ShardHeader]) -> dict[str, TensorRef]:
+    tensors: dict[str, TensorRef] = {}
+    for shard in shards:
+        for name, ref in shard.tensors.items():
+            if name in tensors:
+                raise _bad(shard.path, f"duplicate tensor name, also in {tensors[name].file.name}", name)
+            tensors[name] = ref
+    return tensors
+
+
+def _check_index_against_shards(index_path: Path, weight_map: dict[str, str], tensors: dict[str, TensorRef],
+                                by_name: dict[str, ShardHeader]) -> None:
+    for name, shard in weight_map.items():
+        header = by_name.get(shard.rsplit("/", 1)[-1])
+        if header is None or name not in header.tensors:
+            ref = tensors.get(name)
+            where = "no shard" if ref is None else ref.file.name
+            raise _bad(index_path, f"index maps tensor to {shard}, which lacks it (found in {where})", name)
+
+
+def _pread_array(ref: TensorRef, offset: int, nbytes: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Read nbytes at offset of ref.file straight into a new array of ref's numpy dtype and `shape`."""
+    out = np.empty(shape, dtype=np.dtype(DTYPES[ref.dtype][1]))
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    fd = os.open(ref.file, os.O_RDONLY)
+    try:
+        done = 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:done + _PREAD_CHUNK]], offset + done)
+            if got <= 0:
+                raise InputError("file shorter than its header says (changed while reading?)",
+                                 file=ref.file.name, tensor=ref.name,
+                                 expected=f"{nbytes} bytes at {offset}", found=f"{done}")
+            done += got
+    finally:
+        os.close(fd)
+    return out

@@ -1,0 +1,239 @@
+"""Streaming safetensors writer: header first, each tensor written at its offset, temp name → atomic rename.
+
+The bytes equal what ``safetensors.numpy.save_file`` / ``safetensors.torch.save_file`` (safetensors 0.8.0) write for
+the same tensors. The library's rules (safetensors/src/tensor.rs ``prepare`` and ``impl Serialize for Metadata``,
+confirmed by experiment against the installed wheel):
+
+* Data order: tensors sorted by dtype **descending** in the library's ``Dtype`` enum order (which is increasing
+  alignment: BOOL < U8 < I8 < F8_* < I16 < U16 < F16 < BF16 < I32 < U32 < F32 < C64 < F64 < I64 < U64), then by
+  name ascending (byte-wise UTF-8, = Python's code-point order). Offsets are packed, no padding between tensors.
+* Header: compact JSON (no spaces), ``"__metadata__"`` first when metadata is given (an empty dict still writes
+  ``"__metadata__":{}``; ``None`` omits it), then every tensor in data order as
+  ``{"dtype":..,"shape":[..],"data_offsets":[begin,end]}``. Non-ASCII is written raw (UTF-8), control characters
+  escaped as in ``json.dumps``. The JSON is right-padded with spaces to a multiple of 8; the 8-byte little-endian
+  length counts the padding.
+* The library writes ``__metadata__`` from a Rust ``HashMap``, so its order for two or more keys is not
+  deterministic; this writer sorts metadata keys (identical bytes whenever the library's output is deterministic).
+
+Memory: the writer holds only the header and one tensor's hash state; tensors go to disk with ``pwrite`` as given.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from ktconvert.errors import OutputError
+from ktconvert.formats.out_manifest import hash_file
+
+# safetensors Dtype enum order (increasing alignment). Data are sorted by this rank, descending.
+DTYPE_RANK: dict[str, int] = {name: i for i, name in enumerate([
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"])}
+
+# dtype name -> numpy dtype of the array write() expects (raw bits for BF16 / F8).
+NUMPY_DTYPES: dict[str, str] = {
+    "BOOL": "|b1", "U8": "|u1", "I8": "|i1", "F8_E5M2": "|u1", "F8_E4M3": "|u1", "F8_E8M0": "|u1",
+    "F8_E4M3FNUZ": "|u1", "F8_E5M2FNUZ": "|u1", "I16": "<i2", "U16": "<u2", "F16": "<f2", "BF16": "<u2",
+    "I32": "<i4", "U32": "<u4", "F32": "<f4", "C64": "<c8", "F64": "<f8", "I64": "<i8", "U64": "<u8",
+}
+_BIT_PATTERN_DTYPES = {"BF16", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
+MAX_HEADER_BYTES = 100_000_000   # the library refuses larger headers
+_WRITE_CHUNK = 1 << 30           # Linux writes at most ~2 GiB per call
+
+
+def temp_path_for(path: Path) -> Path:
+    """``dir/.NAME.partial``: hidden and not ending in ``.safetensors``, so no ``*.safetensors`` glob matches it."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
+    """Bytes of a tensor of safetensors dtype `dtype` and `shape` (byte-sized dtypes only)."""
+    if dtype not in NUMPY_DTYPES:
+        raise OutputError("unsupported safetensors dtype for writing", expected=", ".join(NUMPY_DTYPES),
+                          found=repr(dtype))
+    return math.prod(shape) * np.dtype(NUMPY_DTYPES[dtype]).itemsize
+
+
+def build_header(specs: list[tuple[str, str, tuple[int, ...]]],
+                 metadata: dict[str, str] | None) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """(8-byte length + padded JSON header, {name: (absolute begin, absolute end)}) for `specs` in library order."""
+    ordered = sorted(specs, key=lambda s: (-DTYPE_RANK[s[1]], s[0]))
+    header: dict = {}
+    if metadata is not None:
+        header["__metadata__"] = {str(k): str(metadata[k]) for k in sorted(metadata)}
+    offset, spans = 0, {}
+    for name, dtype, shape in ordered:
+        end = offset + tensor_nbytes(dtype, shape)
+        header[name] = {"dtype": dtype, "shape": [int(d) for d in shape], "data_offsets": [offset, end]}
+        spans[name] = (offset, end)
+        offset = end
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    if len(text) > MAX_HEADER_BYTES:
+        raise OutputError("safetensors header too large", expected=f"<= {MAX_HEADER_BYTES} bytes",
+                          found=f"{len(text)} bytes for {len(specs)} tensors")
+    start = 8 + len(text)
+    return len(text).to_bytes(8, "little") + text, {n: (b + start, e + start) for n, (b, e) in spans.items()}
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:done + _WRITE_CHUNK], offset + done)
+
+
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory so a rename inside it is durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class StreamingSafetensorsWriter:
+    """Write one .safetensors file tensor by tensor, in any order, without holding it in memory.
+
+    path:     final file name; data go to ``temp_path_for(path)`` until ``close()`` renames it into place.
+    specs:    [(name, dtype, shape)], dtype a safetensors name ("I8", "F32", "BF16", ...); every tensor must be
+              written exactly once with ``write(name, array)``.
+    metadata: the ``__metadata__`` map (str -> str) or None (no ``__metadata__`` entry).
+
+    After ``close()``: ``size``, ``sha256``, ``git_sha1`` (of the whole file) and ``tensor_sha256`` ({name: hex}).
+    """
+
+    def __init__(self, path, specs, metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.temp_path = temp_path_for(self.path)
+        specs = [(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in specs]
+        names = [n for n, _, _ in specs]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise OutputError("duplicate tensor names in one shard", file=self.path.name, tensor=dup[0],
+                              found=f"{len(dup)} duplicated")
+        self._dtypes = {n: (d, s) for n, d, s in specs}
+        header, self._spans = build_header(specs, metadata)
+        self.size = len(header) + sum(e - b for b, e in self._spans.values())
+        self.tensor_sha256: dict[str, str] = {}
+        self.sha256: str | None = None
+        self.git_sha1: str | None = None
+        self._fd: int | None = None
+        self._open(header)
+
+    def _open(self, header: bytes) -> None:
+        try:
+            self._fd = os.open(self.temp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            _pwrite_all(self._fd, memoryview(header), 0)
+            os.ftruncate(self._fd, self.size)
+            _preallocate(self._fd, self.size)
+        except OSError as exc:
+            self.abort()
+            raise OutputError(f"cannot create output file ({exc.strerror})", file=str(self.temp_path),
+                              expected=f"{self.size} bytes of space") from None
+
+    def write(self, name: str, array: np.ndarray) -> str:
+        """Write tensor `name` at its offset; returns its sha256 (hex) of the bytes given."""
+        if self._fd is None:
+            raise OutputError("writer is closed", file=self.path.name, tensor=name)
+        if name not in self._spans:
+            raise OutputError("tensor not declared for this shard", file=self.path.name, tensor=name)
+        if name in self.tensor_sha256:
+            raise OutputError("tensor written twice", file=self.path.name, tensor=name)
+        data = self._checked_bytes(name, array)
+        begin, _ = self._spans[name]
+        try:
+            _pwrite_all(self._fd, data, begin)
+        except OSError as exc:
+            raise OutputError(f"write failed ({exc.strerror})", file=str(self.temp_path), tensor=name) from None
+        digest = hashlib.sha256(data).hexdigest()
+        self.tensor_sha256[name] = digest
+        return digest
+
+    def _checked_bytes(self, name: str, array: np.ndarray) -> memoryview:
+        dtype, shape = self._dtypes[name]
+        array = np.asarray(array)
+        want = np.dtype(NUMPY_DTYPES[dtype])
+        got = array.dtype
+        bits_ok = dtype in _BIT_PATTERN_DTYPES and got.kind in "iu" and got.itemsize == want.itemsize
+        if got != want and not bits_ok:
+            raise OutputError("wrong array dtype", file=self.path.name, tensor=name,
+                              expected=f"{dtype} (numpy {want})", found=str(array.dtype))
+        if tuple(array.shape) != shape:
+            raise OutputError("wrong tensor shape", file=self.path.name, tensor=name,
+                              expected=str(list(shape)), found=str(list(array.shape)))
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        begin, end = self._spans[name]
+        if flat.nbytes != end - begin:
+            raise OutputError("wrong byte count", file=self.path.name, tensor=name,
+                              expected=str(end - begin), found=str(flat.nbytes))
+        return memoryview(flat)
+
+    def missing(self) -> list[str]:
+        """Declared tensors not written yet, sorted."""
+        return sorted(set(self._spans) - set(self.tensor_sha256))
+
+    def close(self) -> None:
+        """Check completeness, fsync, hash the file (one sequential read), rename into place, fsync the dir."""
+        if self._fd is None:
+            raise OutputError("writer already closed or aborted", file=self.path.name)
+        missing = self.missing()
+        if missing:
+            self.abort()
+            raise OutputError(f"shard incomplete: {len(missing)} tensor(s) never written", file=self.path.name,
+                              tensor=missing[0], found=", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""))
+        try:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            size, self.sha256, self.git_sha1 = hash_file(self.temp_path)
+            if size != self.size:
+                raise OutputError("file size changed while writing", file=str(self.temp_path),
+                                  expected=str(self.size), found=str(size))
+            os.replace(self.temp_path, self.path)
+        except OSError as exc:
+            self.abort()
+            raise OutputError(f"cannot finish output file ({exc.strerror})", file=str(self.path)) from None
+        fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        """Close and delete the temporary file (the final name is never touched)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        try:
+            os.unlink(self.temp_path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "StreamingSafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._fd is not None:
+            self.close()
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks up front so a full disk fails here, not half-way through a shard."""
+    if size == 0 or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return
+        raise

@@ -1,0 +1,113 @@
+"""Reading a checkpoint once, front to back: every byte of every source file is hashed exactly once, and the
+expert matrices are handed out as the read reaches them.
+
+This is how the source fingerprint (sha256 per source file) costs no extra read: the conversion reads each file
+sequentially, in offset order, instead of layer by layer. The output does not depend on the order (every output
+tensor has a fixed place), so processing in file order is free; memory stays at one matrix plus a read chunk.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ktconvert.errors import InputError
+
+CHUNK = 16 << 20  # bytes read at a time for data no job needs (non-expert tensors, headers)
+
+
+@dataclass(frozen=True)
+class MatrixJob:
+    """One contiguous byte range of a source file that yields expert matrices.
+
+    file/offset/nbytes: where the primary data lies. layer/expert: whose matrices. projs: the projections the
+    range decodes to — ("gate",), ("up",), ("down",), or ("gate", "up") for a fused gate_up slice.
+    key: the source's own handle (tensor name, slice index, ...) passed back to its decode().
+    """
+
+    file: Path
+    offset: int
+    nbytes: int
+    layer: int
+    expert: int
+    projs: tuple[str, ...]
+    key: tuple = field(default=())
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    bytes: int
+    sha256: str
+
+
+class HashingFileReader:
+    """Reads one file strictly front to back. `read_range` returns the requested bytes and hashes everything up
+    to their end (gaps included); `finish` hashes the tail and returns the file's size and sha256."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._size = os.fstat(self._fd).st_size
+        self._pos = 0
+        self._sha = hashlib.sha256()
+
+    def _advance_to(self, offset: int) -> None:
+        while self._pos < offset:
+            n = min(CHUNK, offset - self._pos)
+            self._sha.update(self._pread(self._pos, n))
+            self._pos += n
+
+    def _pread(self, offset: int, nbytes: int) -> bytes:
+        data = os.pread(self._fd, nbytes, offset)
+        if len(data) != nbytes:
+            raise InputError("file changed or truncated while reading", file=self.path,
+                             expected=f"{nbytes} bytes at offset {offset}", found=f"{len(data)} bytes")
+        return data
+
+    def read_range(self, offset: int, nbytes: int) -> np.ndarray:
+        """uint8 [nbytes] of the file at `offset`; offsets must not go backwards."""
+        if offset < self._pos:
+            raise ValueError(f"{self.path}: read at {offset} is behind the stream position {self._pos}")
+        self._advance_to(offset)
+        buf = np.empty(nbytes, dtype=np.uint8)
+        view = memoryview(buf)
+        done = 0
+        while done < nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise InputError("file changed or truncated while reading", file=self.path,
+                                 expected=f"{nbytes} bytes at offset {offset}", found=f"{done} bytes")
+            done += got
+        self._sha.update(view)
+        self._pos = offset + nbytes
+        return buf
+
+    def finish(self) -> FileDigest:
+        self._advance_to(self._size)
+        if os.fstat(self._fd).st_size != self._size:
+            raise InputError("file size changed while converting", file=self.path, expected=self._size,
+                             found=os.fstat(self._fd).st_size)
+        os.close(self._fd)
+        self._fd = -1
+        return FileDigest(self._size, self._sha.hexdigest())
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def jobs_by_file(jobs: list[MatrixJob]) -> dict[Path, list[MatrixJob]]:
+    """Group jobs per file, each list in offset order; overlapping ranges are a source bug."""
+    grouped: dict[Path, list[MatrixJob]] = {}
+    for job in jobs:
+        grouped.setdefault(job.file, []).append(job)
+    for path, items in grouped.items():
+        items.sort(key=lambda j: j.offset)
+        for a, b in zip(items, items[1:]):
+            if b.offset < a.offset + a.nbytes:
+                raise InputError("overlapping tensor data", file=path, tensor=str(b.key))
+    return grouped

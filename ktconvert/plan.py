@@ -1,0 +1,326 @@
+"""`ktconvert plan`: what a CPU conversion would write, checked before any weight is read.
+
+plan(...) -> dict raises on every problem (bad NUMA count with the valid ones listed, missing or misshapen expert
+tensors, too little disk at OUT); pipeline.convert_cpu calls it first. render(dict) -> text.
+
+Sizes (kt-format.md §2.0-2.2, §3.3, §3.4): AMX part matrices gate/up [n=I/T, k=H], down [n=H, k=I/T]; INT4 quant
+n*k/2 bytes, INT8 n*k, scales 4n. Merged shards are exact (headers built as the writer builds them); the index is
+exact; ktconvert.json is an estimate. In-place methods (bf16, fp8, rawint4) report expert bytes in kt-kernel's
+native HF tensor formats.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+from ktconvert.errors import KtConvertError, OutputError, ShapeError
+
+PROJS = ("gate", "up", "down")
+AMX_METHODS = ("amxint4", "amxint8")
+IN_PLACE_METHODS = ("bf16", "fp8", "rawint4")
+PROCESS_BASE_BYTES = 160 << 20  # interpreter + numpy + modules, measured order of magnitude
+READ_CHUNK_BYTES = 16 << 20     # formats/stream.py CHUNK
+JOBS_PER_WORKER = 2             # pipeline._throttle keeps at most 2 jobs per worker in flight
+FP8_BLOCK = 128
+
+
+def _part_shapes(hidden: int, inter: int, numa: int) -> dict[str, tuple[int, int]]:
+    """[n, k] per projection of one NUMA part: gate/up [I/T, H], down [H, I/T]."""
+    part = inter // numa
+    return {"gate": (part, hidden), "up": (part, hidden), "down": (hidden, part)}
+
+
+def _check(name: str, ok: bool, detail: str) -> dict:
+    return {"check": name, "ok": bool(ok), "detail": detail}
+
+
+def alignment_checks(hidden: int, inter: int, numa: int, method: str, group_size: int = 128) -> list[dict]:
+    """kt-format.md §2.0 item 5 (AMX), §2.6 (RAWINT4 groups), §2.7 (FP8 128-blocks): one entry per rule."""
+    checks = [_check("NUMA count T >= 1", numa >= 1, f"T = {numa}")]
+    if numa < 1:
+        return checks
+    checks.append(_check("I % T == 0", inter % numa == 0, f"{inter} % {numa} = {inter % numa}"))
+    if inter % numa:
+        return checks
+    part = inter // numa
+    if method in AMX_METHODS:
+        from ktconvert.quant.methods import METHODS
+
+        m = METHODS.get(method)
+        for proj, (n, k) in _part_shapes(hidden, inter, numa).items():
+            if proj == "up":
+                continue  # same shape as gate
+            label = "gate/up" if proj == "gate" else "down"
+            checks.append(_check(f"{label} part n % {m.n_multiple} == 0", n % m.n_multiple == 0,
+                                 f"n = {n} ({'I/T' if proj == 'gate' else 'H'})"))
+            checks.append(_check(f"{label} part k % {m.k_multiple} == 0", k % m.k_multiple == 0,
+                                 f"k = {k} ({'H' if proj == 'gate' else 'I/T'})"))
+    elif method == "fp8":
+        checks.append(_check(f"I/T % {FP8_BLOCK} == 0 (whole 128-blocks per NUMA part of down)",
+                             part % FP8_BLOCK == 0, f"I/T = {part}"))
+    elif method == "rawint4":
+        checks.append(_check(f"H % group_size == 0", hidden % group_size == 0, f"H = {hidden}, gs = {group_size}"))
+        checks.append(_check(f"I/T % group_size == 0", part % group_size == 0, f"I/T = {part}, gs = {group_size}"))
+        checks.append(_check("group_size % 8 == 0 (int32 packing)", group_size % 8 == 0, f"gs = {group_size}"))
+    return checks
+
+
+def valid_numa(hidden: int, inter: int, method: str, group_size: int = 128) -> list[int]:
+    """Every T in 1..I for which alignment_checks passes."""
+    if method in AMX_METHODS:
+        from ktconvert.layouts.numa import valid_numa_counts
+
+        return valid_numa_counts(inter, hidden, method)
+    return [t for t in range(1, inter + 1) if inter % t == 0 and
+            all(c["ok"] for c in alignment_checks(hidden, inter, t, method, group_size))]
+
+
+def _raise_on_failed(checks: list[dict], hidden: int, inter: int, method: str, group_size: int, numa: int):
+    failed = [c for c in checks if not c["ok"]]
+    if not failed:
+        return
+    good = valid_numa(hidden, inter, method, group_size)
+    hint = (f"use --numa {' or '.join(map(str, good))}" if good else
+            f"no NUMA count works for {method} with H={hidden}, I={inter}")
+    raise ShapeError(f"--numa {numa} cannot work for --method {method} (H={hidden}, I={inter})",
+                     expected=failed[0]["check"], found=failed[0]["detail"],
+                     hint=hint + f"; valid NUMA counts: {good}")
+
+
+# ---------------------------------------------------------------- sizes
+
+def _matrix_bytes(method: str, n: int, k: int, group_size: int) -> dict[str, int]:
+    """Bytes of one [n, k] matrix in the method's format, per stored part."""
+    if method in AMX_METHODS:
+        from ktconvert.quant.methods import METHODS
+
+        m = METHODS.get(method)
+        return {"quant": int(m.quant_bytes(n, k)), "scale": int(m.scale_bytes(n))}
+    if method == "bf16":
+        return {"weight": 2 * n * k}
+    if method == "fp8":
+        return {"weight": n * k, "weight_scale_inv": 4 * math.ceil(n / FP8_BLOCK) * math.ceil(k / FP8_BLOCK)}
+    return {"weight_packed": n * k // 2, "weight_scale": 2 * n * (k // group_size), "weight_shape": 16}
+
+
+def _expert_bytes(method: str, hidden: int, inter: int, numa: int, group_size: int) -> int:
+    """Output bytes of one expert (all NUMA parts for AMX; the whole HF matrices for in-place methods)."""
+    if method in AMX_METHODS:
+        return numa * sum(sum(_matrix_bytes(method, n, k, group_size).values())
+                          for n, k in _part_shapes(hidden, inter, numa).values())
+    return sum(sum(_matrix_bytes(method, n, k, group_size).values())
+               for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)))
+
+
+def _merged_files(layers: list[int], method: str, hidden: int, inter: int, numa: int, experts: int,
+                  group_size: int) -> list[dict]:
+    """One shard per layer: exact bytes (the writer's own header construction + data)."""
+    from ktconvert.formats.kt_sink import merged_key, shard_name
+    from ktconvert.formats.st_writer import build_header
+
+    shapes = _part_shapes(hidden, inter, numa)
+    sizes = {p: _matrix_bytes(method, n, k, group_size) for p, (n, k) in shapes.items()}
+    files, by_digits = [], {}
+    for i, layer in enumerate(layers, start=1):
+        key = len(str(layer))
+        if key not in by_digits:
+            specs = [spec for p in PROJS for e in range(experts) for t in range(numa) for spec in (
+                (merged_key(layer, p, e, t, "weight"), "I8", (sizes[p]["quant"],)),
+                (merged_key(layer, p, e, t, "scale"), "F32", (sizes[p]["scale"] // 4,)))]
+            header, spans = build_header(specs, None)
+            by_digits[key] = len(header) + sum(e - b for b, e in spans.values())
+        files.append({"path": shard_name(i, len(layers)), "bytes": by_digits[key], "layer": layer})
+    return files
+
+
+def _index_bytes(layers: list[int], experts: int, numa: int, shard_bytes: list[dict], data_total: int) -> int:
+    """Exact size of model.safetensors.index.json as json.dumps(indent=2, sort_keys=True) + "\\n" writes it."""
+    from ktconvert.formats.kt_sink import merged_key
+
+    n_entries, body = 0, 0
+    for i, layer in enumerate(layers):
+        shard_len = len(shard_bytes[i]["path"])
+        for p in PROJS:
+            for e in range(experts):
+                for t in range(numa):
+                    for part in ("weight", "scale"):
+                        body += len(merged_key(layer, p, e, t, part)) + shard_len + 10  # 4 sp, 4 quotes, ": "
+                        n_entries += 1
+    head = len('{\n  "metadata": {\n    "total_size": %d\n  },\n  "weight_map": {\n' % data_total)
+    return head + body + 2 * max(n_entries - 1, 0) + len("\n  }\n}\n")
+
+
+def _copy_files(root: Path) -> list[dict]:
+    from ktconvert.formats.kt_sink import COPY_GLOBS, COPY_NAMES
+
+    found = {n: root / n for n in COPY_NAMES if (root / n).is_file()}
+    for pattern in COPY_GLOBS:
+        found.update({p.name: p for p in root.glob(pattern) if p.is_file()})
+    return [{"path": n, "bytes": p.stat().st_size} for n, p in sorted(found.items())]
+
+
+def _manifest_estimate(files: list[dict], n_tensors: int, n_sources: int, tensor_key_len: int) -> int:
+    """ktconvert.json is written after the fact; estimate: fixed part + one line per file, tensor, source."""
+    per_file = sum(len(f["path"]) for f in files) + len(files) * 190
+    return 3000 + per_file + n_sources * 150 + n_tensors * (tensor_key_len + 76)
+
+
+def _peak_ram(source, method: str, hidden: int, inter: int, numa: int, threads: int | None) -> dict:
+    """A small multiple of one expert matrix per worker: source bytes + BF16 + float32 part work + output."""
+    fused = source.info.manifest.experts.form == "fused"
+    elems = (2 if fused else 1) * inter * hidden
+    itemsize = {"bf16": 2, "fp16": 2, "fp32": 4}.get(source.input_format, 2)
+    part = elems // max(numa, 1)
+    per_job = elems * itemsize + 2 * elems + 13 * part + 2 * elems
+    workers = threads or os.cpu_count() or 1
+    total = PROCESS_BASE_BYTES + READ_CHUNK_BYTES + JOBS_PER_WORKER * workers * per_job
+    return {"peak_ram_bytes": total, "per_job_bytes": per_job, "workers": workers}
+
+
+def _free_at(path: Path) -> tuple[str, int]:
+    """(existing directory probed, free bytes) for `path` or its nearest existing ancestor."""
+    probe = Path(path).resolve()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return str(probe), shutil.disk_usage(probe).free
+
+
+# ---------------------------------------------------------------- plan
+
+def plan(src, method: str, numa: int = 1, layout: str = "safetensors", group_size: int = 128,
+         include_mtp: bool = False, out=None, threads: int | None = None) -> dict:
+    """Plan converting the routed experts of `src` with `method` for T = `numa` NUMA parts into `layout`.
+
+    Raises ShapeError (bad T: lists the valid ones; bad expert shapes), InputError (missing/unsupported
+    tensors), OutputError (less free disk at `out` than the output needs). Reads headers and config only.
+    Returns: method, kt_method, numa, layout, layers, experts, hidden, intermediate, files [{path, bytes}]
+    (merged; kt: summary + files when few), total_bytes, peak_ram_bytes, disk_free_bytes, checks, notes, ...
+    """
+    from ktconvert.formats.hf_source import HFSource
+
+    method = method.lower()
+    if method not in AMX_METHODS + IN_PLACE_METHODS:
+        raise KtConvertError("unknown CPU method", expected=", ".join(AMX_METHODS + IN_PLACE_METHODS),
+                             found=repr(method))
+    if layout == "kt" and method not in AMX_METHODS:
+        raise KtConvertError("the .kt layout exists only for amxint4/amxint8", found=f"--method {method}")
+    source = HFSource.open(src)
+    info = source.info
+    H, I, E = info.hidden, info.intermediate, info.n_experts
+    checks = alignment_checks(H, I, numa, method, group_size)
+    _raise_on_failed(checks, H, I, method, group_size, numa)
+    source.validate(include_mtp=include_mtp)
+    checks.append(_check("every expert tensor present with config shapes", True,
+                         f"{len(source.all_layers(include_mtp))} layers x {E} experts"))
+    layers = list(source.all_layers(include_mtp))
+    result = {
+        "source": str(src), "family": info.family, "model_type": info.model_type,
+        "input_format": source.input_format, "method": method, "numa": numa, "layout": layout,
+        "group_size": group_size if method == "rawint4" else None,
+        "layers": layers, "mtp_layers": [layer for layer in layers if layer >= info.n_layers],
+        "experts": E, "hidden": H, "intermediate": I,
+        "expert_bytes": _expert_bytes(method, H, I, numa, group_size),
+        "source_config_sha256": source.config_sha256(), "notes": [], "checks": checks,
+    }
+    result["kt_method"] = method.upper()
+    _add_files(result, source, layers, method, layout)
+    result.update(_peak_ram(source, method, H, I, numa, threads))
+    _add_disk(result, source, out)
+    if source.has_expert_biases():
+        result["notes"].append("the experts have biases: kt-kernel's " + result["kt_method"] + " files carry no bias "
+                               "(`cpu` refuses non-zero biases unless --allow-drop-bias)")
+    if info.mtp_layers and not include_mtp and source.present_mtp_layers():
+        result["notes"].append(f"MTP layers {list(source.present_mtp_layers())} not converted (--include-mtp)")
+    return result
+
+
+def _add_files(result: dict, source, layers: list[int], method: str, layout: str) -> None:
+    H, I, E, T = result["hidden"], result["intermediate"], result["experts"], result["numa"]
+    gs = result["group_size"] or 128
+    if method not in AMX_METHODS:
+        result["files"] = []
+        result["summary"] = {"expert_bytes_per_layer": E * result["expert_bytes"],
+                             "format": f"kt-kernel {method.upper()} reads HF per-expert tensors in place"}
+        result["total_bytes"] = len(layers) * E * result["expert_bytes"]
+        result["notes"].append(f"{method}: sizes are the expert tensors only, in kt-kernel's native HF format")
+        return
+    n_tensors = len(layers) * 3 * E * T * 2
+    if layout == "safetensors":
+        files = _merged_files(layers, method, H, I, T, E, gs)
+        data = len(layers) * E * result["expert_bytes"]
+        files.append({"path": "model.safetensors.index.json", "bytes": _index_bytes(layers, E, T, files, data)})
+        files += _copy_files(source.checkpoint.root)
+        key_len = len(f"blk.{layers[-1]}.ffn_gate_exps.{E - 1}.numa.{T - 1}.weight") if layers else 0
+    else:
+        files = _kt_files(layers, method, H, I, T, E, gs, result)
+        key_len = len(f"blk.{layers[-1]}.ffn_gate_exps.{E - 1}.numa.{T - 1}.weight") if layers else 0
+    est = _manifest_estimate(files, n_tensors, len(source.files()), key_len)
+    files.append({"path": "ktconvert.json", "bytes": est, "approx": True})
+    result["files"] = files
+    result["file_count"] = result.get("file_count", 0) + len(files)
+    result["total_bytes"] = result.get("tree_bytes", 0) + sum(f["bytes"] for f in files)
+
+
+def _kt_files(layers, method, H, I, T, E, gs, result) -> list[dict]:
+    """The .kt tree: counted, listed only when small (<= 64 files)."""
+    from ktconvert.formats.kt_sink import kt_relpath
+    from ktconvert.quant.methods import METHODS
+
+    prefix = METHODS.get(method).file_prefix
+    sizes = {p: _matrix_bytes(method, n, k, gs) for p, (n, k) in _part_shapes(H, I, T).items()}
+    count = len(layers) * T * E * 3 * 2
+    tree = [{"path": kt_relpath(layer, t, prefix, p, e, b, part), "bytes": b}
+            for layer in layers for t in range(T) for p in PROJS for e in range(E)
+            for part, b in (("quant", sizes[p]["quant"]), ("scale", sizes[p]["scale"]))] if count <= 64 else []
+    result["summary"] = {"kt_files": count, "per_part_bytes": sizes,
+                         "example": kt_relpath(layers[0], 0, prefix, "gate", 0, sizes["gate"]["quant"], "quant")
+                         if layers else None,
+                         "pattern": "_layer_{L}/_numa_{t}/" + prefix + "_{proj}_{E}_{bytes}Byte_{quant|scale}_.kt"}
+    if not tree:
+        result["file_count"] = count
+        result["tree_bytes"] = len(layers) * E * result["expert_bytes"]
+    return tree
+
+
+def _add_disk(result: dict, source, out) -> None:
+    probe, free = _free_at(Path(out) if out else source.checkpoint.root)
+    result["disk_path"], result["disk_free_bytes"] = probe, free
+    enough = free >= result["total_bytes"]
+    result["checks"].append(_check("free disk >= output bytes" + ("" if out else " (source filesystem)"), enough,
+                                   f"free {free}, need {result['total_bytes']}"))
+    if out and not enough:
+        raise OutputError("not enough free disk space for the output", file=str(out),
+                          expected=f">= {result['total_bytes']} bytes free", found=f"{free} bytes at {probe}")
+
+
+# ---------------------------------------------------------------- render
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.3f} GiB" if n >= 1 << 26 else f"{n / (1 << 20):.2f} MiB"
+
+
+def render(result: dict) -> str:
+    """The plan dict as text."""
+    lines = [f"plan: {result['source']} ({result['family']}, {result['input_format']}) -> "
+             f"{result['kt_method']} T={result['numa']} layout={result['layout']}",
+             f"layers: {len(result['layers'])} ({', '.join(map(str, result['layers'][:12]))}"
+             f"{' ...' if len(result['layers']) > 12 else ''}), {result['experts']} experts, "
+             f"H={result['hidden']}, I={result['intermediate']}",
+             f"per expert: {result['expert_bytes']} bytes"]
+    files = result.get("files", [])
+    shown = files if len(files) <= 12 else files[:5] + [{"path": "...", "bytes": 0}] + files[-6:]
+    lines.append(f"files: {result.get('file_count', len(files))}")
+    for f in shown:
+        lines.append(f"  {f['path']:<48} {'' if f['path'] == '...' else f['bytes']}"
+                     f"{' (approx)' if f.get('approx') else ''}")
+    if "summary" in result:
+        lines += [f"  {k}: {v}" for k, v in result["summary"].items()]
+    lines += [f"total: {result['total_bytes']} bytes ({_gib(result['total_bytes'])})",
+              f"peak RAM (estimate): {_gib(result['peak_ram_bytes'])} with {result['workers']} workers",
+              f"disk free at {result['disk_path']}: {_gib(result['disk_free_bytes'])}",
+              "checks:"]
+    lines += [f"  [{'ok' if c['ok'] else 'FAIL'}] {c['check']}: {c['detail']}" for c in result["checks"]]
+    lines += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(lines)

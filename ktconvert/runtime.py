@@ -1,0 +1,246 @@
+"""Open a converted CPU-expert folder the way kt-kernel 0.7.2's loader does (kt-format.md §2.3), strictly.
+
+kt-kernel itself checks almost nothing in merged mode (a short tensor is an out-of-bounds read, a wrong-sized one is
+silently garbage). Here every blob is checked against the byte formulas of the method and NUMA count recorded in
+``ktconvert.json`` before anything computes with it, and each failure is one VerifyError naming the tensor or file.
+
+* Mode: merged when the folder's top level holds any ``*.safetensors`` (kt-kernel's ``glob``), else the ``.kt`` tree.
+* Merged: every key of every ``*.safetensors`` under the folder (recursively) is indexed; per layer, experts are
+  counted by probing ``blk.L.ffn_up_exps.{e}.numa.0.weight`` and NUMA parts by ``blk.L.ffn_up_exps.0.numa.{t}.weight``.
+* ``.kt``: ``_layer_L/_numa_t/{INT4|INT8}_{proj}_{E}_{bytes}Byte_{quant|scale}_.kt``; the file size must equal the
+  byte count in the name, which must equal the formula.
+
+``KtOutput.read_expert(layer, e)`` reads one expert (all projections and NUMA parts) and nothing else.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ktconvert.errors import InputError, UnknownNameError, VerifyError
+
+PROJS = ("gate", "up", "down")
+_NUMA_DIR = re.compile(r"^_numa_(\d+)$")
+
+
+@dataclass
+class ExpertBlobs:
+    """One expert as stored: ``parts[t] = ((gate_w, gate_s), (up_w, up_s), (down_w, down_s))`` (uint8 blobs,
+    float32 scales) for NUMA part t, and ``sha256[key]`` of each tensor's bytes under its merged key name."""
+
+    layer: int
+    expert: int
+    parts: list = field(default_factory=list)
+    sha256: dict = field(default_factory=dict)
+
+
+def _merged_key(layer: int, proj: str, expert: int, t: int, part: str) -> str:
+    from ktconvert.formats.kt_sink import merged_key
+
+    return merged_key(layer, proj, expert, t, part)
+
+
+def _method_hint(proj: str, nbytes: int, hidden: int, intermediate: int, kind: str) -> str | None:
+    """"looks like AMXINT8 with numa 2" when another (method, NUMA count) gives exactly nbytes, else None."""
+    from ktconvert.formats.kt_sink import part_shape
+    from ktconvert.quant.methods import METHODS
+
+    guesses = []
+    for name in METHODS.names():
+        method = METHODS.get(name)
+        if not hasattr(method, "quant_bytes"):
+            continue
+        for numa in (1, 2, 3, 4, 6, 8, 16):
+            if intermediate % numa:
+                continue
+            n, k = part_shape(proj, hidden, intermediate, numa)
+            size = method.quant_bytes(n, k) if kind == "weight" else method.scale_bytes(n)
+            if size == nbytes:
+                guesses.append(f"{method.kt_method or name} with numa {numa}")
+    return f"the size fits {' or '.join(dict.fromkeys(guesses))}" if guesses else None
+
+
+class KtOutput:
+    """A converted folder plus its manifest. Attributes: root, manifest, method (CpuMethod), kt_method
+    ("AMXINT4"), numa, layers, experts, hidden, intermediate, inter_part (I / numa), mode ("safetensors" | "kt"),
+    shapes {proj: (n, k, quant bytes, scale bytes)} per NUMA part."""
+
+    def __init__(self, root, manifest: dict):
+        from ktconvert.formats.kt_sink import part_shape
+        from ktconvert.quant.methods import METHODS
+
+        self.root, self.manifest = Path(root), manifest
+        try:
+            self.method = METHODS.get(manifest["method"])
+            model = manifest["model"]
+            self.numa, self.experts = int(manifest["numa"]), int(model["experts"])
+            self.hidden, self.intermediate = int(model["hidden"]), int(model["intermediate"])
+            self.layers = [int(x) for x in model["layers"]]
+        except (KeyError, TypeError, ValueError, UnknownNameError) as exc:
+            raise InputError(f"manifest lacks what the runtime needs ({exc})", file="ktconvert.json") from None
+        if not hasattr(self.method, "quant_bytes"):
+            raise InputError("method is not a converted kt-kernel format", file="ktconvert.json",
+                             found=str(manifest["method"]), expected="AMXINT4 or AMXINT8")
+        self.kt_method = self.method.kt_method
+        self.inter_part = self.intermediate // max(self.numa, 1)
+        self.shapes = {}
+        for proj in PROJS:
+            n, k = part_shape(proj, self.hidden, self.intermediate, self.numa)
+            self.shapes[proj] = (n, k, int(self.method.quant_bytes(n, k)), int(self.method.scale_bytes(n)))
+        top = [p for p in self.root.iterdir() if p.name.endswith(".safetensors")] if self.root.is_dir() else []
+        self.mode = "safetensors" if top else "kt"
+        self._index = self._index_merged() if self.mode == "safetensors" else None
+
+    @classmethod
+    def open(cls, out, manifest: dict | None = None) -> "KtOutput":
+        """Open folder ``out``; reads ``ktconvert.json`` unless ``manifest`` is given."""
+        if manifest is None:
+            from ktconvert.formats.out_manifest import load_manifest
+
+            manifest = load_manifest(out)
+        return cls(out, manifest)
+
+    # ---- merged safetensors -------------------------------------------------------------------------------------
+
+    def _index_merged(self) -> dict:
+        """{key: TensorRef} of every *.safetensors under root, recursively (kt-kernel keys files by basename)."""
+        from ktconvert.formats.safetensors_reader import parse_header
+
+        index, seen = {}, {}
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames.sort()
+            for name in sorted(f for f in filenames if f.endswith(".safetensors")):
+                path = Path(dirpath) / name
+                if name in seen:
+                    raise VerifyError("two shards share a file name (kt-kernel keys shards by name)",
+                                      file=path.relative_to(self.root).as_posix(), found=f"also {seen[name]}")
+                seen[name] = path.relative_to(self.root).as_posix()
+                index.update(parse_header(path).tensors)
+        return index
+
+    def _probe(self, fmt: str) -> int:
+        i = 0
+        while fmt.format(i) in self._index:
+            i += 1
+        return i
+
+    def _read_merged(self, key: str, kind: str, proj: str) -> np.ndarray:
+        ref = self._index.get(key)
+        if ref is None:
+            raise VerifyError("tensor missing", tensor=key)
+        n, _, qbytes, sbytes = self.shapes[proj]
+        want, dtypes = (qbytes, ("I8", "U8")) if kind == "weight" else (sbytes, ("F32",))
+        where = Path(ref.file).name
+        if ref.dtype not in dtypes:
+            raise VerifyError("tensor dtype cannot be loaded", file=where, tensor=key,
+                              expected=" or ".join(dtypes), found=ref.dtype)
+        if ref.nbytes != want:
+            raise VerifyError(f"tensor size does not match {self.kt_method} with numa {self.numa}", file=where,
+                              tensor=key, expected=f"{want} bytes", found=f"{ref.nbytes} bytes",
+                              hint=_method_hint(proj, ref.nbytes, self.hidden, self.intermediate, kind))
+        return _pread(Path(ref.file), ref.offset, ref.nbytes, key)
+
+    # ---- .kt tree -----------------------------------------------------------------------------------------------
+
+    def _kt_dir(self, layer: int, t: int) -> Path:
+        return self.root / f"_layer_{layer}" / f"_numa_{t}"
+
+    def _read_kt(self, layer: int, t: int, proj: str, expert: int, kind: str) -> np.ndarray:
+        from ktconvert.formats.kt_sink import kt_relpath
+
+        part = "quant" if kind == "weight" else "scale"
+        want = self.shapes[proj][2] if kind == "weight" else self.shapes[proj][3]
+        rel = kt_relpath(layer, t, self.method.file_prefix, proj, expert, want, part)
+        path = self.root / rel
+        if not path.is_file():
+            raise self._kt_missing(layer, t, proj, expert, part, rel, kind)
+        size = path.stat().st_size
+        if size != want:
+            raise VerifyError("file size differs from the byte count in its name (truncated?)", file=rel,
+                              expected=f"{want} bytes", found=f"{size} bytes")
+        return _pread(path, 0, want, rel)
+
+    def _kt_missing(self, layer: int, t: int, proj: str, expert: int, part: str, rel: str, kind: str) -> VerifyError:
+        """The error for an absent .kt file, naming what is there instead (another method's prefix or size)."""
+        from ktconvert.formats.kt_sink import parse_kt_relpath
+
+        folder = self._kt_dir(layer, t)
+        others = []
+        if folder.is_dir():
+            for p in sorted(folder.iterdir()):
+                info = parse_kt_relpath(f"_layer_{layer}/_numa_{t}/{p.name}")
+                if info and info["proj"] == proj and info["expert"] == expert and info["part"] == part:
+                    others.append(info)
+        if not others:
+            return VerifyError("file missing", file=rel, hint=None if folder.is_dir() else f"no folder {folder.name}")
+        o = others[0]
+        hint = _method_hint(proj, o["bytes"], self.hidden, self.intermediate, kind)
+        return VerifyError(f"file missing; the folder holds {o['prefix']}_{proj}_{expert}_{o['bytes']}Byte_{part}_.kt",
+                           file=rel, expected=f"{self.method.file_prefix} files for {self.kt_method} numa {self.numa}",
+                           found=f"{o['prefix']}, {o['bytes']} bytes", hint=hint)
+
+    # ---- public -------------------------------------------------------------------------------------------------
+
+    def check_layer(self, layer: int) -> None:
+        """VerifyError unless kt-kernel's discovery finds exactly the manifest's experts and NUMA parts."""
+        if layer not in self.layers:
+            raise VerifyError("layer is not a converted MoE layer", tensor=f"layer {layer}",
+                              expected=f"one of {self.layers}")
+        if self.mode == "safetensors":
+            experts = self._probe(f"blk.{layer}.ffn_up_exps.{{}}.numa.0.weight")
+            numa = self._probe(f"blk.{layer}.ffn_up_exps.0.numa.{{}}.weight")
+            where = f"blk.{layer}"
+        else:
+            folder = self.root / f"_layer_{layer}"
+            if not folder.is_dir():
+                raise VerifyError("layer folder missing", file=f"_layer_{layer}")
+            found = sorted(int(m.group(1)) for p in folder.iterdir() if (m := _NUMA_DIR.match(p.name)))
+            numa = len(found) if found == list(range(len(found))) else -1
+            experts, where = self.experts, f"_layer_{layer}"
+            if numa < 0:
+                raise VerifyError("NUMA folders are not _numa_0.._numa_{T-1}", file=where,
+                                  found=", ".join(f"_numa_{t}" for t in found))
+        if numa != self.numa:
+            raise VerifyError(f"{'extra' if numa > self.numa else 'missing'} NUMA parts", tensor=where,
+                              expected=f"numa {self.numa} (ktconvert.json, = --kt-threadpool-count)",
+                              found=f"{numa} parts")
+        if experts != self.experts:
+            raise VerifyError(f"kt-kernel's probe finds {'more' if experts > self.experts else 'fewer'} experts",
+                              tensor=where, expected=str(self.experts), found=str(experts))
+
+    def read_expert(self, layer: int, expert: int) -> ExpertBlobs:
+        """All NUMA parts of one expert, every blob size-checked, with the sha256 of each tensor's bytes."""
+        if not 0 <= expert < self.experts:
+            raise VerifyError("expert out of range", tensor=f"layer {layer} expert {expert}",
+                              expected=f"0..{self.experts - 1}")
+        blobs = ExpertBlobs(layer, expert)
+        for t in range(self.numa):
+            part = []
+            for proj in PROJS:
+                pair = []
+                for kind in ("weight", "scale"):
+                    key = _merged_key(layer, proj, expert, t, kind)
+                    data = self._read_merged(key, kind, proj) if self.mode == "safetensors" \
+                        else self._read_kt(layer, t, proj, expert, kind)
+                    blobs.sha256[key] = hashlib.sha256(data).hexdigest()
+                    pair.append(data if kind == "weight" else data.view(np.float32))
+                part.append(tuple(pair))
+            blobs.parts.append(tuple(part))
+        return blobs
+
+
+def _pread(path: Path, offset: int, nbytes: int, what: str) -> np.ndarray:
+    """uint8 [nbytes] read from path at offset; VerifyError if the file ends early."""
+    out = np.empty(nbytes, np.uint8)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        got = f.readinto(memoryview(out))
+    if got != nbytes:
+        raise VerifyError("file ends inside a tensor (truncated)", file=path.name, tensor=what,
+                          expected=f"{nbytes} bytes at offset {offset}", found=f"{got} bytes")
+    return out

@@ -1,0 +1,353 @@
+"""Numeric part of ``ktconvert verify``: run the converted experts through the native runtime and compare.
+
+For each sampled layer (default: first, middle and last converted MoE layer) and sampled experts (default 4, or
+"all"), seeded random activations (``tokens`` of them, routed top-k among the sampled experts) go through:
+
+* the native runtime reading the files in place (``ktconvert.native.runtime``; tile layout decoded by the kernel),
+* (a) numpy: ``METHOD.dequantize(blob, scale)`` of the same bytes, from the layout spec. Kernel and numpy must agree
+  to ``KERNEL_TOL`` relative L2 per projection and for the MoE output; more means a kernel or layout bug.
+* (b) with ``source``: the original BF16 weights (``HFSource.read_expert``). Reports per layer the relative L2 and
+  cosine of the MoE output and of each projection's weights, names the worst experts, and counts weights outside
+  the rounding bound of round-to-nearest (``quant == "rtn"``: |w_deq - w| <= 8.5 d INT4, 0.5 d INT8 per element).
+* integrity: the sha256 of every tensor read is compared with ``ktconvert.json``'s ``tensors``. Check (a) cannot see
+  corrupted bytes (kernel and numpy read the same ones); the hashes catch any changed byte, and (b) catches
+  corruption that matters numerically (swapped tiles, another method's files) independently of the manifest.
+
+Memory: one expert's blobs, dequantized and source weights at a time.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ktconvert.errors import InputError, KtConvertError
+
+KERNEL_TOL = 1e-5
+# Default limits on the MoE output against the source weights (relative L2 / cosine), chosen from measurements on
+# the tiny models (see docs in the report): honest RTN stays well inside, wrong layouts, wrong methods and swapped
+# data land at relative L2 >= ~1.0 / cosine <= ~0.3.
+DEFAULT_THRESHOLDS = {
+    "AMXINT4": {"moe_rel_l2": 0.75, "moe_cosine": 0.6},
+    "AMXINT8": {"moe_rel_l2": 0.1, "moe_cosine": 0.99},
+}
+RTN_BOUND = {"AMXINT4": 8.5, "AMXINT8": 0.5}   # |w_deq - w| <= bound * d for round-to-nearest (kt-format §2.1/2.2)
+MAX_PROBLEMS = 20
+
+
+def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=None, experts="4", threshold=None,
+                   *, impl: str | None = None, threads: int | None = None, seed: int = 0) -> dict:
+    """Numeric verification of output folder ``out`` described by ``manifest`` (see module doc).
+
+    source:    path of the original checkpoint, or None for check (a) and hashes only
+    tokens:    activations per layer; layers: None (first/middle/last), "all", "1,3" or a list of ints
+    experts:   experts per layer ("4", 4 or "all"); threshold: None (DEFAULT_THRESHOLDS) or the MoE relative L2 limit
+    returns:   {"ok", "problems": [str], "summary", "thresholds", "variant", "layers": [row per layer],
+                "verification": compact dict for the manifest}
+    """
+    from ktconvert.native import runtime as native_rt
+    from ktconvert.runtime import KtOutput
+
+    report = {"ok": False, "problems": [], "layers": [], "summary": ""}
+    try:
+        rt = KtOutput.open(out, manifest)
+        variant = native_rt.variant(impl)
+        thresholds = _thresholds(rt.kt_method, threshold)
+        src = _open_source(source)
+        chosen = _choose_layers(rt.layers, layers)
+    except KtConvertError as exc:
+        report["problems"].append(str(exc))
+        report["summary"] = "numerics not run"
+        return report
+    report.update(variant=variant, thresholds=thresholds, method=rt.kt_method, tokens=int(tokens), seed=seed)
+    threads = threads or min(4, os.cpu_count() or 1)
+    for layer in chosen:
+        row = _check_layer(rt, src, layer, int(tokens), experts, thresholds, impl, threads, seed)
+        report["layers"].append(row)
+        report["problems"].extend(f"layer {layer}: {p}" for p in row.pop("problems"))
+    report["problems"] = _capped(report["problems"])
+    report["ok"] = not report["problems"] and bool(report["layers"])
+    report["summary"] = _summary(report, src is not None)
+    report["verification"] = _verification(report)
+    return report
+
+
+def _thresholds(kt_method: str, threshold) -> dict:
+    limits = dict(DEFAULT_THRESHOLDS.get(kt_method, {"moe_rel_l2": 0.75, "moe_cosine": 0.6}))
+    if threshold is not None:
+        limits["moe_rel_l2"] = float(threshold)
+        limits["moe_cosine"] = None
+    limits["kernel_rel"] = KERNEL_TOL
+    return limits
+
+
+def _open_source(source):
+    if source is None:
+        return None
+    from ktconvert.formats.hf_source import HFSource
+
+    return HFSource.open(source)
+
+
+def _choose_layers(all_layers: list[int], layers) -> list[int]:
+    """None: first, middle and last; "all"; "1,3" / [1, 3]: those (InputError if not converted layers)."""
+    if not all_layers:
+        raise InputError("the manifest lists no converted MoE layers", file="ktconvert.json")
+    if layers is None:
+        return sorted({all_layers[0], all_layers[len(all_layers) // 2], all_layers[-1]})
+    if isinstance(layers, str):
+        if layers.strip().lower() == "all":
+            return list(all_layers)
+        layers = [int(x) for x in layers.replace(" ", "").split(",") if x]
+    chosen = sorted({int(x) for x in layers})
+    bad = [x for x in chosen if x not in all_layers]
+    if bad:
+        raise InputError("layers not converted", tensor=f"layers {bad}", expected=f"some of {all_layers}")
+    return chosen
+
+
+def _choose_experts(rng: np.random.Generator, n_experts: int, experts) -> list[int]:
+    if isinstance(experts, str) and experts.strip().lower() == "all":
+        return list(range(n_experts))
+    count = int(experts)
+    if count < 1:
+        raise InputError("experts per layer must be >= 1 or 'all'", found=str(experts))
+    return sorted(int(e) for e in rng.choice(n_experts, size=min(count, n_experts), replace=False))
+
+
+def _routing(rng: np.random.Generator, sample: list[int], tokens: int, top_k: int):
+    """int64 ids [tokens, k] (distinct per token, drawn from sample) and float32 weights summing to 1 per token."""
+    k = max(1, min(top_k, len(sample)))
+    ids = np.stack([rng.choice(sample, size=k, replace=False) for _ in range(tokens)]).astype(np.int64)
+    weights = rng.random((tokens, k)) + 0.1
+    return ids, (weights / weights.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    nb = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / nb) if nb > 0 else float(np.linalg.norm(a) > 0)
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    return float(a @ b / (na * nb)) if na > 0 and nb > 0 else float(na == nb)
+
+
+def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    return g / (1.0 + np.exp(-g)) * u
+
+
+class _Layer:
+    """Accumulators of one layer's check."""
+
+    def __init__(self, tokens: int, hidden: int):
+        self.out_native = np.zeros((tokens, hidden), np.float32)
+        self.out_deq = np.zeros((tokens, hidden), np.float64)
+        self.out_src = np.zeros((tokens, hidden), np.float64)
+        self.kernel_rel = 0.0
+        self.problems: list[str] = []
+        self.weight_err = {p: [0.0, 0.0, 0.0] for p in ("gate", "up", "down")}  # sum |d|^2, sum |w|^2, sum d.w
+        self.expert_rel: dict[int, float] = {}
+        self.bound_violations = 0
+        self.hash_mismatches = 0
+
+
+def _check_layer(rt, src, layer: int, tokens: int, experts, thresholds: dict, impl, threads: int, seed: int) -> dict:
+    from ktconvert.errors import VerifyError
+
+    rng = np.random.default_rng([seed, layer])
+    row = {"layer": layer, "experts": [], "problems": [], "ok": False}
+    try:
+        rt.check_layer(layer)
+        sample = _choose_experts(rng, rt.experts, experts)
+    except KtConvertError as exc:
+        row["problems"].append(str(exc))
+        return row
+    top_k = int(getattr(getattr(src, "info", None), "experts_per_tok", 0) or 2)
+    x = rng.standard_normal((tokens, rt.hidden)).astype(np.float32)
+    ids, weights = _routing(rng, sample, tokens, top_k)
+    acc = _Layer(tokens, rt.hidden)
+    for e in sample:
+        try:
+            _check_expert(rt, src, layer, e, x, ids, weights, acc, impl, threads)
+        except (VerifyError, KtConvertError) as exc:
+            acc.problems.append(str(exc))
+    row["experts"] = sample
+    row.update(_layer_metrics(acc, src is not None, rt.kt_method))
+    row["problems"] = acc.problems + _threshold_problems(row, thresholds)
+    row["ok"] = not row["problems"]
+    return row
+
+
+def _check_expert(rt, src, layer: int, e: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, acc: _Layer,
+                  impl, threads: int) -> None:
+    from ktconvert.native import runtime as native_rt
+
+    blobs = rt.read_expert(layer, e)
+    _check_hashes(rt.manifest, blobs.sha256, acc)
+    parts = blobs.parts
+    native_rt.moe_forward(rt.kt_method, rt.hidden, rt.inter_part, {e: parts}, x, ids, weights, out=acc.out_native,
+                          impl=impl, threads=threads, name=f"layer {layer} expert {e}")
+    deq = [_dequantize_part(rt, part) for part in parts]
+    acc.kernel_rel = max(acc.kernel_rel, _kernel_check(rt, parts, deq, x, impl, threads))
+    rows, cols = np.nonzero(ids == e)
+    coef = weights[rows, cols].astype(np.float64)[:, None]
+    x64 = x.astype(np.float64)
+    out_deq_e = _expert_ref(deq, x64)
+    acc.out_deq[rows] += coef * out_deq_e[rows]
+    if src is None:
+        return
+    ew = src.read_expert(layer, e)
+    full = _source_weights(ew)
+    out_src_e = _expert_ref([(full[0], full[1], full[2])], x64)
+    acc.out_src[rows] += coef * out_src_e[rows]
+    acc.expert_rel[e] = _rel(out_deq_e, out_src_e)
+    _weight_errors(rt, deq, parts, full, acc)
+
+
+def _check_hashes(manifest: dict, sha256: dict, acc: _Layer) -> None:
+    recorded = manifest.get("tensors", {})
+    for key, digest in sorted(sha256.items()):
+        if recorded.get(key) != digest:
+            acc.hash_mismatches += 1
+            acc.problems.append(f"{key}: sha256 differs from ktconvert.json (file changed after conversion)"
+                                if key in recorded else f"{key}: not listed in ktconvert.json tensors")
+
+
+def _dequantize_part(rt, part) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float32 gate [I_t, H], up [I_t, H], down [H, I_t] of one NUMA part, from the layout spec (numpy)."""
+    out = []
+    for proj, (w, s) in zip(("gate", "up", "down"), part):
+        n, k = rt.shapes[proj][:2]
+        out.append(rt.method.dequantize(w, s, n, k))
+    return tuple(out)
+
+
+def _expert_ref(deq_parts, x64: np.ndarray) -> np.ndarray:
+    """float64 [tokens, H]: sum over parts of down (silu(gate x) * up x)."""
+    out = np.zeros((x64.shape[0], deq_parts[0][2].shape[0]))
+    for gate, up, down in deq_parts:
+        h = _silu_mul(x64 @ gate.T.astype(np.float64), x64 @ up.T.astype(np.float64))
+        out += h @ down.T.astype(np.float64)
+    return out
+
+
+def _kernel_check(rt, parts, deq, x: np.ndarray, impl, threads: int) -> float:
+    """Largest relative L2 between the native GEMMs and numpy's dequantized weights, over every projection."""
+    from ktconvert.native import runtime as native_rt
+
+    worst = 0.0
+    for part, (gate, up, down) in zip(parts, deq):
+        ys = []
+        for (w, s), wf, proj in zip(part[:2], (gate, up), ("gate", "up")):
+            n, k = rt.shapes[proj][:2]
+            y = native_rt.gemm(rt.kt_method, w, s, n, k, x, impl=impl, threads=threads)
+            ys.append(y)
+            worst = max(worst, _rel(y, x.astype(np.float64) @ wf.T.astype(np.float64)))
+        h = _silu_mul(ys[0].astype(np.float64), ys[1].astype(np.float64)).astype(np.float32)
+        n, k = rt.shapes["down"][:2]
+        y = native_rt.gemm(rt.kt_method, part[2][0], part[2][1], n, k, h, impl=impl, threads=threads)
+        worst = max(worst, _rel(y, h.astype(np.float64) @ down.T.astype(np.float64)))
+    return worst
+
+
+def _source_weights(ew) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    from ktconvert.quant.bf16 import bf16_bits_to_f32
+
+    return bf16_bits_to_f32(ew.gate), bf16_bits_to_f32(ew.up), bf16_bits_to_f32(ew.down)
+
+
+def _weight_errors(rt, deq, parts, full, acc: _Layer) -> None:
+    """Accumulate per-projection error energy and the count of weights outside the RTN rounding bound."""
+    gate = np.concatenate([d[0] for d in deq], axis=0)
+    up = np.concatenate([d[1] for d in deq], axis=0)
+    down = np.concatenate([d[2] for d in deq], axis=1)
+    for proj, wq, w in (("gate", gate, full[0]), ("up", up, full[1]), ("down", down, full[2])):
+        wq64, w64 = wq.astype(np.float64), w.astype(np.float64)
+        err = acc.weight_err[proj]
+        err[0] += float(((wq64 - w64) ** 2).sum())
+        err[1] += float((w64 ** 2).sum())
+        err[2] += float((wq64 * w64).sum())
+    if rt.manifest.get("quant", "rtn") != "rtn" or rt.kt_method not in RTN_BOUND:
+        return
+    bound = RTN_BOUND[rt.kt_method]
+    for t, part in enumerate(parts):
+        i0, i1 = t * rt.inter_part, (t + 1) * rt.inter_part
+        for (w, s), wq, ws in zip(part, deq[t], (full[0][i0:i1], full[1][i0:i1], full[2][:, i0:i1])):
+            limit = bound * s.astype(np.float64)[:, None] * (1 + 1e-5) + 1e-35
+            acc.bound_violations += int((np.abs(wq.astype(np.float64) - ws) > limit).sum())
+
+
+def _layer_metrics(acc: _Layer, with_source: bool, kt_method: str) -> dict:
+    row = {"kernel_rel": acc.kernel_rel, "moe_kernel_rel": _rel(acc.out_native, acc.out_deq),
+           "hash_mismatches": acc.hash_mismatches}
+    if not with_source:
+        return row
+    row["moe_rel_l2"] = _rel(acc.out_native, acc.out_src)
+    row["moe_cosine"] = _cos(acc.out_native, acc.out_src)
+    for proj, (d2, w2, dw) in acc.weight_err.items():
+        row[f"{proj}_rel_l2"] = float(np.sqrt(d2 / w2)) if w2 > 0 else 0.0
+        q2 = d2 + 2 * dw - w2            # |wq|^2 from |wq - w|^2 = |wq|^2 - 2 wq.w + |w|^2
+        row[f"{proj}_cosine"] = float(dw / np.sqrt(max(q2, 1e-300) * w2)) if w2 > 0 else 1.0
+    row["rtn_bound_violations"] = acc.bound_violations
+    worst = sorted(acc.expert_rel.items(), key=lambda kv: -kv[1])[:3]
+    row["worst_experts"] = [{"expert": e, "rel_l2": r} for e, r in worst]
+    return row
+
+
+def _threshold_problems(row: dict, thresholds: dict) -> list[str]:
+    problems = []
+    if row.get("kernel_rel", 0) > KERNEL_TOL or row.get("moe_kernel_rel", 0) > KERNEL_TOL:
+        problems.append(f"native runtime differs from numpy's dequantized weights: relative L2 "
+                        f"{max(row['kernel_rel'], row['moe_kernel_rel']):.3g} > {KERNEL_TOL} (kernel or layout bug)")
+    if "moe_rel_l2" not in row:
+        return problems
+    worst = ", ".join(f"expert {w['expert']} ({w['rel_l2']:.3g})" for w in row["worst_experts"])
+    if row["moe_rel_l2"] > thresholds["moe_rel_l2"]:
+        problems.append(f"MoE output vs source weights: relative L2 {row['moe_rel_l2']:.3g} > "
+                        f"{thresholds['moe_rel_l2']} (worst: {worst})")
+    if thresholds.get("moe_cosine") is not None and row["moe_cosine"] < thresholds["moe_cosine"]:
+        problems.append(f"MoE output vs source weights: cosine {row['moe_cosine']:.3g} < {thresholds['moe_cosine']}"
+                        f" (worst: {worst})")
+    if row["rtn_bound_violations"]:
+        problems.append(f"{row['rtn_bound_violations']} weight(s) farther from the source than round-to-nearest "
+                        f"allows (corrupted or misplaced data; worst: {worst})")
+    return problems
+
+
+def _capped(problems: list[str]) -> list[str]:
+    if len(problems) <= MAX_PROBLEMS:
+        return problems
+    return problems[:MAX_PROBLEMS] + [f"... and {len(problems) - MAX_PROBLEMS} more"]
+
+
+def _summary(report: dict, with_source: bool) -> str:
+    rows = report["layers"]
+    if not rows:
+        return "no layers checked"
+    n_exp = sum(len(r["experts"]) for r in rows)
+    text = (f"{len(rows)} layer(s), {n_exp} expert(s), {report['tokens']} tokens, {report['variant']}; kernel vs "
+            f"numpy max {max(r.get('kernel_rel', 0) for r in rows):.2g}")
+    if with_source and all("moe_rel_l2" in r for r in rows):
+        text += (f"; MoE vs source rel L2 max {max(r['moe_rel_l2'] for r in rows):.3g} "
+                 f"(limit {report['thresholds']['moe_rel_l2']})")
+    return text
+
+
+def _verification(report: dict) -> dict:
+    """Compact, deterministic record for ktconvert.json (4 significant digits, no time, no host)."""
+    def r4(v):
+        return float(f"{v:.4g}")
+
+    layers = {}
+    for row in report["layers"]:
+        entry = {"experts": row["experts"], "ok": row["ok"], "kernel_rel": r4(row.get("kernel_rel", 0.0))}
+        for key in ("moe_rel_l2", "moe_cosine", "gate_rel_l2", "up_rel_l2", "down_rel_l2"):
+            if key in row:
+                entry[key] = r4(row[key])
+        layers[str(row["layer"])] = entry
+    return {"ok": report["ok"], "method": report.get("method"), "tokens": report.get("tokens"),
+            "seed": report.get("seed"), "thresholds": report.get("thresholds"), "layers": layers}

@@ -1,0 +1,115 @@
+/* ktconvert verification runtime: the C ABI (loaded from Python with ctypes, see ktconvert/native/runtime.py).
+ *
+ * Reads kt-kernel CPU expert weights in their on-disk form and computes with them in place: AMXINT4 / AMXINT8
+ * blobs in the AMX tile order of kt-format.md 2.1 / 2.2 (never unpacked to row-major), and BF16 rows in HF layout.
+ * Accumulation is fp32; activations are fp32 (no activation quantization, unlike kt-kernel's AMX forward), so the
+ * result equals dequantize(blob, scale) @ x up to fp32 summation order.
+ *
+ * Implementations are chosen like every other kernel of the library (kt_native.h): impl = KT_IMPL_AUTO picks the
+ * best supported one (KTCONVERT_FORCE_IMPL overrides), an explicit id runs that one or fails with KT_E_IMPL.
+ * Results never depend on the thread count: each output row is summed by one thread in a fixed order.
+ *
+ * Weight types (wtype):
+ *   KT_RT_INT4  blob uint8 [n*k/2] (N_BLOCK 128, 128-column tiles), scale float32 [n] = d, w = code * 16 * d;
+ *               n % 32 == 0, k % 128 == 0.
+ *   KT_RT_INT8  blob uint8 [n*k]   (N_BLOCK 64, 64-column tiles),   scale float32 [n] = d, w = code * d;
+ *               n % 32 == 0, k % 64 == 0.
+ *   KT_RT_BF16  uint16 [n, k] BF16 bits, row-major (HF nn.Linear orientation); scale ignored (may be NULL).
+ */
+#ifndef KT_RUNTIME_H
+#define KT_RUNTIME_H
+
+#include <stdint.h>
+
+#include "kt_native.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KT_RT_INT4 4
+#define KT_RT_INT8 8
+#define KT_RT_BF16 16
+
+/* Status codes beyond kt_native.h's KT_E_*. */
+#define KT_RT_E_NOMEM 33   /* malloc failed */
+#define KT_RT_E_THREAD 34  /* pthread_create failed */
+
+/* y[m, n] = x[m, k] @ W[n, k]^T (x, y row-major, contiguous). threads >= 1. */
+KT_API int kt_rt_gemm(int wtype, const void *w, const float *scale, int64_t n, int64_t k, const float *x, int64_t m,
+                      float *y, int impl, int threads);
+
+/* One routed expert, all its NUMA parts, for m tokens.
+ *   mats     6 * parts pointers; part t: [gate_w, gate_scale, up_w, up_scale, down_w, down_scale]
+ *            gate/up part: [n = inter_part, k = hidden]; down part: [n = hidden, k = inter_part]
+ *   out[i, :] += coef[i] * sum_t down_t( silu(gate_t . x_i) * (up_t . x_i) )      (t summed in order 0..parts-1)
+ */
+KT_API int kt_rt_expert_forward(int wtype, int64_t hidden, int64_t inter_part, int parts, const void *const *mats,
+                                const float *x, int64_t m, const float *coef, float *out, int impl, int threads);
+
+/* Routed-expert MoE of one layer over a table of experts [expert_lo, expert_lo + n_table).
+ *   table        n_table * parts * 6 pointers, expert-major, each expert laid out as for kt_rt_expert_forward;
+ *                an expert whose gate_w of part 0 is NULL is not loaded in this call and is skipped, as are
+ *                ids outside the table's range (run a layer a few experts at a time into the same out).
+ *   topk_ids     int64 [m, topk]; topk_weights float32 [m, topk]
+ *   out          float32 [m, hidden]; out[i] += w_ij * expert_{id_ij}(x_i), experts in increasing id order.
+ */
+KT_API int kt_rt_moe_forward(int wtype, int64_t hidden, int64_t inter_part, int parts, int64_t expert_lo,
+                             int64_t n_table, const void *const *table, const float *x, int64_t m,
+                             const int64_t *topk_ids, const float *topk_weights, int64_t topk, float *out, int impl,
+                             int threads);
+
+/* Implementation id a call with this impl would run (>= 1), or -KT_E_* (also checks AVX2's FMA need). */
+KT_API int kt_rt_resolve_impl(int impl);
+
+/* Kernel variant a call with this impl runs: "scalar", "avx2", "avx512" (fp32 FMA) or "avx512-vnni" (exact
+ * integer dot products, below); NULL when the impl cannot run here. */
+KT_API const char *kt_rt_variant(int impl);
+
+#ifdef KT_RUNTIME_INTERNAL
+/* ---- internal: per-ISA kernels (runtime_kernels_*.c), selected by runtime_driver.c ----
+ * panel:  one 32-row panel over ntiles consecutive 2048-byte tiles of one K-block;
+ *         acc[t * ldacc + r] += sum_c code[r][c] * x[t * ldx + c] for r < 32, t < m (x points at the K-block start).
+ * rows:   y[t * ldy + r] = sum_c bf16(w[r * k + c]) * x[t * k + c] for r < rows, t < m.
+ */
+typedef void (*kt_rt_panel_fn)(const uint8_t *panel, int64_t ntiles, const float *x, int64_t ldx, int64_t m,
+                               float *acc, int64_t ldacc);
+typedef void (*kt_rt_rows_fn)(const uint16_t *w, int64_t rows, int64_t k, const float *x, int64_t m, float *y,
+                              int64_t ldy);
+/* Activations as exact integers for the VNNI kernels: token t's x[c] ~= X[c] * 2^exp[t], X an int32 with
+ * |X| <= 2^30 (so each x keeps >= 31 bits relative to max|x|: finer than fp32 for every x within 2^-7 of the max),
+ * written as 4 balanced base-256 digits: X = sum_i digit_i * 256^i, digit_i int8 in [-128, 127].
+ *   digits  int8 [m][4][k]: digit i of token t at digits + (t * 4 + i) * k
+ *   ksum    int64 [m][nkb]: sum of X over K-block kb (3584 columns)
+ *   pow2    double [m]: 2^exp[t] (0 for an all-zero token)
+ * A kernel computes S = sum_c code[c] * X[c] exactly in integers (vpdpbusd on the tile's VNNI dwords, weights
+ * biased to unsigned by +128, the bias removed with ksum) and adds fp32(S * pow2) to acc. */
+typedef struct {
+    const int8_t *digits;
+    const int64_t *ksum;
+    const double *pow2;
+    int64_t k, nkb;
+} kt_rt_xq;
+typedef void (*kt_rt_qpanel_fn)(const uint8_t *panel, int64_t ntiles, const kt_rt_xq *xq, int64_t kb, int64_t m,
+                                float *acc, int64_t ldacc);
+
+typedef struct {
+    const char *name;
+    kt_rt_panel_fn int4_panel;
+    kt_rt_panel_fn int8_panel;
+    kt_rt_rows_fn bf16_rows;
+    kt_rt_qpanel_fn int4_qpanel; /* NULL: the fp32 panels are used */
+    kt_rt_qpanel_fn int8_qpanel;
+} kt_rt_kernels;
+
+extern const kt_rt_kernels kt_rt_kernels_scalar;
+extern const kt_rt_kernels kt_rt_kernels_avx2;
+extern const kt_rt_kernels kt_rt_kernels_avx512;
+extern const kt_rt_kernels kt_rt_kernels_avx512vnni;
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KT_RUNTIME_H */

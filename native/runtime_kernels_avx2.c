@@ -1,0 +1,124 @@
+/* Verification runtime, AVX2 + FMA kernels. A 64-byte row of a tile half is two ymm of 8 dwords (panel rows
+ * 0-7 and 8-15 of the half); byte b of each dword is one column, sign-extended by shift-left / arithmetic
+ * shift-right and converted to float. One token at a time (16 ymm registers leave no room for more); the
+ * driver's panel is small enough that further tokens re-read it from cache.
+ */
+#define KT_RUNTIME_INTERNAL
+#include "kt_runtime.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define RT_AVX2 __attribute__((target("avx2,fma")))
+#define RT_INLINE static inline __attribute__((always_inline))
+
+/* Column (4q+b) of 8 rows: INT4 low nibble, INT4 high nibble, INT8 byte. */
+#define RT_LO4(v, b) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32((v), 28 - 8 * (b)), 28))
+#define RT_HI4(v, b) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32((v), 24 - 8 * (b)), 28))
+#define RT_B8(v, b) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32((v), 24 - 8 * (b)), 24))
+
+RT_AVX2 RT_INLINE void flush8x4(float *dst, const __m256 a[4][2])
+{
+    for (int g = 0; g < 4; g++)
+        _mm256_storeu_ps(dst + 8 * g, _mm256_add_ps(_mm256_loadu_ps(dst + 8 * g), _mm256_add_ps(a[g][0], a[g][1])));
+}
+
+RT_AVX2 static void int4_panel_avx2(const uint8_t *panel, int64_t ntiles, const float *x, int64_t ldx, int64_t m,
+                                    float *acc, int64_t ldacc)
+{
+    for (int64_t t = 0; t < m; t++) {
+        __m256 a[4][2]; /* [8-row group of the panel][low / high nibble] */
+        for (int g = 0; g < 4; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
+        for (int64_t tile = 0; tile < ntiles; tile++) {
+            const uint8_t *tp = panel + tile * 2048;
+            const float *xc = x + t * ldx + tile * 128;
+            for (int q = 0; q < 16; q++) {
+                __m256i v[4];
+                for (int g = 0; g < 4; g++)
+                    v[g] = _mm256_loadu_si256((const __m256i *)(tp + (g >> 1) * 1024 + q * 64 + (g & 1) * 32));
+#define RT_INT4_BYTE(b)                                                                                       \
+    {                                                                                                         \
+        __m256 xl = _mm256_set1_ps(xc[4 * q + (b)]), xh = _mm256_set1_ps(xc[4 * q + (b) + 64]);               \
+        for (int g = 0; g < 4; g++) {                                                                         \
+            a[g][0] = _mm256_fmadd_ps(RT_LO4(v[g], b), xl, a[g][0]);                                          \
+            a[g][1] = _mm256_fmadd_ps(RT_HI4(v[g], b), xh, a[g][1]);                                          \
+        }                                                                                                     \
+    }
+                RT_INT4_BYTE(0)
+                RT_INT4_BYTE(1)
+                RT_INT4_BYTE(2)
+                RT_INT4_BYTE(3)
+#undef RT_INT4_BYTE
+            }
+        }
+        flush8x4(acc + t * ldacc, a);
+    }
+}
+
+RT_AVX2 static void int8_panel_avx2(const uint8_t *panel, int64_t ntiles, const float *x, int64_t ldx, int64_t m,
+                                    float *acc, int64_t ldacc)
+{
+    for (int64_t t = 0; t < m; t++) {
+        __m256 a[4][2]; /* [8-row group of the panel][byte parity] */
+        for (int g = 0; g < 4; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
+        for (int64_t tile = 0; tile < ntiles; tile++) {
+            const uint8_t *tp = panel + tile * 2048;
+            const float *xc = x + t * ldx + tile * 64;
+            for (int q = 0; q < 16; q++) {
+                __m256i v[4];
+                for (int g = 0; g < 4; g++)
+                    v[g] = _mm256_loadu_si256((const __m256i *)(tp + (g >> 1) * 1024 + q * 64 + (g & 1) * 32));
+#define RT_INT8_BYTE(b)                                                                                       \
+    {                                                                                                         \
+        __m256 xb = _mm256_set1_ps(xc[4 * q + (b)]);                                                          \
+        for (int g = 0; g < 4; g++) a[g][(b)&1] = _mm256_fmadd_ps(RT_B8(v[g], b), xb, a[g][(b)&1]);           \
+    }
+                RT_INT8_BYTE(0)
+                RT_INT8_BYTE(1)
+                RT_INT8_BYTE(2)
+                RT_INT8_BYTE(3)
+#undef RT_INT8_BYTE
+            }
+        }
+        flush8x4(acc + t * ldacc, a);
+    }
+}
+
+RT_AVX2 RT_INLINE float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+RT_AVX2 static void bf16_rows_avx2(const uint16_t *w, int64_t rows, int64_t k, const float *x, int64_t m, float *y,
+                                   int64_t ldy)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = w + r * k;
+        for (int64_t t = 0; t < m; t++) {
+            const float *xt = x + t * k;
+            __m256 s = _mm256_setzero_ps();
+            int64_t c = 0;
+            for (; c + 8 <= k; c += 8) {
+                __m256i wi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + c))), 16);
+                s = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(xt + c), s);
+            }
+            float tail = 0.0f;
+            for (; c < k; c++) {
+                uint32_t u = (uint32_t)row[c] << 16;
+                float f;
+                __builtin_memcpy(&f, &u, sizeof f);
+                tail += f * xt[c];
+            }
+            y[t * ldy + r] = hsum8(s) + tail;
+        }
+    }
+}
+
+const kt_rt_kernels kt_rt_kernels_avx2 = {"avx2", int4_panel_avx2, int8_panel_avx2, bf16_rows_avx2, 0, 0};
+
+#else
+const kt_rt_kernels kt_rt_kernels_avx2 = {"avx2", 0, 0, 0, 0, 0};
+#endif

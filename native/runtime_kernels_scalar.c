@@ -1,0 +1,71 @@
+/* Verification runtime, portable reference kernels (no ISA flags). Tile walk as in kt-format.md 2.1 / 2.2:
+ * a 2048-byte tile is two 1024-byte halves (panel rows 0-15, 16-31); half byte (q*64 + i*4 + b) holds
+ * row i, tile column 4q+b (INT8: the whole byte; INT4: low nibble, and column 4q+b+64 in the high nibble).
+ */
+#define KT_RUNTIME_INTERNAL
+#include "kt_runtime.h"
+
+#include <string.h>
+
+static void int4_panel_scalar(const uint8_t *panel, int64_t ntiles, const float *x, int64_t ldx, int64_t m,
+                              float *acc, int64_t ldacc)
+{
+    for (int64_t t = 0; t < m; t++) {
+        float sum[32];
+        memset(sum, 0, sizeof sum);
+        for (int64_t tile = 0; tile < ntiles; tile++) {
+            const uint8_t *tp = panel + tile * 2048;
+            const float *xc = x + t * ldx + tile * 128;
+            for (int h = 0; h < 2; h++)
+                for (int q = 0; q < 16; q++)
+                    for (int i = 0; i < 16; i++)
+                        for (int b = 0; b < 4; b++) {
+                            uint8_t byte = tp[h * 1024 + q * 64 + i * 4 + b];
+                            int lo = (int)(int8_t)(uint8_t)(byte << 4) >> 4;
+                            int hi = (int)(int8_t)byte >> 4;
+                            sum[h * 16 + i] += (float)lo * xc[4 * q + b] + (float)hi * xc[4 * q + b + 64];
+                        }
+        }
+        for (int r = 0; r < 32; r++) acc[t * ldacc + r] += sum[r];
+    }
+}
+
+static void int8_panel_scalar(const uint8_t *panel, int64_t ntiles, const float *x, int64_t ldx, int64_t m,
+                              float *acc, int64_t ldacc)
+{
+    for (int64_t t = 0; t < m; t++) {
+        float sum[32];
+        memset(sum, 0, sizeof sum);
+        for (int64_t tile = 0; tile < ntiles; tile++) {
+            const uint8_t *tp = panel + tile * 2048;
+            const float *xc = x + t * ldx + tile * 64;
+            for (int h = 0; h < 2; h++)
+                for (int q = 0; q < 16; q++)
+                    for (int i = 0; i < 16; i++)
+                        for (int b = 0; b < 4; b++)
+                            sum[h * 16 + i] += (float)(int8_t)tp[h * 1024 + q * 64 + i * 4 + b] * xc[4 * q + b];
+        }
+        for (int r = 0; r < 32; r++) acc[t * ldacc + r] += sum[r];
+    }
+}
+
+static float bf16_to_f32(uint16_t bits)
+{
+    uint32_t u = (uint32_t)bits << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static void bf16_rows_scalar(const uint16_t *w, int64_t rows, int64_t k, const float *x, int64_t m, float *y,
+                             int64_t ldy)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < m; t++) {
+            float sum = 0.0f;
+            for (int64_t c = 0; c < k; c++) sum += bf16_to_f32(w[r * k + c]) * x[t * k + c];
+            y[t * ldy + r] = sum;
+        }
+}
+
+const kt_rt_kernels kt_rt_kernels_scalar = {"scalar", int4_panel_scalar, int8_panel_scalar, bf16_rows_scalar, 0, 0};

@@ -1,0 +1,116 @@
+"""`ktconvert batch`: job file parsing, order, --keep-going, summary JSON, publish targets, exit codes."""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from ktconvert.batch import load_jobs, run_jobs
+from ktconvert.errors import InputError
+from test_hub import hub_env, make_out, sample_files, server  # noqa: F401  (fixtures)
+
+JOBS = """
+[defaults]
+method = "amxint4"
+numa = 2
+
+[[jobs]]
+name = "bad"
+source = "missing-model"
+out = "out/bad"
+
+[[jobs]]
+name = "good"
+source = "model"
+  [[jobs.outputs]]
+  out = "out/good"
+  bundle = "dist/good.tar.zst"
+    [[jobs.outputs.publish]]
+    hub = "hf"
+    repo = "org/good"
+    endpoint = "ENDPOINT"
+"""
+
+
+@pytest.fixture
+def fake_pipeline(monkeypatch):
+    """Stand-in for ktconvert.pipeline.convert_cpu: writes a synthetic output, or fails like the real one on a
+    missing source. Records its calls."""
+    calls = []
+
+    def convert_cpu(src, out, **options):
+        calls.append((src, out, options))
+        if not Path(src).exists():
+            raise InputError("source does not exist", file=src)
+        if not Path(out, "ktconvert.json").exists():
+            make_out(out, sample_files(12), numa=options["numa"])
+        return f"{out}: done"
+
+    monkeypatch.setitem(sys.modules, "ktconvert.pipeline", types.SimpleNamespace(convert_cpu=convert_cpu))
+    return calls
+
+
+def _job_file(tmp_path, endpoint: str) -> Path:
+    (tmp_path / "model").mkdir()
+    path = tmp_path / "jobs.toml"
+    path.write_text(JOBS.replace("ENDPOINT", endpoint))
+    return path
+
+
+def test_first_failure_stops_without_keep_going(tmp_path, fake_pipeline):
+    summary = run_jobs(load_jobs(_job_file(tmp_path, "http://127.0.0.1:9")))
+    assert [j["status"] for j in summary["jobs"]] == ["failed", "skipped"]
+    assert summary["exit_code"] == 3 and not summary["ok"]
+    assert "missing-model" in summary["jobs"][0]["error"]
+    assert len(fake_pipeline) == 1
+
+
+def test_keep_going_runs_the_rest_and_publishes(tmp_path, fake_pipeline, server):
+    jobs = load_jobs(_job_file(tmp_path, server.url))
+    summary = run_jobs(jobs, keep_going=True)
+    assert [j["status"] for j in summary["jobs"]] == ["failed", "ok"]
+    assert summary["exit_code"] == 3
+    good = summary["jobs"][1]["outputs"][0]
+    src, out, options = fake_pipeline[1]
+    assert options["resume"] is True and options["method"] == "amxint4" and options["numa"] == 2
+    manifest = json.loads(Path(out, "ktconvert.json").read_text())
+    lines = "".join(f"{p} {manifest['files'][p]['sha256']}\n" for p in sorted(manifest["files"]))
+    assert good["files_root"] == hashlib.sha256(lines.encode()).hexdigest()
+    assert good["bytes"] == sum(e["bytes"] for e in manifest["files"].values())
+    assert good["remotes"][0]["url"] == f"{server.url}/org/good" and good["remotes"][0]["ok"]
+    assert Path(good["bundle"]["path"]).exists()
+    again = run_jobs(jobs, keep_going=True)  # resumable: a rerun converts nothing new and publishes nothing new
+    assert again["jobs"][1]["status"] == "ok"
+
+
+def test_cli_summary_file_and_exit_code(tmp_path, fake_pipeline, server, monkeypatch):
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    path = _job_file(tmp_path, server.url)
+    result = CliRunner().invoke(cli, ["batch", str(path), "--keep-going", "--quiet",
+                                      "--summary", str(tmp_path / "summary.json")])
+    assert result.exit_code == 3
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [j["name"] for j in summary["jobs"]] == ["bad", "good"]
+    assert all("wall_s" in j for j in summary["jobs"])
+
+
+def test_job_file_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "jobs.toml"
+    bad.write_text('[[jobs]]\nname = "x"\nsource = "m"\nout = "o"\nmethd = "amxint4"\n')
+    with pytest.raises(InputError, match="methd"):
+        load_jobs(bad)
+    bad.write_text('[[jobs]]\nsource = "m"\nout = "o"\n')
+    with pytest.raises(InputError, match="method"):
+        load_jobs(bad)
+
+
+def test_example_job_file_parses():
+    jobs = load_jobs(Path(__file__).parents[1] / "examples" / "jobs.toml")
+    assert jobs and all(job["outputs"] for job in jobs)
