@@ -33,6 +33,7 @@ if sources:
         Extension(
             "ktconvert.native._ktnative",
             sources=sources,
+            depends=sorted(glob.glob(os.path.join("native", "*.h"))),  # rebuild on header edits; ship them in sdists
             include_dirs=["native"],
             # No -march / -m<isa> flags: ISA code is selected at run time. -ffp-contract=off keeps x * inv a plain
             # fp32 product (no FMA contraction) wherever bytes must match the numpy reference.

@@ -122,10 +122,10 @@ def make_header_only(root: Path, shards: int = 1000) -> Path:
         specs += [(p + "mlp.gate.weight", "BF16", (E, H))]
         specs += [(p + f"mlp.experts.{e}.{q}_proj.weight", "BF16", (I, H) if q != "down" else (H, I))
                   for e in range(E) for q in ("gate", "up", "down")]
-    per = -(-len(specs) // shards)
+    bounds = [len(specs) * i // shards for i in range(shards + 1)]
     weight_map = {}
     for i in range(shards):
-        chunk = specs[i * per:(i + 1) * per]
+        chunk = specs[bounds[i]:bounds[i + 1]]
         fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         header, spans = build_header(chunk, None)
         with open(root / fname, "wb") as f:

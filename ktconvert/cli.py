@@ -20,7 +20,23 @@ def _emit(result: dict, as_json: bool, render) -> None:
         click.echo(render(result))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class _Group(click.Group):
+    """Turns library errors into one line on stderr and the documented exit code (also under CliRunner)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KtConvertError as exc:
+            if os.environ.get("KTCONVERT_DEBUG"):
+                raise
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="ktconvert")
 def cli() -> None:
     """Convert Mixture-of-Experts checkpoints for KTransformers (kt-kernel CPU experts, SGLang-KT GPU weights).
@@ -305,22 +321,7 @@ def hub_server(port, root) -> None:
 
 
 def main() -> None:
-    try:
-        cli(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except KtConvertError as exc:
-        if os.environ.get("KTCONVERT_DEBUG"):
-            raise
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+    cli()
 
 
 if __name__ == "__main__":

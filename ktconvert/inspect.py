@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ktconvert.errors import ManifestError
 
-_DIGITS = re.compile(r"\d+")
+_ZERO_DIGITS = str.maketrans("123456789", "000000000")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -39,15 +39,18 @@ def _categorise(checkpoint, info) -> dict[str, int]:
 
     totals: dict[str, int] = {}
     cache: dict[str, str] = {}
+    check_mtp = info is not None and bool(info.mtp_layers)
     for name, ref in checkpoint.tensors.items():
-        layer = _LAYER.search(name)
-        if info is not None and layer and int(layer.group(1)) >= info.n_layers:
-            cat = "mtp"
-        elif info is None:
+        if info is None:
             cat = "unknown family"
         else:
-            key = _DIGITS.sub("0", name)
-            cat = cache.get(key) or cache.setdefault(key, component_of(info.manifest, key))
+            key = name.translate(_ZERO_DIGITS)
+            cat = cache.get(key)
+            if cat is None:
+                cat = cache[key] = component_of(info.manifest, key)
+            if check_mtp:
+                layer = _LAYER.search(name)
+                cat = "mtp" if layer and int(layer.group(1)) >= info.n_layers else cat
         totals[cat] = totals.get(cat, 0) + ref.nbytes
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 

@@ -190,9 +190,12 @@ def _run_jobs(jobs, source, sink, journal, qmethod, numa, quant, workers, progre
             journal.finish_layer(layer, files, result.tensors)
             progress.advance(0, items=1, detail=f"layer {layer}")
 
+    fault = _FaultInjector.from_env()
+
     def work(job, raw):
         n = _convert_matrix(source, qmethod, numa, quant, writer_for(job.layer), job, raw)
         progress.advance(n)
+        fault.tick()
 
     grouped = jobs_by_file(jobs)
     try:
@@ -228,6 +231,31 @@ def _run_jobs(jobs, source, sink, journal, qmethod, numa, quant, workers, progre
     if missing:
         raise InputError("some layers had no expert data in the source files", expected="every MoE layer",
                          found=f"layers {missing} unfinished")
+
+
+class _FaultInjector:
+    """Crash testing: KTCONVERT_FAULT_AFTER_JOBS=N makes the process SIGKILL itself after N converted matrices,
+    exactly like a power cut or the OOM killer (no cleanup, no exception handlers)."""
+
+    def __init__(self, after: int | None):
+        self.after = after
+        self.count = 0
+        self.lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> "_FaultInjector":
+        value = os.environ.get("KTCONVERT_FAULT_AFTER_JOBS")
+        return cls(int(value) if value else None)
+
+    def tick(self) -> None:
+        if self.after is None:
+            return
+        with self.lock:
+            self.count += 1
+            if self.count >= self.after:
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _throttle(tracker: _LayerTracker, workers: int) -> None:

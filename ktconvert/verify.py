@@ -50,6 +50,20 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
     from ktconvert.formats.out_manifest import load_manifest, verify_hashes
 
     result = {"ok": True, "out": str(out), "problems": [], "checks": []}
+    if str(out).endswith(".tar.zst"):
+        from ktconvert.bundle import verify_bundle
+
+        report = verify_bundle(out)
+        result["bundle"] = report
+        _add_check(result, "bundle", report["problems"], f"{report['checked']} members hashed while streaming")
+        return result
+    if remote == "":  # `verify REPO --remote`: OUT names a hub repo; its own ktconvert.json is the reference
+        from ktconvert.hub import verify_remote
+
+        report = verify_remote(None, str(out), hub, revision, endpoint)
+        result["remote"] = report
+        _add_check(result, "remote", report["problems"], report.get("summary", ""))
+        return result
     try:
         manifest = load_manifest(out)
     except InputError as exc:

@@ -98,8 +98,8 @@ KT_API const char *kt_impl_name(int impl);             /* "scalar" | "avx2" | "a
  * scales  float32 [n], d per row.
  * Only N-blocks [nblock_begin, nblock_end) are written (blocks of N_BLOCK rows; the last may be shorter), so several
  * threads can fill one blob without overlap; the bytes never depend on how the blocks are split.
- * err_row may be NULL; on KT_E_NONFINITE it receives the first row (global index) holding NaN/Inf. Rows of the
- * N-block holding it are not written; earlier N-blocks of the range are.
+ * err_row may be NULL; on KT_E_NONFINITE it receives the first row (global index) holding NaN/Inf. The N-block
+ * holding it is left incomplete (its tiles unwritten); earlier N-blocks of the range are complete.
  * Constraints: n > 0, k > 0, n % 32 == 0, k % 128 == 0 (bits 4) or k % 64 == 0 (bits 8), else KT_E_SHAPE.
  */
 KT_API int64_t kt_amx_nblock_rows(int bits);           /* 128, 64, or 0 for bad bits */

@@ -211,9 +211,14 @@ def relative_l2(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _bf16(values: np.ndarray) -> np.ndarray:
+    """float -> BF16 bits with subnormal results flushed to signed zero explicitly, so the bits do not depend on
+    the process's FTZ/DAZ state (kt_kernel's import turns FTZ/DAZ on for the main thread)."""
     from ktconvert.quant.bf16 import f32_to_bf16_bits
 
-    return f32_to_bf16_bits(np.asarray(values, np.float32))
+    bits = f32_to_bf16_bits(np.asarray(values, np.float32))
+    subnormal = (bits & np.uint16(0x7F80)) == 0
+    bits[subnormal] &= np.uint16(0x8000)
+    return bits
 
 
 def _row_of_kind(kind: int, rng: np.random.Generator, k: int) -> np.ndarray:

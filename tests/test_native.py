@@ -219,6 +219,17 @@ def test_matches_numpy_reference_module(matrices, references):
             np.testing.assert_array_equal(scale.view(np.uint32), d.view(np.uint32))
 
 
+def test_concurrent_callers_and_more_threads_than_blocks(matrices, references):
+    """Several Python threads quantizing at once through the shared pool, with 1..8 threads (> N-blocks)."""
+    from concurrent.futures import ThreadPoolExecutor
+    w = matrices["adversarial"]
+    want_blob, _ = references["adversarial", 8]
+    with ThreadPoolExecutor(4) as callers:
+        results = list(callers.map(lambda t: native.amx_quantize(w, 8, threads=t)[0], [1, 2, 3, 8] * 2))
+    for blob in results:
+        np.testing.assert_array_equal(blob, want_blob)
+
+
 def test_caller_rounding_mode_does_not_matter(matrices, references):
     libm = ctypes.CDLL(ctypes.util.find_library("m"))
     fe_upward = 0x800 if os.uname().machine in ("x86_64", "i686") else None

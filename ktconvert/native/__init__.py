@@ -7,6 +7,7 @@ feature). ``KTCONVERT_FORCE_IMPL=numpy`` makes ``available()`` False, so callers
 ``KTCONVERT_NO_NATIVE=1`` hides the library altogether; ``KTCONVERT_NATIVE_LIB=/path.so`` loads that file instead of
 the one next to this module.
 
+Importing this module loads neither numpy nor the library; both happen on first use.
 Other modules binding more C functions (ktconvert/native/runtime.py) use ``lib()``, ``resolve_impl()`` and the
 status constants below.
 """
@@ -18,8 +19,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ktconvert.errors import NativeError, NumericError, ShapeError
 
@@ -29,6 +29,9 @@ IMPL_IDS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 ABI_VERSION = 1
 _STATUS_TEXT = {KT_E_SHAPE: "bad shape", KT_E_NONFINITE: "NaN/Inf in input", KT_E_IMPL: "implementation not supported",
                 KT_E_ARG: "bad argument"}
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": CDLL | None, "error": str | None, "pool": ThreadPoolExecutor, "pool_size": int
@@ -68,7 +71,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, "disabled by KTCONVERT_NO_NATIVE"
     candidates = _library_candidates()
     if not candidates:
-        return None, "native library not built (pip install -e . or python setup.py build_ext --inplace)"
+        return None, "native library not built (pip install -e . --no-deps, or python setup.py build_ext --inplace)"
     try:
         handle = ctypes.CDLL(str(candidates[0]))
         for name, (restype, argtypes) in _SIGNATURES.items():
@@ -136,9 +139,10 @@ def resolve_impl(impl: str | None = None) -> int:
         return chosen
     forced = os.environ.get("KTCONVERT_FORCE_IMPL", "") if requested == 0 else impl
     source = "KTCONVERT_FORCE_IMPL" if requested == 0 else "impl"
-    if -chosen == KT_E_IMPL:
+    if -chosen == KT_E_IMPL and forced in IMPL_IDS:
+        hint = "unset KTCONVERT_FORCE_IMPL to pick the best supported one" if requested == 0 else None
         raise NativeError(f"{source}={forced}: this CPU lacks {_missing_features(handle, IMPL_IDS[forced])}",
-                          hint="unset KTCONVERT_FORCE_IMPL to pick the best supported one")
+                          hint=hint)
     raise NativeError(f"{source}={forced!r} is not an implementation", expected="scalar | avx2 | avx512")
 
 
@@ -150,16 +154,17 @@ def implementation() -> str | None:
     return lib().kt_impl_name(resolve_impl(None)).decode()
 
 
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """A shared pool with at least ``threads`` workers (ctypes calls release the GIL)."""
+def _submit(fn, items: range, workers: int) -> list:
+    """Submit fn(i) for i in items to a shared pool of at least ``workers`` threads (ctypes calls release the
+    GIL). Done under the lock, so a pool is never shut down between being picked and being used."""
     with _lock:
-        if _state.get("pool_size", 0) < threads:
+        if _state.get("pool_size", 0) < workers:
             old = _state.get("pool")
-            _state["pool"] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ktnative")
-            _state["pool_size"] = threads
+            _state["pool"] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ktnative")
+            _state["pool_size"] = workers
             if old is not None:
-                old.shutdown(wait=False)
-        return _state["pool"]
+                old.shutdown(wait=False)  # work already queued on it still runs
+        return [_state["pool"].submit(fn, i) for i in items]
 
 
 def _split(count: int, parts: int) -> list[tuple[int, int]]:
@@ -170,6 +175,8 @@ def _split(count: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _check_amx_input(w_bf16: np.ndarray, bits: int, name: str | None) -> None:
+    import numpy as np
+
     if bits not in (4, 8):
         raise ShapeError("unsupported AMX bit width", tensor=name, expected="4 or 8", found=bits)
     if not isinstance(w_bf16, np.ndarray) or w_bf16.dtype != np.uint16 or w_bf16.ndim != 2:
@@ -183,6 +190,8 @@ def _check_amx_input(w_bf16: np.ndarray, bits: int, name: str | None) -> None:
 
 
 def _raise_nonfinite(w_bf16: np.ndarray, row: int, name: str | None) -> None:
+    import numpy as np
+
     special = (w_bf16 & np.uint16(0x7F80)) == np.uint16(0x7F80)
     col = int(np.flatnonzero(special[row])[0])
     kind = "NaN" if w_bf16[row, col] & np.uint16(0x007F) else "Inf"
@@ -203,6 +212,8 @@ def amx_quantize(w_bf16: np.ndarray, bits: int, threads: int = 1, impl: str | No
     Raises ShapeError, NumericError (NaN/Inf: names the first row and column), NativeError (library missing,
     unsupported impl).
     """
+    import numpy as np
+
     _check_amx_input(w_bf16, bits, name)
     impl_id = resolve_impl(impl)
     handle = lib()
@@ -221,7 +232,7 @@ def amx_quantize(w_bf16: np.ndarray, bits: int, threads: int = 1, impl: str | No
     if len(ranges) == 1:
         statuses = [run(0)]
     else:
-        futures = [_pool(len(ranges) - 1).submit(run, i) for i in range(1, len(ranges))]
+        futures = _submit(run, range(1, len(ranges)), len(ranges) - 1)
         statuses = [run(0)] + [f.result() for f in futures]
     if any(s == KT_E_NONFINITE for s in statuses):
         _raise_nonfinite(w, int(min(r for r, s in zip(err_rows, statuses) if s == KT_E_NONFINITE)), name)
