@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ktconvert.errors import ManifestError
 
-_ZERO_DIGITS = str.maketrans("123456789", "000000000")
+_DIGITS = re.compile(r"\d+")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -44,7 +44,7 @@ def _categorise(checkpoint, info) -> dict[str, int]:
         if info is None:
             cat = "unknown family"
         else:
-            key = name.translate(_ZERO_DIGITS)
+            key = _DIGITS.sub("0", name)
             cat = cache.get(key)
             if cat is None:
                 cat = cache[key] = component_of(info.manifest, key)
@@ -124,9 +124,12 @@ def _fused_standard(source) -> bool:
 
 def inspect(path) -> dict:
     """Describe checkpoint `path` (directory or .safetensors file) from headers + config.json. See render()."""
+    from ktconvert.formats.gguf_source import GGUFSource, describe
     from ktconvert.formats.hf_source import HFSource
     from ktconvert.formats.safetensors_reader import Checkpoint
 
+    if GGUFSource.sniff(path):
+        return describe(path)
     checkpoint = Checkpoint.open(path)
     try:
         source = HFSource.open_checkpoint(checkpoint)

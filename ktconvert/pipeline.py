@@ -1,13 +1,13 @@
 """The conversion loop: the one place that walks over a checkpoint's expert matrices.
 
     plan (validate everything, no weights read)
-    → for each source file, front to back (hashing every byte once):
-          decode one expert matrix to BF16 → split into NUMA parts → quantize + tile → sink writes it in place
-          a layer whose last matrix is written is finished: its files renamed into place, the journal updated
+    → for each source file, front to back (every byte hashed once, on its own thread):
+          decode one expert matrix to BF16 → consumer: NUMA split + quantize + tile → sink writes it in place
+          a layer whose last matrix is written is finished (files renamed into place) and journalled
     → index, config copies, manifest `ktconvert.json` (written last: its presence marks a complete output)
 
-Memory: one matrix per worker plus a read chunk, independent of layers and experts. Bytes: every output tensor
-has a fixed place, so neither the file order nor the thread count changes a byte.
+Memory: one matrix per worker plus a few read chunks, independent of layers and experts. Bytes: every output
+tensor has a fixed place, so neither the file order nor the thread count changes a byte.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ktconvert.errors import InputError, OutputError
-from ktconvert.formats.stream import HashingFileReader, MatrixJob, jobs_by_file
 from ktconvert.formats.out_manifest import JOURNAL_NAME, MANIFEST_NAME
+from ktconvert.formats.stream import HashingFileReader, MatrixJob, jobs_by_file
 from ktconvert.journal import Journal
 
 
@@ -30,10 +30,12 @@ class _NullProgress:
     def message(self, *a, **k): ...
 
 
+# ---------------------------------------------------------------------------------------------- output directory
+
 def prepare_output(out: Path, src: Path, resume: bool, force: bool) -> None:
     """Create OUT, or accept it for --resume / empty it for --force. Refuses anything that could lose data."""
-    out = out.resolve()
-    if out == src.resolve() or src.resolve() in out.parents or out in src.resolve().parents:
+    out, src = out.resolve(), src.resolve()
+    if out == src or src in out.parents or out in src.parents:
         raise OutputError("output directory overlaps the source", file=out, hint="choose another OUT")
     if out.exists() and not out.is_dir():
         raise OutputError("output path exists and is not a directory", file=out)
@@ -56,48 +58,135 @@ def prepare_output(out: Path, src: Path, resume: bool, force: bool) -> None:
         raise OutputError(f"output directory is not writable ({exc.strerror})", file=out) from exc
 
 
-class _LayerTracker:
-    """Counts each layer's outstanding jobs; a layer is finished when all its jobs were submitted and are done."""
+# ---------------------------------------------------------------------------------------------- consumers
 
-    def __init__(self, jobs: list[MatrixJob]):
-        self.remaining: dict[int, int] = defaultdict(int)
-        for job in jobs:
-            self.remaining[job.layer] += 1
-        self.futures: dict[int, list[Future]] = defaultdict(list)
+class AmxLayer:
+    """One layer of an AMX output: each expert matrix is split into NUMA parts, quantized and tiled."""
 
-    def submitted(self, layer: int, future: Future | None) -> None:
-        self.remaining[layer] -= 1
-        if future is not None:
-            self.futures[layer].append(future)
+    def __init__(self, writer, method, numa: int, quant: str):
+        self.writer, self.method, self.numa, self.quant = writer, method, numa, quant
 
-    def ready(self) -> list[int]:
-        """Layers whose every job was submitted and has completed (errors re-raised here)."""
-        done = []
-        for layer, left in self.remaining.items():
-            if left == 0 and all(f.done() for f in self.futures[layer]):
-                for f in self.futures[layer]:
-                    f.result()
-                done.append(layer)
-        for layer in done:
-            del self.remaining[layer]
-            self.futures.pop(layer, None)
-        return sorted(done)
+    def put_matrix(self, proj: str, expert: int, w, where: str) -> None:
+        """w: uint16 BF16 bits, gate/up [I, H] (split by rows), down [H, I] (split by input columns)."""
+        from ktconvert.layouts.numa import numa_slices
+
+        rows = proj in ("gate", "up")
+        extra = {} if self.quant == "rtn" else {"quant": self.quant}
+        for t, sl in enumerate(numa_slices(w.shape[0] if rows else w.shape[1], self.numa)):
+            part = w[sl] if rows else w[:, sl]
+            blob, scale = self.method.quantize(part, threads=1, where=where, **extra)
+            self.writer.put(proj, expert, t, blob, scale)
+
+    def finish(self):
+        return self.writer.finish()
+
+    def abort(self) -> None:
+        self.writer.abort()
 
 
-def _convert_matrix(source, method, numa: int, quant: str, writer, job: MatrixJob, raw) -> int:
-    """Decode one job's bytes, split into NUMA parts, quantize and hand every part to the layer writer."""
-    from ktconvert.layouts.numa import numa_slices
+class InplaceLayer:
+    """One layer of an in-place output (bf16 / rawint4 / fp8): matrices are encoded whole; kt-kernel slices them."""
 
-    mats = source.decode(job, raw)
-    for proj, w in mats.items():
-        where = f"layer {job.layer} expert {job.expert} {proj}"
-        intermediate = w.shape[0] if proj in ("gate", "up") else w.shape[1]
-        for t, sl in enumerate(numa_slices(intermediate, numa)):
-            part = w[sl] if proj in ("gate", "up") else w[:, sl]
-            blob, scale = method.quantize(part, threads=1, where=where, quant=quant)
-            writer.put(proj, job.expert, t, blob, scale)
-    return job.nbytes
+    def __init__(self, writer):
+        self.writer = writer
 
+    def put_matrix(self, proj: str, expert: int, w, where: str) -> None:
+        self.writer.put_matrix(proj, expert, w)
+
+    def finish(self):
+        return self.writer.finish()
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+class CpuOutput:
+    """The CPU output being written: its sink, method and journal. begin_layer() gives a consumer with
+    put_matrix / finish / abort; finalize() writes index, config copies and the manifest."""
+
+    def __init__(self, out_dir: Path, method, the_plan: dict, source, *, numa: int, layout: str, quant: str,
+                 group_size: int, include_dense: bool, journal: Journal, src_extra: dict):
+        from ktconvert.formats.kt_sink import KtSink
+
+        info = source.info
+        self.out_dir, self.numa, self.layout, self.quant = out_dir, numa, layout, quant
+        self.include_dense, self.journal, self.source, self.src_extra = include_dense, journal, source, src_extra
+        self.layers = list(the_plan["layers"])
+        self.inplace = not getattr(method, "needs_conversion", True)
+        if self.inplace:
+            from ktconvert.formats.hf_sink import InplaceSink
+
+            if hasattr(method, "with_group_size"):
+                method = method.with_group_size(group_size)
+            self.sink = InplaceSink(out_dir, method, self.layers, info.n_experts, info.hidden, info.intermediate,
+                                    numa=numa)
+        else:
+            self.sink = KtSink(out_dir, layout, method, numa, self.layers, info.n_experts, info.hidden,
+                               info.intermediate, include_dense=include_dense)
+        self.method = method
+
+    def begin_layer(self, layer: int):
+        writer = self.sink.begin_layer(layer)
+        return InplaceLayer(writer) if self.inplace else AmxLayer(writer, self.method, self.numa, self.quant)
+
+    def layer_finished(self, layer: int, result) -> None:
+        files = [{"path": rec.path, **rec.entry()} for rec in result.files]
+        self.journal.finish_layer(layer, files, result.tensors)
+
+    def finalize(self) -> dict:
+        """Index, copies, dense shard, manifest; returns the manifest."""
+        from ktconvert.formats.out_manifest import write_manifest
+
+        if self.include_dense:
+            self._write_dense()
+        extra = self.sink.finalize(copy_from=source_root(self.source))
+        manifest = self._manifest(extra)
+        write_manifest(self.out_dir, manifest)
+        self.journal.remove()
+        return manifest
+
+    def _write_dense(self) -> None:
+        """Non-expert tensors (kt-kernel's blk. renaming) into the last shard, one tensor at a time."""
+        ck = self.source.checkpoint
+        expert = {n for layer in self.source.info.moe_layers + self.source.info.mtp_layers
+                  for n in _expert_tensor_set(self.source, layer)}
+        specs = [(name, ref.dtype, ref.shape) for name, ref in sorted(ck.tensors.items()) if name not in expert]
+        result = self.sink.write_dense(specs, ck.read)
+        self.dense = {"files": [{"path": r.path, **r.entry()} for r in result.files], "tensors": result.tensors}
+
+    def _manifest(self, extra) -> dict:
+        from ktconvert.formats.out_manifest import build_manifest, hash_file
+
+        files = {rec.path: rec.entry() for rec in extra}
+        tensors: dict[str, str] = {}
+        records = [self.journal.layers[layer] for layer in self.layers]
+        records += [self.dense] if self.include_dense else []
+        for rec in records:
+            for f in rec["files"]:
+                files[f["path"]] = {k: v for k, v in f.items() if k != "path"}
+            tensors.update(rec["tensors"])
+        info = self.source.info
+        config = source_root(self.source) / "config.json"
+        src = {"config_sha256": hash_file(config)[1] if config.is_file() else None,
+               "files": dict(sorted(self.journal.sources.items())), **self.src_extra}
+        model = {"family": info.family, "model_type": info.model_type, "layers": self.layers,
+                 "experts": info.n_experts, "hidden": info.hidden, "intermediate": info.intermediate}
+        manifest = build_manifest(method=self.method.kt_method, numa=self.numa, layout=self.layout, model=model,
+                                  source=src, files=files, tensors=tensors, quant=self.quant,
+                                  include_dense=self.include_dense)
+        if getattr(self.method, "group_size", None):
+            manifest["group_size"] = int(self.method.group_size)
+        return manifest
+
+
+def _expert_tensor_set(source, layer: int) -> set[str]:
+    names: set[str] = set()
+    for e in range(source.info.n_experts):
+        names.update(source.expert_tensor_names(layer, e).values())
+    return names
+
+
+# ---------------------------------------------------------------------------------------------- entry point
 
 def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetensors", quant: str = "rtn",
                 group_size: int = 128, threads: int | None = None, resume: bool = False, force: bool = False,
@@ -105,8 +194,6 @@ def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetens
                 progress=None) -> str:
     """Convert the routed experts of checkpoint `src` for kt-kernel into directory `out`. Returns a summary line."""
     from ktconvert.formats.base import open_source
-    from ktconvert.formats.kt_sink import KtSink
-    from ktconvert.formats.out_manifest import write_manifest
     from ktconvert.plan import plan
     from ktconvert.quant.methods import METHODS
 
@@ -127,75 +214,63 @@ def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetens
                "include_dense": include_dense, "include_mtp": include_mtp, "layers": layers,
                "source_config_sha256": the_plan.get("source_config_sha256"), "source": src_extra}
     journal = Journal.start(out_dir, options, resume)
-    info = source.info
-    sink = KtSink(out_dir, layout, qmethod, numa, layers, info.n_experts, info.hidden, info.intermediate,
-                  include_dense=include_dense)
-    jobs = source.matrix_jobs(layers, include_dense=include_dense)
+    output = CpuOutput(out_dir, qmethod, the_plan, source, numa=numa, layout=layout, quant=quant,
+                       group_size=group_size, include_dense=include_dense, journal=journal, src_extra=src_extra)
+    jobs = source.matrix_jobs(layers)
     todo_bytes = sum(j.nbytes for j in jobs if not journal.layer_done(j.layer))
     if journal.layers:
         progress.message(f"resuming: {len(journal.layers)} of {len(layers)} layers already done")
     progress.start(todo_bytes, len(layers) - len(journal.layers), f"convert {qmethod.kt_method} T={numa}")
 
-    _run_jobs(jobs, source, sink, journal, qmethod, numa, quant, threads or os.cpu_count() or 1, progress)
+    run_jobs(jobs, source, [output], journal, threads or os.cpu_count() or 1, progress)
 
-    extra = sink.finalize(copy_from=_source_root(source))
-    manifest = _cpu_manifest(qmethod, numa, layout, quant, include_dense, info, layers, journal, extra, source,
-                             src_extra)
-    write_manifest(out_dir, manifest)
-    journal.remove()
-    files = len(manifest["files"])
+    manifest = output.finalize()
     total = sum(f["bytes"] for f in manifest["files"].values())
-    return (f"wrote {out_dir}: {files} files, {total} bytes; run with --kt-method {qmethod.kt_method} "
-            f"--kt-weight-path {out_dir} --kt-threadpool-count {numa}")
+    return (f"wrote {out_dir}: {len(manifest['files'])} files, {total} bytes; run with --kt-method "
+            f"{manifest['method']} --kt-weight-path {out_dir} --kt-threadpool-count {numa}")
 
 
-def _cpu_manifest(qmethod, numa, layout, quant, include_dense, info, layers, journal, extra, source,
-                  src_extra) -> dict:
-    """ktconvert.json from the journal (every layer's files and tensor hashes, every source file's digest)."""
-    from ktconvert.formats.out_manifest import build_manifest, hash_file
+# ---------------------------------------------------------------------------------------------- the loop
 
-    files = {rec.path: rec.entry() for rec in extra}
-    tensors: dict[str, str] = {}
-    for layer in layers:
-        for rec in journal.layers[layer]["files"]:
-            files[rec["path"]] = {k: v for k, v in rec.items() if k != "path"}
-        tensors.update(journal.layers[layer]["tensors"])
-    config = _source_root(source) / "config.json"
-    src = {"config_sha256": hash_file(config)[1] if config.is_file() else None,
-           "files": dict(sorted(journal.sources.items())), **src_extra}
-    model = {"family": info.family, "model_type": info.model_type, "layers": layers, "experts": info.n_experts,
-             "hidden": info.hidden, "intermediate": info.intermediate}
-    return build_manifest(method=qmethod.kt_method, numa=numa, layout=layout, model=model, source=src,
-                          files=files, tensors=tensors, quant=quant, include_dense=include_dense)
+def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal: Journal, workers: int, progress) -> None:
+    """Read every source file front to back; each decoded matrix goes to every output in `outputs`.
 
-
-def _run_jobs(jobs, source, sink, journal, qmethod, numa, quant, workers, progress) -> None:
-    """Read every source file front to back, converting jobs of unfinished layers on a thread pool."""
+    `journal` decides what is already done (layers, fully hashed source files); each output gets
+    begin_layer(L) -> consumer (put_matrix / finish / abort) and layer_finished(L, result)."""
     tracker = _LayerTracker(jobs)
-    writers: dict[int, object] = {}
+    consumers: dict[int, list] = {}
     lock = threading.Lock()
-
-    def writer_for(layer: int):
-        with lock:
-            if layer not in writers:
-                writers[layer] = sink.begin_layer(layer)
-            return writers[layer]
-
-    def finish_ready() -> None:
-        for layer in tracker.ready():
-            if journal.layer_done(layer):
-                continue
-            result = writers.pop(layer).finish()
-            files = [{"path": rec.path, **rec.entry()} for rec in result.files]
-            journal.finish_layer(layer, files, result.tensors)
-            progress.advance(0, items=1, detail=f"layer {layer}")
-
     fault = _FaultInjector.from_env()
 
-    def work(job, raw):
-        n = _convert_matrix(source, qmethod, numa, quant, writer_for(job.layer), job, raw)
-        progress.advance(n)
+    def consumers_for(layer: int) -> list:
+        with lock:
+            if layer not in consumers:
+                consumers[layer] = [out.begin_layer(layer) for out in outputs]
+            return consumers[layer]
+
+    def work(job: MatrixJob, raw) -> None:
+        targets = consumers_for(job.layer)
+        for proj, w in source.decode(job, raw).items():
+            where = f"layer {job.layer} expert {job.expert} {proj}"
+            for consumer in targets:
+                consumer.put_matrix(proj, job.expert, w, where)
+        progress.advance(job.nbytes)
         fault.tick()
+
+    def finish(layer: int) -> list:
+        return [c.finish() for c in consumers[layer]]
+
+    finishing: dict[int, Future] = {}
+
+    def record_finished(block: bool = False) -> None:
+        if block:
+            wait(list(finishing.values()))
+        for layer in sorted(finishing):
+            if finishing[layer].done():
+                for out, result in zip(outputs, finishing.pop(layer).result()):
+                    out.layer_finished(layer, result)
+                consumers.pop(layer, None)
+                progress.advance(0, items=1, detail=f"layer {layer}")
 
     grouped = jobs_by_file(jobs)
     try:
@@ -207,8 +282,7 @@ def _run_jobs(jobs, source, sink, journal, qmethod, numa, quant, workers, progre
                     for job in file_jobs:
                         tracker.submitted(job.layer, None)
                     continue
-                reader = HashingFileReader(path)
-                try:
+                with HashingFileReader(path) as reader:
                     for job in file_jobs:
                         raw = reader.read_range(job.offset, job.nbytes)
                         if journal.layer_done(job.layer):
@@ -216,21 +290,60 @@ def _run_jobs(jobs, source, sink, journal, qmethod, numa, quant, workers, progre
                             continue
                         _throttle(tracker, workers)
                         tracker.submitted(job.layer, pool.submit(work, job, raw))
-                        finish_ready()
+                        for layer in tracker.ready():
+                            if not journal.layer_done(layer):
+                                finishing[layer] = pool.submit(finish, layer)
+                        record_finished()
                     digest = reader.finish()
-                finally:
-                    reader.close()
                 journal.finish_source(name, {"bytes": digest.bytes, "sha256": digest.sha256})
-            _drain(tracker)
-            finish_ready()
+            wait([f for fs in tracker.futures.values() for f in fs])
+            for layer in tracker.ready():
+                if not journal.layer_done(layer):
+                    finishing[layer] = pool.submit(finish, layer)
+            record_finished(block=True)
     except BaseException:
-        for w in writers.values():
-            w.abort()
+        for layer_consumers in consumers.values():
+            for consumer in layer_consumers:
+                consumer.abort()
         raise
-    missing = [layer for layer in tracker.remaining]
-    if missing:
+    if tracker.remaining:
         raise InputError("some layers had no expert data in the source files", expected="every MoE layer",
-                         found=f"layers {missing} unfinished")
+                         found=f"layers {sorted(tracker.remaining)} unfinished")
+
+
+class _LayerTracker:
+    """Counts each layer's outstanding jobs; a layer is ready when all its jobs were submitted and are done."""
+
+    def __init__(self, jobs: list[MatrixJob]):
+        self.remaining: dict[int, int] = defaultdict(int)
+        for job in jobs:
+            self.remaining[job.layer] += 1
+        self.futures: dict[int, list[Future]] = defaultdict(list)
+
+    def submitted(self, layer: int, future: Future | None) -> None:
+        self.remaining[layer] -= 1
+        if future is not None:
+            self.futures[layer].append(future)
+
+    def ready(self) -> list[int]:
+        """Layers whose every job was submitted and has completed (a job's error is re-raised here)."""
+        done = []
+        for layer, left in self.remaining.items():
+            if left == 0 and all(f.done() for f in self.futures[layer]):
+                for f in self.futures[layer]:
+                    f.result()
+                done.append(layer)
+        for layer in done:
+            del self.remaining[layer]
+            self.futures.pop(layer, None)
+        return sorted(done)
+
+
+def _throttle(tracker: _LayerTracker, workers: int) -> None:
+    """Bound memory: at most 2 jobs per worker in flight."""
+    pending = [f for fs in tracker.futures.values() for f in fs if not f.done()]
+    if len(pending) >= 2 * workers:
+        wait(pending, return_when=FIRST_COMPLETED)
 
 
 class _FaultInjector:
@@ -258,24 +371,14 @@ class _FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _throttle(tracker: _LayerTracker, workers: int) -> None:
-    """Bound memory: at most 2 jobs per worker in flight."""
-    pending = [f for fs in tracker.futures.values() for f in fs if not f.done()]
-    if len(pending) >= 2 * workers:
-        wait(pending, return_when=FIRST_COMPLETED)
-
-
-def _drain(tracker: _LayerTracker) -> None:
-    pending = [f for fs in tracker.futures.values() for f in fs]
-    wait(pending)
-
+# ---------------------------------------------------------------------------------------------- sources
 
 def _check_biases(source, the_plan: dict, allow_drop_bias: bool) -> None:
-    """AMX formats carry no bias: refuse to silently drop non-zero expert biases."""
+    """kt-kernel's CPU formats carry no bias: refuse to silently drop non-zero expert biases."""
     nonzero = getattr(source, "nonzero_expert_biases", lambda layers: [])(the_plan["layers"])
     if nonzero and not allow_drop_bias:
         raise InputError(f"{len(nonzero)} expert bias tensors are non-zero and kt-kernel's "
-                         f"{the_plan['method']} files carry no bias", tensor=nonzero[0],
+                         f"{the_plan['method'].upper()} files carry no bias", tensor=nonzero[0],
                          hint="pass --allow-drop-bias to convert anyway (outputs will differ from the source)")
 
 
@@ -292,6 +395,6 @@ def resolve_source(src: str) -> tuple[Path, dict]:
     return path, {}
 
 
-def _source_root(source) -> Path:
-    root = getattr(source, "root", None)
-    return Path(root) if root is not None else Path(source.checkpoint.root)
+def source_root(source) -> Path:
+    """The directory holding the source's config.json / tokenizer files."""
+    return Path(source.root)

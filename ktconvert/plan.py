@@ -136,18 +136,21 @@ def _merged_files(layers: list[int], method: str, hidden: int, inter: int, numa:
 
 
 def _index_bytes(layers: list[int], experts: int, numa: int, shard_bytes: list[dict], data_total: int) -> int:
-    """Exact size of model.safetensors.index.json as json.dumps(indent=2, sort_keys=True) + "\\n" writes it."""
+    """Exact size of model.safetensors.index.json as json.dumps(indent=2, sort_keys=True) + "\\n" writes it.
+
+    One line per key: 4 spaces, the quoted key, ": ", the quoted shard name, and ",\\n" (the last "\\n")."""
     from ktconvert.formats.kt_sink import merged_key
 
+    digits_e = sum(len(str(e)) for e in range(experts))
+    digits_t = sum(len(str(t)) for t in range(numa))
     n_entries, body = 0, 0
     for i, layer in enumerate(layers):
-        shard_len = len(shard_bytes[i]["path"])
+        line_fixed = len(shard_bytes[i]["path"]) + 10    # 4 spaces, 4 quotes, ": "
         for p in PROJS:
-            for e in range(experts):
-                for t in range(numa):
-                    for part in ("weight", "scale"):
-                        body += len(merged_key(layer, p, e, t, part)) + shard_len + 10  # 4 sp, 4 quotes, ": "
-                        n_entries += 1
+            for part in ("weight", "scale"):
+                base = len(merged_key(layer, p, "", "", part))   # the key without its E and t digits
+                body += experts * numa * (base + line_fixed) + numa * digits_e + experts * digits_t
+                n_entries += experts * numa
     head = len('{\n  "metadata": {\n    "total_size": %d\n  },\n  "weight_map": {\n' % data_total)
     return head + body + 2 * max(n_entries - 1, 0) + len("\n  }\n}\n")
 
@@ -179,6 +182,12 @@ def _peak_ram(source, method: str, hidden: int, inter: int, numa: int, threads: 
     return {"peak_ram_bytes": total, "per_job_bytes": per_job, "workers": workers}
 
 
+def _root(source) -> Path:
+    """Directory of the source's files (HFSource: its checkpoint root; GGUFSource: .root)."""
+    root = getattr(source, "root", None)
+    return Path(root) if root is not None else Path(source.checkpoint.root)
+
+
 def _free_at(path: Path) -> tuple[str, int]:
     """(existing directory probed, free bytes) for `path` or its nearest existing ancestor."""
     probe = Path(path).resolve()
@@ -198,7 +207,7 @@ def plan(src, method: str, numa: int = 1, layout: str = "safetensors", group_siz
     Returns: method, kt_method, numa, layout, layers, experts, hidden, intermediate, files [{path, bytes}]
     (merged; kt: summary + files when few), total_bytes, peak_ram_bytes, disk_free_bytes, checks, notes, ...
     """
-    from ktconvert.formats.hf_source import HFSource
+    from ktconvert.formats.base import open_source
 
     method = method.lower()
     if method not in AMX_METHODS + IN_PLACE_METHODS:
@@ -206,7 +215,7 @@ def plan(src, method: str, numa: int = 1, layout: str = "safetensors", group_siz
                              found=repr(method))
     if layout == "kt" and method not in AMX_METHODS:
         raise KtConvertError("the .kt layout exists only for amxint4/amxint8", found=f"--method {method}")
-    source = HFSource.open(src)
+    source = open_source(src)  # HF safetensors or GGUF (formats.base.SOURCES)
     info = source.info
     H, I, E = info.hidden, info.intermediate, info.n_experts
     checks = alignment_checks(H, I, numa, method, group_size)
@@ -251,7 +260,7 @@ def _add_files(result: dict, source, layers: list[int], method: str, layout: str
         files = _merged_files(layers, method, H, I, T, E, gs)
         data = len(layers) * E * result["expert_bytes"]
         files.append({"path": "model.safetensors.index.json", "bytes": _index_bytes(layers, E, T, files, data)})
-        files += _copy_files(source.checkpoint.root)
+        files += _copy_files(_root(source))
         key_len = len(f"blk.{layers[-1]}.ffn_gate_exps.{E - 1}.numa.{T - 1}.weight") if layers else 0
     else:
         files = _kt_files(layers, method, H, I, T, E, gs, result)
@@ -285,7 +294,7 @@ def _kt_files(layers, method, H, I, T, E, gs, result) -> list[dict]:
 
 
 def _add_disk(result: dict, source, out) -> None:
-    probe, free = _free_at(Path(out) if out else source.checkpoint.root)
+    probe, free = _free_at(Path(out) if out else _root(source))
     result["disk_path"], result["disk_free_bytes"] = probe, free
     enough = free >= result["total_bytes"]
     result["checks"].append(_check("free disk >= output bytes" + ("" if out else " (source filesystem)"), enough,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 import re
 from pathlib import Path
@@ -130,6 +131,8 @@ def expected_sizes(manifest: dict) -> dict[str, tuple[int, int]]:
     from ktconvert.quant.methods import METHODS
 
     method = METHODS.get(manifest["method"])
+    if not getattr(method, "needs_conversion", True):
+        return None  # in-place methods: HF tensors, checked by name/dtype/shape instead
     model = manifest["model"]
     sizes = {}
     for proj in PROJS:
@@ -149,7 +152,9 @@ def check_structure(out, manifest: dict) -> tuple[list[str], str]:
     except (KeyError, TypeError, ValueError, UnknownNameError, ShapeError) as exc:
         return [f"ktconvert.json: cannot derive the expected tensors ({exc})"], ""
     problems = _Problems()
-    if manifest["layout"] == "safetensors":
+    if sizes is None:
+        detail = _check_inplace(Path(out), manifest, layers, experts, problems)
+    elif manifest["layout"] == "safetensors":
         detail = _check_merged(Path(out), manifest, layers, experts, sizes, problems)
     elif manifest["layout"] == "kt":
         detail = _check_kt_tree(Path(out), manifest, layers, experts, sizes, problems)
@@ -181,6 +186,33 @@ def _merged_entries(root: Path, problems: _Problems) -> dict[str, tuple[str, str
                     problems.add("duplicate", f"{rel}: {key}: also in {entries[key][0]}")
                 entries[key] = (rel, ref.dtype, ref.nbytes)
     return entries
+
+
+def _check_inplace(root: Path, manifest: dict, layers: list[int], experts: int, problems: _Problems) -> str:
+    """In-place outputs (bf16 / rawint4 / fp8): every expert tensor present with the method's dtype and shape."""
+    from ktconvert.formats.hf_sink import InplaceSink
+    from ktconvert.formats.safetensors_reader import DTYPES
+    from ktconvert.quant.methods import METHODS
+
+    method = METHODS.get(manifest["method"])
+    model = manifest["model"]
+    group = manifest.get("group_size")
+    if group and hasattr(method, "with_group_size"):
+        method = method.with_group_size(int(group))
+    sink = InplaceSink(root, method, layers, experts, int(model["hidden"]), int(model["intermediate"]))
+    entries = _merged_entries(root, problems)
+    expected = {name: (dtype, shape) for layer in layers for name, dtype, shape in sink.layer_specs(layer)}
+    for name, (dtype, shape) in expected.items():
+        if name not in entries:
+            problems.add("missing", f"{name}: missing")
+        elif entries[name][1] != dtype:
+            problems.add("dtype", f"{name}: expected {dtype}, found {entries[name][1]}")
+        elif entries[name][2] != DTYPES[dtype][0] * math.prod(shape):
+            problems.add("size", f"{name}: expected {DTYPES[dtype][0] * math.prod(shape)} bytes for "
+                                 f"{dtype} {list(shape)}, found {entries[name][2]}")
+    for name in sorted(set(entries) - set(expected)):
+        problems.add("extra", f"{entries[name][0]}: {name}: not an expected expert tensor")
+    return f"{len(expected)} expert tensors expected, {len(entries)} found"
 
 
 def _probe_count(entries: dict, fmt: str) -> int:

@@ -159,8 +159,9 @@ static int rt_quantize_x(const float *x, int64_t m, int64_t k, kt_rt_xq *xq, int
         frexpf(amax, &e2); /* amax < 2^e2, so |x / 2^(e2 - 30)| <= 2^30 */
         pow2[t] = amax > 0.0f ? ldexp(1.0, e2 - 30) : 0.0;
         for (int64_t c = 0; c < k; c++) {
-            /* round half to even: adding 1.5 * 2^52 leaves no fraction bits (|value| <= 2^30) */
-            volatile double shifted = ldexp((double)xt[c], 30 - e2) + 6755399441055744.0;
+            /* round half to even: adding 1.5 * 2^52 leaves no fraction bits (|value| <= 2^30); without
+             * -ffast-math the compiler keeps both operations */
+            double shifted = ldexp((double)xt[c], 30 - e2) + 6755399441055744.0;
             int64_t X = amax > 0.0f ? (int64_t)(shifted - 6755399441055744.0) : 0;
             ksum[t * nkb + c / RT_K_BLOCK] += X;
             for (int i = 0; i < 4; i++) { /* balanced base-256 digits; X ends at 0 since |X| <= 2^30 */

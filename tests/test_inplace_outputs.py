@@ -42,8 +42,12 @@ def _write(out, method, numa=1):
         for e in reversed(range(E)):          # any order
             w.put_expert(e, experts[L][e])
         files, tensors = w.finish()
-        assert list(files) == [sink.shard_of(L)] and len(tensors) == E * 3 * len(method.tensor_specs(I, H))
-    sink.finalize({"model_type": "deepseek_v3", "hidden_size": H, "moe_intermediate_size": I})
+        assert [f.path for f in files] == [sink.shard_of(L)] and len(tensors) == E * 3 * len(method.tensor_specs(I, H))
+    src = out.parent / f"{out.name}-source"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": H,
+                                                 "moe_intermediate_size": I}))
+    sink.finalize(copy_from=src)
     assert {p.name: p.stat().st_size for p in out.glob("*.safetensors")} == sink.planned_files()
     return experts
 

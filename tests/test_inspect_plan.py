@@ -211,3 +211,15 @@ def test_cli_import_does_not_load_numpy():
                          capture_output=True, text=True, check=True)
     modules = {line.split("|")[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
     assert "click" in modules and "numpy" not in modules
+
+
+def test_index_size_multi_digit_experts():
+    from ktconvert.plan import _index_bytes
+
+    layers, E, T = [5, 12, 100], 12, 3
+    shards = [{"path": f"model-{i:05d}-of-00003.safetensors"} for i in range(1, 4)]
+    weight_map = {f"blk.{L}.ffn_{p}_exps.{e}.numa.{t}.{part}": shards[i]["path"]
+                  for i, L in enumerate(layers) for p in ("gate", "up", "down") for e in range(E)
+                  for t in range(T) for part in ("weight", "scale")}
+    text = json.dumps({"metadata": {"total_size": 123456}, "weight_map": weight_map}, indent=2, sort_keys=True)
+    assert _index_bytes(layers, E, T, shards, 123456) == len(text + "\n")

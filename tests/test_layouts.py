@@ -24,35 +24,32 @@ def random_codes(rng, n, k, lo, hi):
 # reference 1: the spec's byte formula, element by element
 
 
-def spec_byte_int4(r, c, n, k):
-    nb0 = (r // 128) * 128
-    nbs = min(128, n - nb0)
+def spec_tile_start(r, c, n, k, n_block, tile_k):
+    """(tile offset in elements, row rr in the 32-row panel, column cc in the tile) per the spec's block walk."""
+    nb0 = (r // n_block) * n_block
+    nbs = min(n_block, n - nb0)
     kb0 = (c // 3584) * 3584
     kbs = min(3584, k - kb0)
     r1 = r - nb0
     s0 = (r1 // 32) * 32
     rr = r1 - s0
     c1 = c - kb0
-    t0 = (c1 // 128) * 128
+    t0 = (c1 // tile_k) * tile_k
     cc = c1 - t0
-    tile = (nb0 * k + kb0 * nbs + s0 * kbs + t0 * 32) // 2
+    return nb0 * k + kb0 * nbs + s0 * kbs + t0 * 32, rr, cc
+
+
+def spec_byte_int4(r, c, n, k):
+    start, rr, cc = spec_tile_start(r, c, n, k, 128, 128)
+    tile = start // 2
     j = cc % 64
     byte = tile + (rr // 16) * 1024 + (j // 4) * 64 + (rr % 16) * 4 + (j % 4)
     return byte, cc >= 64
 
 
 def spec_byte_int8(r, c, n, k):
-    nb0 = (r // 64) * 64
-    nbs = min(64, n - nb0)
-    kb0 = (c // 3584) * 3584
-    kbs = min(3584, k - kb0)
-    r1 = r - nb0
-    s0 = (r1 // 32) * 32
-    rr = r1 - s0
-    c1 = c - kb0
-    t0 = (c1 // 64) * 64
-    cc = c1 - t0
-    return nb0 * k + kb0 * nbs + s0 * kbs + t0 * 32 + (rr // 16) * 1024 + (cc // 4) * 64 + (rr % 16) * 4 + (cc % 4)
+    start, rr, cc = spec_tile_start(r, c, n, k, 64, 64)
+    return start + (rr // 16) * 1024 + (cc // 4) * 64 + (rr % 16) * 4 + (cc % 4)
 
 
 def spec_pack_int4(codes):

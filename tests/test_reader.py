@@ -222,7 +222,7 @@ def test_cli_exit_codes_for_malformed_inputs(tmp_path, monkeypatch, capsys):
 
 H, I, E, LAYERS = 96, 64, 4, 2     # H != I != 2I: every fused orientation is unambiguous
 
-FUSED_MANIFEST = """
+MANIFEST = """
 family = "{family}"
 model_types = ["{family}"]
 name_prefixes = ["model."]
@@ -235,43 +235,25 @@ experts_per_tok = ["num_experts_per_tok"]
 [moe_layers]
 rule = "all"
 [experts]
-form = "fused"
-gate_up = "layers.{{L}}.mlp.experts.gate_up_proj"
-down = "layers.{{L}}.mlp.experts.down_proj"
-{extra}
+{experts}
 [components]
 routed_experts = ['\\.mlp\\.experts\\.']
 """
-
-PER_EXPERT_MANIFEST = """
-family = "test_per_expert"
-model_types = ["test_per_expert"]
-name_prefixes = ["model."]
-[config]
-n_layers = ["num_hidden_layers"]
-n_experts = ["num_experts"]
-hidden = ["hidden_size"]
-intermediate = ["moe_intermediate_size"]
-experts_per_tok = ["num_experts_per_tok"]
-[moe_layers]
-rule = "all"
-[experts]
-form = "per_expert"
-pattern = "layers.{L}.mlp.experts.{E}.{proj}.weight"
-proj = { gate = "w1", up = "w3", down = "w2" }
-"""
+FUSED = ('form = "fused"\ngate_up = "layers.{L}.mlp.experts.gate_up_proj"\n'
+         'down = "layers.{L}.mlp.experts.down_proj"\n')
+BIASES = ('gate_up_bias = "layers.{L}.mlp.experts.gate_up_proj_bias"\n'
+          'down_bias = "layers.{L}.mlp.experts.down_proj_bias"\ngate_up_interleaved = true\n')
+PER_EXPERT = ('form = "per_expert"\npattern = "layers.{L}.mlp.experts.{E}.{proj}.weight"\n'
+              'proj = { gate = "w1", up = "w3", down = "w2" }\n')
 
 
 @pytest.fixture
 def test_manifests(tmp_path, monkeypatch):
     d = tmp_path / "manifests"
     d.mkdir()
-    (d / "test_fused.toml").write_text(FUSED_MANIFEST.format(family="test_fused", extra=""))
-    (d / "test_fused_il.toml").write_text(FUSED_MANIFEST.format(
-        family="test_fused_il", extra='gate_up_bias = "layers.{L}.mlp.experts.gate_up_proj_bias"\n'
-                                     'down_bias = "layers.{L}.mlp.experts.down_proj_bias"\n'
-                                     "gate_up_interleaved = true"))
-    (d / "test_per_expert.toml").write_text(PER_EXPERT_MANIFEST)
+    for family, experts in (("test_fused", FUSED), ("test_fused_il", FUSED + BIASES),
+                            ("test_per_expert", PER_EXPERT)):
+        (d / f"{family}.toml").write_text(MANIFEST.format(family=family, experts=experts))
     monkeypatch.setenv("KTCONVERT_MANIFEST_PATH", str(d))
     return d
 

@@ -60,7 +60,7 @@ class ExpertSource(Protocol):
 SOURCES: Registry = Registry("input format")
 
 # modules whose import registers a source in SOURCES (imported on first open_source, never at package import)
-SOURCE_MODULES = ("ktconvert.formats.hf_source",)
+SOURCE_MODULES = ("ktconvert.formats.hf_source", "ktconvert.formats.gguf_source")
 
 
 def open_source(path) -> ExpertSource:

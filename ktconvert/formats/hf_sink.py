@@ -12,25 +12,25 @@ Use::
 
     sink = InplaceSink(out_dir, METHODS.get("rawint4").with_group_size(64), layers, n_experts, hidden, inter)
     w = sink.begin_layer(L); w.put_expert(e, expert_weights) ...; files, tensors = w.finish()
-    sink.finalize(source_config)
+    records = sink.finalize(copy_from=source_dir)
+
+The interface (begin_layer / finish -> LayerResult / finalize -> FileRecords) is KtSink's, so the pipeline drives
+both the same way.
 """
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from ktconvert.errors import OutputError, ShapeError
-from ktconvert.formats.st_writer import StreamingSafetensorsWriter, build_header, fsync_dir
+from ktconvert.formats.kt_sink import LayerResult, copy_sources, shard_name
+from ktconvert.formats.out_manifest import FileRecord, record_for, write_atomic
+from ktconvert.formats.st_writer import StreamingSafetensorsWriter, build_header
 
 INDEX_NAME = "model.safetensors.index.json"
 PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 EXPERT_PREFIX = "model.layers.{L}.mlp.experts.{E}.{proj}"
 RAWINT4_TARGET = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
-
-
-def shard_name(i: int, total: int) -> str:
-    return f"model-{i:05d}-of-{total:05d}.safetensors"
 
 
 class InplaceSink:
@@ -75,14 +75,20 @@ class InplaceSink:
         self.files[writer.path.name] = {"bytes": writer.size, "sha256": writer.sha256, "git_sha1": writer.git_sha1}
         self.tensor_sha256.update(writer.tensor_sha256)
 
-    def finalize(self, source_config: dict | None = None) -> None:
-        """Write the index and config.json (both via temp name + rename)."""
+    def finalize(self, copy_from=None) -> list[FileRecord]:
+        """Write the index, config.json (the source's, with this method's quantization_config) and copies of the
+        tokenizer / generation config from `copy_from`; returns their records."""
         weight_map = {name: self.shard_of(layer) for layer in self.layers for name, _, _ in self.layer_specs(layer)}
         total = sum(self.method.matrix_bytes(n, k) for n, k in self.shapes.values()) * self.n_experts * len(self.layers)
-        _write_json(self.out_dir / INDEX_NAME, {"metadata": {"total_size": total},
-                                                "weight_map": dict(sorted(weight_map.items()))})
-        if source_config is not None:
-            _write_json(self.out_dir / "config.json", output_config(source_config, self.method))
+        files = {INDEX_NAME: _json_bytes({"metadata": {"total_size": total},
+                                          "weight_map": dict(sorted(weight_map.items()))})}
+        for name, path in copy_sources(copy_from).items():
+            files[name] = path.read_bytes()
+        if "config.json" in files:
+            files["config.json"] = _json_bytes(output_config(json.loads(files["config.json"]), self.method))
+        for name, data in sorted(files.items()):
+            write_atomic(self.out_dir / name, data)
+        return [record_for(self.out_dir, name) for name in sorted(files)]
 
 
 class InplaceLayerWriter:
@@ -123,11 +129,11 @@ class InplaceLayerWriter:
 
             self.writer.write(f"{base}.{specs[2][0]}", np.array(self.sink.shapes[proj], dtype=np.int64))
 
-    def finish(self) -> tuple[dict, dict]:
+    def finish(self) -> LayerResult:
         self.writer.close()
         self.sink._record(self.writer)
-        name = self.writer.path.name
-        return {name: self.sink.files[name]}, dict(self.writer.tensor_sha256)
+        w = self.writer
+        return LayerResult([FileRecord(w.path.name, w.size, w.sha256, w.git_sha1)], dict(w.tensor_sha256))
 
     def abort(self) -> None:
         self.writer.abort()
@@ -154,9 +160,5 @@ def ct_int4_config(group_size: int, targets: list[str], ignore: list[str] | None
             "ignore": list(ignore or ["lm_head"]), "kv_cache_scheme": None, "global_compression_ratio": None}
 
 
-
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def _json_bytes(value: dict) -> bytes:
+    return (json.dumps(value, indent=2) + "\n").encode("utf-8")

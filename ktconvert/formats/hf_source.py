@@ -221,6 +221,11 @@ class HFSource:
             raise InputError("config.json not found next to the safetensors files", file=str(checkpoint.root))
         return cls(checkpoint, resolve(checkpoint.config, checkpoint.tensors.keys()))
 
+    @property
+    def root(self) -> Path:
+        """The checkpoint directory (config.json, tokenizer files)."""
+        return self.checkpoint.root
+
     def files(self) -> list[Path]:
         return self.checkpoint.files()
 

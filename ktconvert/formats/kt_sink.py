@@ -218,7 +218,7 @@ class KtSink:
             raise OutputError("non-expert shard not written", file=self.dense_shard())
         self._remove_stale_partials()
         records = [self._write_index()] if self.layout == "safetensors" else []
-        for rel, src in sorted(_copy_sources(copy_from).items()) + sorted((extra_files or {}).items()):
+        for rel, src in sorted(copy_sources(copy_from).items()) + sorted((extra_files or {}).items()):
             write_atomic(self.out_dir / rel, src if isinstance(src, (bytes, bytearray)) else Path(src).read_bytes())
             records.append(record_for(self.out_dir, rel))
         return records
@@ -245,7 +245,7 @@ class KtSink:
                 shutil.rmtree(entry)
 
 
-def _copy_sources(copy_from) -> dict[str, Path]:
+def copy_sources(copy_from) -> dict[str, Path]:
     """{name: path} of the config / tokenizer files present in the source folder."""
     if copy_from is None:
         return {}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +45,34 @@ class FileDigest:
     sha256: str
 
 
+class _BackgroundSha256:
+    """sha256 fed from a bounded queue on its own thread (hashlib releases the GIL), so hashing the source
+    overlaps reading and converting it. Buffers handed to update() must not be modified afterwards."""
+
+    def __init__(self, depth: int = 8):
+        self._sha = hashlib.sha256()
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, name="ktconvert-sha256", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            self._sha.update(data)
+
+    def update(self, data) -> None:
+        self._queue.put(data)
+
+    def hexdigest(self) -> str:
+        self._queue.put(None)
+        self._thread.join()
+        return self._sha.hexdigest()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
 class HashingFileReader:
     """Reads one file strictly front to back. `read_range` returns the requested bytes and hashes everything up
     to their end (gaps included); `finish` hashes the tail and returns the file's size and sha256."""
@@ -52,7 +82,13 @@ class HashingFileReader:
         self._fd = os.open(self.path, os.O_RDONLY)
         self._size = os.fstat(self._fd).st_size
         self._pos = 0
-        self._sha = hashlib.sha256()
+        self._sha = _BackgroundSha256()
+
+    def __enter__(self) -> "HashingFileReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _advance_to(self, offset: int) -> None:
         while self._pos < offset:
@@ -81,7 +117,7 @@ class HashingFileReader:
                 raise InputError("file changed or truncated while reading", file=self.path,
                                  expected=f"{nbytes} bytes at offset {offset}", found=f"{done} bytes")
             done += got
-        self._sha.update(view)
+        self._sha.update(buf)
         self._pos = offset + nbytes
         return buf
 
@@ -95,6 +131,7 @@ class HashingFileReader:
         return FileDigest(self._size, self._sha.hexdigest())
 
     def close(self) -> None:
+        self._sha.stop()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -123,10 +123,12 @@ class AmxMethod(CpuMethod):
 
     @classmethod
     def dequantize(cls, blob: np.ndarray, scale: np.ndarray, n: int, k: int) -> np.ndarray:
-        """(blob uint8 [quant_bytes(n, k)], scale float32 [n]) -> float32 [n, k] weights as kt-kernel sees them."""
+        """(blob uint8 [quant_bytes(n, k)], scale float32 [n] or its raw bytes) -> float32 [n, k] weights as
+        kt-kernel sees them."""
         cls.check_shape(n, k)
-        scale = np.ascontiguousarray(scale).reshape(-1).view(np.float32) if np.asarray(scale).dtype != np.float32 \
-            else np.asarray(scale).reshape(-1)
+        scale = np.ascontiguousarray(scale).reshape(-1)
+        if scale.dtype != np.float32:
+            scale = scale.view(np.uint8).view(np.float32)     # raw little-endian bytes of a _scale_ file
         if scale.shape != (n,):
             raise ShapeError(f"{cls.kt_method} scale has the wrong size", expected=f"{n} fp32 values",
                              found=f"{scale.size}")
@@ -166,13 +168,17 @@ def _rtn_rows(w_bf16: np.ndarray, bits: int, where: str = "") -> tuple[np.ndarra
 def row_quantizer(name: str) -> Callable:
     """ROW_QUANT[name], importing ktconvert.quant.<name> first when it is not registered yet."""
     if name not in ROW_QUANT:
-        module = "ktconvert.quant." + name.strip().lower().replace("-", "_")
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+        _import_optional("ktconvert.quant." + name.strip().lower().replace("-", "_"))
     return ROW_QUANT.get(name)
+
+
+def _import_optional(module: str) -> None:
+    """Import ``module`` if it exists; errors raised inside an existing module propagate."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
 
 
 def _native_quantizer() -> Callable | None:
@@ -198,11 +204,7 @@ def quantize_impl() -> str:
 def _register_other_methods() -> None:
     """Import the modules that add methods to METHODS (the in-place BF16/RAWINT4/FP8 methods)."""
     for module in ("ktconvert.quant.inplace_methods",):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+        _import_optional(module)
 
 
 _register_other_methods()

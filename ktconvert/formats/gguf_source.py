@@ -1,0 +1,426 @@
+"""Expert source for GGUF files (llama.cpp): one routed expert at a time, as BF16 bits in HF orientation.
+
+Input: one ``.gguf`` file, one file of a split set (``NAME-00001-of-00003.gguf``: the whole set is opened), or a
+directory holding one model's ``.gguf`` file(s). Headers are parsed with ``gguf.GGUFReader``; only tensor infos and
+scalar metadata are kept, and expert data is read by byte range (os.pread), so memory is one expert slice.
+
+Tensors (ggml names): ``blk.L.ffn_{gate,up,down}_exps.weight`` (or a fused ``blk.L.ffn_gate_up_exps.weight``, gate
+rows first). ggml stores them as ne = [cols, rows, E], i.e. numpy [E, rows, cols], contiguous per expert:
+gate/up [E, I, H], down [E, H, I] -- already HF orientation, so expert e is the byte range e * slice_bytes.
+Metadata (``general.architecture`` = arch): ``{arch}.block_count`` (MTP layers included), ``.expert_count``,
+``.embedding_length``, ``.expert_feed_forward_length``, ``.expert_used_count``, ``.expert_shared_count``,
+``.leading_dense_block_count``, ``.nextn_predict_layers``. The MoE layers are the blocks holding expert tensors.
+Values: any ggml type gguf-py can dequantize (ktconvert.quant.ggml), rounded to BF16 (nearest even).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ktconvert.errors import InputError, ManifestError, ShapeError
+from ktconvert.formats.base import SOURCES, ExpertWeights
+
+GGUF_MAGIC = b"GGUF"
+SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+# general.architecture -> config.json model_type (ktconvert manifests). "llama" with experts is Mixtral.
+GGUF_ARCH_MODEL_TYPES = {
+    "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next",
+    "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2",
+    "llama": "mixtral",
+}
+PROJ_TENSORS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
+FUSED_GATE_UP = "ffn_gate_up_exps"
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: shape in numpy order (ggml ne reversed), absolute data offset in `file`."""
+
+    file: Path
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _scalar(field):
+    """A metadata field's value when it is a scalar or string (arrays are skipped: tokenizer data)."""
+    from gguf import GGUFValueType
+
+    if not field.types or field.types[0] == GGUFValueType.ARRAY:
+        return None
+    value = field.contents()
+    return value.item() if hasattr(value, "item") else value
+
+
+def read_header(path: Path) -> tuple[dict, dict[str, GGUFTensor]]:
+    """(scalar metadata, tensors by name) of one GGUF file; the file's memory map is released on return."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path, "r")
+    except (ValueError, OSError, KeyError, IndexError) as exc:
+        raise InputError(f"not a readable GGUF file ({exc})", file=path.name) from None
+    meta = {name: value for name, field in reader.fields.items()
+            if not name.startswith("GGUF.") and (value := _scalar(field)) is not None}
+    tensors = {t.name: GGUFTensor(path, t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)),
+                                  int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
+    del reader  # drops the memory map; nothing of the tensor data was touched
+    return meta, tensors
+
+
+def gguf_files(path) -> list[Path]:
+    """The GGUF file(s) of one model at `path` (file, split member, or directory), split parts in order."""
+    p = Path(path)
+    if p.is_dir():
+        found = sorted(f for f in p.glob("*.gguf") if f.is_file())
+        if not found:
+            raise InputError("no .gguf file in the directory", file=p)
+        groups = {(m.group("stem"), m.group("count")) if (m := SPLIT_RE.match(f.name)) else (f.name, "1")
+                  for f in found}
+        if len(groups) > 1:
+            raise InputError("the directory holds several GGUF models", file=p,
+                             found=", ".join(sorted(g[0] for g in groups)), hint="pass one .gguf file")
+        return _split_set(found[0]) if SPLIT_RE.match(found[0].name) else found
+    if not p.is_file():
+        raise InputError("GGUF file not found", file=p)
+    return _split_set(p) if SPLIT_RE.match(p.name) else [p]
+
+
+def _split_set(member: Path) -> list[Path]:
+    m = SPLIT_RE.match(member.name)
+    count = int(m.group("count"))
+    parts = [member.with_name(f"{m.group('stem')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [q.name for q in parts if not q.is_file()]
+    if missing:
+        raise InputError(f"split GGUF set is incomplete ({len(missing)} of {count} parts missing)",
+                         file=member.parent, expected=", ".join(q.name for q in parts), found="missing " +
+                         ", ".join(missing))
+    return parts
+
+
+def _meta(meta: dict, key: str, file: str, default=None, required: bool = True):
+    if key in meta:
+        return meta[key]
+    if required and default is None:
+        raise InputError("GGUF metadata key missing", file=file, expected=key)
+    return default
+
+
+def model_info(meta: dict, tensors: dict[str, GGUFTensor], file: str):
+    """ModelInfo (ktconvert.architecture) from GGUF metadata + tensor names."""
+    from ktconvert.architecture import ModelInfo, manifest_for
+
+    arch = str(_meta(meta, "general.architecture", file))
+    model_type = GGUF_ARCH_MODEL_TYPES.get(arch)
+    if model_type is None:
+        raise ManifestError(f"GGUF architecture {arch!r} is not a supported MoE family", file=file,
+                            expected="one of " + ", ".join(sorted(GGUF_ARCH_MODEL_TYPES)), found=arch)
+    n_blocks = int(_meta(meta, f"{arch}.block_count", file))
+    n_experts = int(_meta(meta, f"{arch}.expert_count", file, default=0, required=False))
+    if n_experts <= 0:
+        raise InputError("GGUF model has no routed experts", file=file, expected=f"{arch}.expert_count > 0",
+                         found=n_experts)
+    n_mtp = int(_meta(meta, f"{arch}.nextn_predict_layers", file, default=0, required=False))
+    n_layers = n_blocks - n_mtp
+    moe = tuple(L for L in range(n_layers) if _has_experts(tensors, L))
+    if not moe:
+        raise InputError("no routed expert tensors found", file=file, tensor="blk.L.ffn_gate_exps.weight")
+    hidden = int(_meta(meta, f"{arch}.embedding_length", file))
+    inter = _meta(meta, f"{arch}.expert_feed_forward_length", file, default=0, required=False)
+    inter = int(inter) or _expert_rows(tensors, moe[0])
+    n_shared = int(_meta(meta, f"{arch}.expert_shared_count", file, default=0, required=False))
+    shared_i = int(_meta(meta, f"{arch}.expert_shared_feed_forward_length", file, default=0, required=False))
+    config = {"gguf_architecture": arch, **{k: v for k, v in meta.items() if k.startswith(arch + ".")}}
+    return ModelInfo(
+        family=manifest_for(model_type).family, model_type=model_type, n_layers=n_layers, moe_layers=moe,
+        mtp_layers=tuple(range(n_layers, n_blocks)), n_experts=n_experts, hidden=hidden, intermediate=inter,
+        experts_per_tok=int(_meta(meta, f"{arch}.expert_used_count", file, default=0, required=False)),
+        n_shared=n_shared, shared_intermediate=shared_i or inter * n_shared, first_dense=moe[0], name_prefix="",
+        manifest=manifest_for(model_type), config=config)
+
+
+def _has_experts(tensors: dict, layer: int) -> bool:
+    return any(f"blk.{layer}.{t}.weight" in tensors for t in (PROJ_TENSORS["gate"], FUSED_GATE_UP))
+
+
+def _expert_rows(tensors: dict, layer: int) -> int:
+    ref = tensors.get(f"blk.{layer}.{PROJ_TENSORS['gate']}.weight")
+    if ref is not None:
+        return ref.shape[1]
+    return tensors[f"blk.{layer}.{FUSED_GATE_UP}.weight"].shape[1] // 2
+
+
+@SOURCES.register("gguf", aliases=["llama.cpp"])
+class GGUFSource:
+    """A GGUF model (one file or a split set) read one expert slice at a time. input_format = "gguf"."""
+
+    input_format = "gguf"
+
+    def __init__(self, paths: list[Path], meta: dict, tensors: dict[str, GGUFTensor]):
+        self.paths = paths
+        self.root = paths[0].parent
+        self.meta = meta
+        self.tensors = tensors
+        self.info = model_info(meta, tensors, paths[0].name)
+
+    # -- opening
+
+    @classmethod
+    def sniff(cls, path) -> bool:
+        """A file starting with the GGUF magic, or a directory with .gguf files and no .safetensors."""
+        p = Path(path)
+        if p.is_dir():
+            return any(p.glob("*.gguf")) and not any(p.glob("*.safetensors"))
+        try:
+            with open(p, "rb") as f:
+                return f.read(4) == GGUF_MAGIC
+        except OSError:
+            return False
+
+    @classmethod
+    def open(cls, path) -> "GGUFSource":
+        """Parse the header(s) of the model at `path`; metadata comes from the first split part."""
+        paths = gguf_files(path)
+        meta: dict = {}
+        tensors: dict[str, GGUFTensor] = {}
+        for i, part in enumerate(paths):
+            part_meta, part_tensors = read_header(part)
+            if i == 0:
+                meta = part_meta
+            dup = sorted(set(part_tensors) & set(tensors))
+            if dup:
+                raise InputError("tensor stored in two split parts", file=part.name, tensor=dup[0])
+            tensors.update(part_tensors)
+        count = int(meta.get("split.count", 1) or 1)
+        if count != len(paths):
+            raise InputError("split part count disagrees with the files found", file=paths[0].name,
+                             expected=f"split.count = {count} parts", found=f"{len(paths)} file(s)")
+        return cls(paths, meta, tensors)
+
+    def files(self) -> list[Path]:
+        return list(self.paths)
+
+    def relative_name(self, path: Path) -> str:
+        return Path(path).relative_to(self.root).as_posix()
+
+    def config_sha256(self) -> str | None:
+        return None  # no config.json: the GGUF files themselves are fingerprinted by the pipeline
+
+    # -- layers and tensors
+
+    def all_layers(self, include_mtp: bool = True) -> tuple[int, ...]:
+        return self.info.moe_layers + (self.present_mtp_layers() if include_mtp else ())
+
+    def present_mtp_layers(self) -> tuple[int, ...]:
+        return tuple(L for L in self.info.mtp_layers if _has_experts(self.tensors, L))
+
+    def fused(self, layer: int) -> bool:
+        return f"blk.{layer}.{FUSED_GATE_UP}.weight" in self.tensors
+
+    def _layer_tensors(self, layer: int) -> list[tuple[str, tuple[str, ...]]]:
+        """[(tensor name, projections it holds)] of one layer's routed experts."""
+        if self.fused(layer):
+            return [(f"blk.{layer}.{FUSED_GATE_UP}.weight", ("gate", "up")),
+                    (f"blk.{layer}.{PROJ_TENSORS['down']}.weight", ("down",))]
+        return [(f"blk.{layer}.{PROJ_TENSORS[p]}.weight", (p,)) for p in ("gate", "up", "down")]
+
+    def _want_shape(self, projs: tuple[str, ...]) -> tuple[int, int, int]:
+        E, H, I = self.info.n_experts, self.info.hidden, self.info.intermediate
+        return (E, H, I) if projs == ("down",) else (E, I * len(projs), H)
+
+    def ggml_types(self) -> dict[str, int]:
+        """ggml type name -> number of routed-expert tensors of that type."""
+        from ktconvert.quant.ggml import type_name
+
+        counts: dict[str, int] = {}
+        for layer in self.all_layers():
+            for name, _ in self._layer_tensors(layer):
+                if name in self.tensors:
+                    key = type_name(self.tensors[name].ggml_type)
+                    counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    # -- validation
+
+    def validate(self, include_mtp: bool = False) -> None:
+        """Every expert tensor of every converted layer is present, has the metadata's [E, I, H] / [E, H, I] shape,
+        a dequantizable ggml type and lies inside its file. Raises InputError / ShapeError naming file and tensor."""
+        for layer in self.all_layers(include_mtp):
+            for name, projs in self._layer_tensors(layer):
+                self._check_tensor(name, projs)
+
+    def _check_tensor(self, name: str, projs: tuple[str, ...]) -> GGUFTensor:
+        from ktconvert.quant.ggml import DEQUANT_TYPES, packed_bytes, supported, type_name
+
+        ref = self.tensors.get(name)
+        if ref is None:
+            raise InputError("routed expert tensor missing", file=self.paths[0].name, tensor=name)
+        want = self._want_shape(projs)
+        if ref.shape != want:
+            raise ShapeError("expert tensor shape disagrees with the GGUF metadata", file=ref.file.name, tensor=name,
+                             expected=f"{list(want)} ({'[E, H, I]' if projs == ('down',) else '[E, I, H]'})",
+                             found=str(list(ref.shape)))
+        if not supported(ref.ggml_type):
+            raise InputError("ggml type of an expert tensor is not supported", file=ref.file.name, tensor=name,
+                             expected="one of " + ", ".join(sorted(DEQUANT_TYPES)), found=type_name(ref.ggml_type))
+        try:
+            nbytes = packed_bytes(ref.ggml_type, int(np.prod(ref.shape)), row=ref.shape[-1])
+        except ShapeError as exc:
+            raise ShapeError(exc.detail, file=ref.file.name, tensor=name, expected=exc.expected,
+                             found=exc.found) from None
+        if nbytes != ref.nbytes or ref.offset + nbytes > ref.file.stat().st_size:
+            raise InputError("expert tensor data lies outside its file", file=ref.file.name, tensor=name,
+                             expected=f"{nbytes} bytes at offset {ref.offset}",
+                             found=f"file size {ref.file.stat().st_size}")
+        return ref
+
+    # -- reading
+
+    def slice_range(self, name: str, expert: int) -> tuple[GGUFTensor, int, int]:
+        """(tensor, absolute offset, bytes) of expert `expert`'s slice of fused tensor `name`."""
+        ref = self.tensors[name]
+        step = ref.nbytes // ref.shape[0]
+        return ref, ref.offset + expert * step, step
+
+    def _pread(self, path: Path, offset: int, nbytes: int) -> np.ndarray:
+        buf = np.empty(nbytes, dtype=np.uint8)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            view, done = memoryview(buf), 0
+            while done < nbytes:
+                got = os.preadv(fd, [view[done:]], offset + done)
+                if got <= 0:
+                    raise InputError("GGUF file truncated", file=path.name,
+                                     expected=f"{nbytes} bytes at offset {offset}", found=f"{done} bytes")
+                done += got
+        finally:
+            os.close(fd)
+        return buf
+
+    def _decode(self, name: str, projs: tuple[str, ...], raw: np.ndarray) -> dict[str, np.ndarray]:
+        from ktconvert.quant.ggml import dequantize_bf16
+
+        ref = self.tensors[name]
+        rows, cols = ref.shape[1:]
+        bits = dequantize_bf16(raw, ref.ggml_type, name=name).reshape(rows, cols)
+        if len(projs) == 1:
+            return {projs[0]: bits}
+        half = rows // 2
+        return {"gate": bits[:half], "up": bits[half:]}
+
+    def read_expert(self, layer: int, expert: int) -> ExpertWeights:
+        """Expert `expert` of `layer`: gate/up uint16 [I, H], down uint16 [H, I] (BF16 bits); biases float32."""
+        if not 0 <= expert < self.info.n_experts:
+            raise InputError(f"expert index out of range in layer {layer}",
+                             expected=f"0..{self.info.n_experts - 1}", found=str(expert))
+        mats: dict[str, np.ndarray] = {}
+        for name, projs in self._layer_tensors(layer):
+            self._check_tensor(name, projs)
+            ref, offset, nbytes = self.slice_range(name, expert)
+            mats.update(self._decode(name, projs, self._pread(ref.file, offset, nbytes)))
+        biases = {f"{p}_bias": self._bias(layer, p, expert) for p in ("gate", "up", "down")}
+        return ExpertWeights(mats["gate"], mats["up"], mats["down"], **biases)
+
+    # -- biases (gpt-oss)
+
+    def _bias_names(self, layer: int) -> dict[str, str]:
+        names = {p: f"blk.{layer}.{t}.bias" for p, t in PROJ_TENSORS.items()}
+        return {p: n for p, n in names.items() if n in self.tensors}
+
+    def _bias(self, layer: int, proj: str, expert: int | None = None) -> np.ndarray | None:
+        from ktconvert.quant.ggml import dequantize
+
+        name = self._bias_names(layer).get(proj)
+        if name is None:
+            return None
+        ref = self.tensors[name]
+        if expert is None:
+            return dequantize(self._pread(ref.file, ref.offset, ref.nbytes), ref.ggml_type, name=name)
+        _, offset, nbytes = self.slice_range(name, expert)
+        return dequantize(self._pread(ref.file, offset, nbytes), ref.ggml_type, name=name)
+
+    def has_expert_biases(self) -> bool:
+        return any(self._bias_names(layer) for layer in self.all_layers())
+
+    def nonzero_expert_biases(self, layers) -> list[str]:
+        """Names of expert bias tensors (in `layers`) holding any non-zero value."""
+        return [name for layer in layers for proj, name in self._bias_names(layer).items()
+                if np.any(self._bias(layer, proj) != 0)]
+
+    # -- streaming jobs (pipeline.py reads each file front to back)
+
+    def matrix_jobs(self, layers, include_dense: bool = False) -> list:
+        """One MatrixJob per expert slice of each expert tensor; key = (tensor name, expert, projections)."""
+        from ktconvert.formats.stream import MatrixJob
+
+        jobs = []
+        for layer in layers:
+            for name, projs in self._layer_tensors(layer):
+                self._check_tensor(name, projs)
+                for e in range(self.info.n_experts):
+                    ref, offset, nbytes = self.slice_range(name, e)
+                    jobs.append(MatrixJob(ref.file, offset, nbytes, layer, e, projs, key=(name, e, projs)))
+        return jobs
+
+    def decode(self, job, raw: np.ndarray) -> dict[str, np.ndarray]:
+        """Bytes of one MatrixJob -> {proj: uint16 BF16 bits in HF orientation}."""
+        name, _expert, projs = job.key
+        return self._decode(name, projs, raw)
+
+
+def describe(path) -> dict:
+    """`ktconvert inspect` for a GGUF model: the keys ktconvert.inspect.render reads (headers only)."""
+    source = GGUFSource.open(path)
+    info = source.info
+    from ktconvert.quant.ggml import type_name
+
+    dtypes: dict[str, int] = {}
+    components: dict[str, int] = {}
+    for ref in source.tensors.values():
+        key = type_name(ref.ggml_type)
+        dtypes[key] = dtypes.get(key, 0) + ref.nbytes
+        cat = _component(ref.name, info.n_layers)
+        components[cat] = components.get(cat, 0) + ref.nbytes
+    dense = [layer for layer in range(info.n_layers) if layer not in set(info.moe_layers)]
+    types = source.ggml_types()
+    llamafile_ok = info.intermediate % 256 == 0
+    return {
+        "path": str(Path(path)), "files": len(source.paths),
+        "file_bytes": sum(p.stat().st_size for p in source.paths), "tensors": len(source.tensors),
+        "dtypes": dict(sorted(dtypes.items(), key=lambda kv: -kv[1])), "quantization": {"gguf_expert_types": types},
+        "model_type": info.model_type, "components": dict(sorted(components.items(), key=lambda kv: -kv[1])),
+        "family": info.family, "supported": True, "input_format": "gguf",
+        "layers": {"total": info.n_layers, "dense": dense, "moe": list(info.moe_layers),
+                   "mtp": list(source.present_mtp_layers()), "mtp_in_config": list(info.mtp_layers)},
+        "experts": info.n_experts, "experts_per_tok": info.experts_per_tok, "shared_experts": info.n_shared,
+        "hidden": info.hidden, "intermediate": info.intermediate,
+        "expert_layout": {"form": "fused", "gate_up": "ggml [E, I, H] per projection", "down": "[E, H, I]",
+                          "biases": source.has_expert_biases()},
+        "kt_methods": {
+            "LLAMAFILE": "as is (kt-kernel reads the GGUF)" if llamafile_ok else
+                         f"no: needs I % 256 == 0 (I = {info.intermediate})",
+            "AMXINT4": "convert: ktconvert cpu MODEL OUT --method amxint4 (decodes GGUF to BF16 first)",
+            "AMXINT8": "convert: ktconvert cpu MODEL OUT --method amxint8 (decodes GGUF to BF16 first)",
+            "BF16": "no: needs HF safetensors BF16 experts", "FP8": "no: needs FP8 safetensors experts",
+            "RAWINT4": "no: needs compressed-tensors int4 experts"},
+    }
+
+
+_COMPONENTS = (("routed_experts", re.compile(r"\.ffn_(gate|up|down|gate_up)_exps\.")),
+               ("shared_experts", re.compile(r"\.ffn_(gate|up|down)_shexp\.|ffn_gate_inp_shexp")),
+               ("router", re.compile(r"\.ffn_gate_inp\.|exp_probs_b")),
+               ("attention", re.compile(r"\.attn_")), ("dense_mlp", re.compile(r"\.ffn_(gate|up|down)\.")),
+               ("embeddings", re.compile(r"^(token_embd|output)\.")), ("norms", re.compile(r"norm")))
+
+
+def _component(name: str, n_layers: int) -> str:
+    m = re.match(r"blk\.(\d+)\.", name)
+    if m and int(m.group(1)) >= n_layers:
+        return "mtp"
+    return next((cat for cat, rx in _COMPONENTS if rx.search(name)), "other")

@@ -1,0 +1,436 @@
+/* Dequantization of ggml block formats, bit-identical to gguf-py's numpy `dequantize` (see kt_gguf.h).
+ *
+ * Each blk_* function decodes one block into float32 with exactly gguf-py's float32 operations, e.g. Q4_K
+ * `(d * sc) * q - (dmin * m)`: scales are products of float32 values first, then one multiply and one subtract per
+ * element. The element order of every format is written next to its function as gguf-py's reshapes produce it.
+ * The bodies are written once (always_inline) and instantiated per ISA, so the compiler vectorizes them for
+ * AVX2/AVX-512; IEEE float32 multiply/subtract are exact-rounded whatever the vector width, and -ffp-contract=off
+ * forbids fusing them, so every instantiation gives the same bits.
+ */
+#include <string.h>
+
+#include "kt_gguf.h"
+#include "kt_internal.h"
+
+#ifdef KT_X86
+#include <immintrin.h>
+#endif
+
+#define KT_INLINE static inline __attribute__((always_inline))
+#define QK_K 256
+
+/* ---------------------------------------------------------------- scalar helpers */
+
+KT_INLINE uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+KT_INLINE uint32_t rd32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+KT_INLINE float bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* IEEE half -> float, exact (subnormal halves become normal floats: man * 2^-24 is exact). */
+KT_INLINE float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0) {
+        float f = (float)man * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    if (exp == 31) return bits_to_f32(sign | 0x7f800000u | (man << 13));
+    return bits_to_f32(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+/* ggml_e8m0_to_fp32_half: 2^(e - 128) as float32 (subnormal for e < 2). */
+KT_INLINE float e8m0_half(uint8_t e) {
+    return bits_to_f32(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
+
+static const int8_t KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* ---------------------------------------------------------------- element formats (block = 1 element) */
+
+KT_INLINE void blk_f32(const uint8_t *b, float *y) { y[0] = bits_to_f32(rd32(b)); }
+KT_INLINE void blk_f16(const uint8_t *b, float *y) { y[0] = f16_to_f32(rd16(b)); }
+KT_INLINE void blk_bf16(const uint8_t *b, float *y) { y[0] = bits_to_f32((uint32_t)rd16(b) << 16); }
+
+/* ---------------------------------------------------------------- 32-element blocks */
+
+/* Q4_0 [d f16][qs 16]: element j < 16 is qs[j] & 15, j >= 16 is qs[j-16] >> 4; y = d * (q - 8). */
+KT_INLINE void blk_q4_0(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(rd16(b));
+    const uint8_t *qs = b + 2;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((int)(qs[j] & 15) - 8);
+        y[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
+    }
+}
+
+/* Q4_1 [d][m][qs 16]: y = d * q + m. */
+KT_INLINE void blk_q4_1(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(rd16(b)), m = f16_to_f32(rd16(b + 2));
+    const uint8_t *qs = b + 4;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)(qs[j] & 15) + m;
+        y[j + 16] = d * (float)(qs[j] >> 4) + m;
+    }
+}
+
+/* Q5_0 [d][qh u32][qs 16]: bit 4 of element j is bit j of qh; y = d * (q - 16). */
+KT_INLINE void blk_q5_0(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(rd16(b));
+    const uint32_t qh = rd32(b + 2);
+    const uint8_t *qs = b + 6;
+    for (int j = 0; j < 16; j++) {
+        int lo = (qs[j] & 15) | (int)(((qh >> j) & 1u) << 4);
+        int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+        y[j] = d * (float)(lo - 16);
+        y[j + 16] = d * (float)(hi - 16);
+    }
+}
+
+/* Q5_1 [d][m][qh u32][qs 16]: y = d * q + m. */
+KT_INLINE void blk_q5_1(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(rd16(b)), m = f16_to_f32(rd16(b + 2));
+    const uint32_t qh = rd32(b + 4);
+    const uint8_t *qs = b + 8;
+    for (int j = 0; j < 16; j++) {
+        int lo = (qs[j] & 15) | (int)(((qh >> j) & 1u) << 4);
+        int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+        y[j] = d * (float)lo + m;
+        y[j + 16] = d * (float)hi + m;
+    }
+}
+
+/* Q8_0 [d][qs int8 32]: y = q * d. */
+KT_INLINE void blk_q8_0(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(rd16(b));
+    const int8_t *qs = (const int8_t *)(b + 2);
+    for (int j = 0; j < 32; j++) y[j] = (float)qs[j] * d;
+}
+
+/* IQ4_NL [d][qs 16]: nibbles as Q4_0, y = d * kvalues[nibble]. */
+KT_INLINE void blk_iq4_nl(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(rd16(b));
+    const uint8_t *qs = b + 2;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)KV_IQ4NL[qs[j] & 15];
+        y[j + 16] = d * (float)KV_IQ4NL[qs[j] >> 4];
+    }
+}
+
+/* MXFP4 [e8m0][qs 16]: nibbles as Q4_0, y = e8m0_half(e) * kvalues_mxfp4[nibble] (doubled e2m1). */
+KT_INLINE void blk_mxfp4(const uint8_t *b, float *y) {
+    const float d = e8m0_half(b[0]);
+    const uint8_t *qs = b + 1;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)KV_MXFP4[qs[j] & 15];
+        y[j + 16] = d * (float)KV_MXFP4[qs[j] >> 4];
+    }
+}
+
+/* ---------------------------------------------------------------- 256-element super-blocks */
+
+/* Q2_K [scales 16][qs 64][d][dmin]: element g*128 + s*32 + j = (qs[g*32+j] >> 2s) & 3, sub-block e/16;
+ * y = (d * (sc & 15)) * q - (dmin * (sc >> 4)). */
+KT_INLINE void blk_q2_k(const uint8_t *b, float *y) {
+    const uint8_t *sc = b, *qs = b + 16;
+    const float d = f16_to_f32(rd16(b + 80)), dmin = f16_to_f32(rd16(b + 82));
+    for (int g = 0; g < 2; g++)
+        for (int s = 0; s < 4; s++)
+            for (int h = 0; h < 2; h++) {
+                const int sub = g * 8 + s * 2 + h;
+                const float dl = d * (float)(sc[sub] & 15), ml = dmin * (float)(sc[sub] >> 4);
+                const uint8_t *q = qs + g * 32 + h * 16;
+                float *out = y + sub * 16;
+                for (int j = 0; j < 16; j++) out[j] = dl * (float)((q[j] >> (2 * s)) & 3) - ml;
+            }
+}
+
+/* Q3_K [hmask 32][qs 64][scales 12][d]: 6-bit scale i = (low nibble: scales[i] & 15 for i < 8, scales[i-8] >> 4
+ * above) | ((scales[8 + i%4] >> 2*(i/4)) & 3) << 4, minus 32. Element e = g*128 + s*32 + j:
+ * q = ((qs[g*32+j] >> 2s) & 3) - 4 * !((hmask[j] >> (e/32)) & 1); y = (d * scale[e/16]) * q. */
+KT_INLINE void blk_q3_k(const uint8_t *b, float *y) {
+    const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
+    const float d = f16_to_f32(rd16(b + 108));
+    float dl[16];
+    for (int i = 0; i < 16; i++) {
+        int lo = i < 8 ? (sc[i] & 15) : (sc[i - 8] >> 4);
+        int hi = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+        dl[i] = d * (float)((lo | (hi << 4)) - 32);
+    }
+    for (int g = 0; g < 2; g++)
+        for (int s = 0; s < 4; s++)
+            for (int h = 0; h < 2; h++) {
+                const int e0 = g * 128 + s * 32 + h * 16, bit = e0 >> 5;
+                const float scale = dl[e0 >> 4];
+                const uint8_t *q = qs + g * 32 + h * 16, *m = hm + h * 16;
+                for (int j = 0; j < 16; j++) {
+                    int v = ((q[j] >> (2 * s)) & 3) - ((((m[j] >> bit) & 1) ^ 1) << 2);
+                    y[e0 + j] = scale * (float)v;
+                }
+            }
+}
+
+/* Q4_K / Q5_K 6-bit scales and mins (12 bytes) -> sc[8], mn[8]. */
+KT_INLINE void k_scale_min(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int i = 0; i < 4; i++) {
+        sc[i] = s[i] & 0x3f;
+        mn[i] = s[4 + i] & 0x3f;
+        sc[4 + i] = (uint8_t)((s[8 + i] & 0x0f) | ((s[i] >> 2) & 0x30));
+        mn[4 + i] = (uint8_t)((s[8 + i] >> 4) | ((s[4 + i] >> 2) & 0x30));
+    }
+}
+
+/* Q4_K [d][dmin][scales 12][qs 128]: sub-block k (32 elements) = (qs[(k/2)*32 + j] >> 4*(k%2)) & 15;
+ * y = (d * sc[k]) * q - (dmin * m[k]). */
+KT_INLINE void blk_q4_k(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(rd16(b)), dmin = f16_to_f32(rd16(b + 2));
+    uint8_t sc[8], mn[8];
+    k_scale_min(b + 4, sc, mn);
+    const uint8_t *qs = b + 16;
+    for (int k = 0; k < 8; k++) {
+        const float dk = d * (float)sc[k], mk = dmin * (float)mn[k];
+        const uint8_t *q = qs + (k >> 1) * 32;
+        const int shift = 4 * (k & 1);
+        for (int j = 0; j < 32; j++) y[k * 32 + j] = dk * (float)((q[j] >> shift) & 15) - mk;
+    }
+}
+
+/* Q5_K [d][dmin][scales 12][qh 32][qs 128]: as Q4_K with bit 4 of sub-block k's element j = (qh[j] >> k) & 1. */
+KT_INLINE void blk_q5_k(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(rd16(b)), dmin = f16_to_f32(rd16(b + 2));
+    uint8_t sc[8], mn[8];
+    k_scale_min(b + 4, sc, mn);
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int k = 0; k < 8; k++) {
+        const float dk = d * (float)sc[k], mk = dmin * (float)mn[k];
+        const uint8_t *q = qs + (k >> 1) * 32;
+        const int shift = 4 * (k & 1);
+        for (int j = 0; j < 32; j++) {
+            int v = ((q[j] >> shift) & 15) | (((qh[j] >> k) & 1) << 4);
+            y[k * 32 + j] = dk * (float)v - mk;
+        }
+    }
+}
+
+/* Q6_K [ql 128][qh 64][scales int8 16][d]: element e = g*128 + r: low = (ql[g*64 + r%64] >> 4*(r/64)) & 15,
+ * high = (qh[g*32 + r%32] >> 2*(r/32)) & 3; y = (d * scale[e/16]) * ((low | high << 4) - 32). */
+KT_INLINE void blk_q6_k(const uint8_t *b, float *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = f16_to_f32(rd16(b + 208));
+    for (int g = 0; g < 2; g++)
+        for (int c = 0; c < 8; c++) {     /* 16-element chunk c of this half: r = c*16 .. c*16+15 */
+            const int r0 = c * 16, e0 = g * 128 + r0;
+            const float scale = d * (float)sc[e0 >> 4];
+            const uint8_t *l = ql + g * 64 + (r0 & 63), *h = qh + g * 32 + (r0 & 31);
+            const int ls = 4 * (r0 >> 6), hs = 2 * (r0 >> 5);
+            for (int j = 0; j < 16; j++) {
+                int v = (((l[j] >> ls) & 15) | (((h[j] >> hs) & 3) << 4)) - 32;
+                y[e0 + j] = scale * (float)v;
+            }
+        }
+}
+
+/* IQ4_XS [d][scales_h u16][scales_l 4][qs 128]: scale k = ((scales_l[k/2] >> 4*(k%2)) & 15 |
+ * ((scales_h >> 2k) & 3) << 4) - 32; sub-block k element j: nibble of qs[k*16 + j%16] (low for j < 16);
+ * y = (d * scale[k]) * kvalues[nibble]. */
+KT_INLINE void blk_iq4_xs(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(rd16(b));
+    const uint16_t sh = rd16(b + 2);
+    const uint8_t *sl = b + 4, *qs = b + 8;
+    for (int k = 0; k < 8; k++) {
+        int s = (((sl[k >> 1] >> (4 * (k & 1))) & 15) | (((sh >> (2 * k)) & 3) << 4)) - 32;
+        const float dl = d * (float)s;
+        const uint8_t *q = qs + k * 16;
+        for (int j = 0; j < 16; j++) {
+            y[k * 32 + j] = dl * (float)KV_IQ4NL[q[j] & 15];
+            y[k * 32 + 16 + j] = dl * (float)KV_IQ4NL[q[j] >> 4];
+        }
+    }
+}
+
+/* TQ2_0 [qs 64][d]: element g*128 + s*32 + j = ((qs[g*32+j] >> 2s) & 3) - 1; y = d * q. */
+KT_INLINE void blk_tq2_0(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(rd16(b + 64));
+    for (int g = 0; g < 2; g++)
+        for (int s = 0; s < 4; s++)
+            for (int j = 0; j < 32; j++) y[g * 128 + s * 32 + j] = d * (float)(((b[g * 32 + j] >> (2 * s)) & 3) - 1);
+}
+
+/* TQ1_0 [qs 48][qh 4][d]: base-3 digits: t = (uint8)(byte * 3^p); q = ((t * 3) >> 8) - 1. Elements p*32 + j
+ * from qs[j] (j < 32), 160 + p*16 + j from qs[32+j], 240 + p*4 + j from qh[j]; y = d * q. */
+KT_INLINE void blk_tq1_0(const uint8_t *b, float *y) {
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    const float d = f16_to_f32(rd16(b + 52));
+    for (int p = 0; p < 5; p++) {
+        for (int j = 0; j < 32; j++) y[p * 32 + j] = d * (float)((((uint8_t)(b[j] * pow3[p])) * 3 >> 8) - 1);
+        for (int j = 0; j < 16; j++)
+            y[160 + p * 16 + j] = d * (float)((((uint8_t)(b[32 + j] * pow3[p])) * 3 >> 8) - 1);
+    }
+    for (int p = 0; p < 4; p++)
+        for (int j = 0; j < 4; j++) y[240 + p * 4 + j] = d * (float)((((uint8_t)(b[48 + j] * pow3[p])) * 3 >> 8) - 1);
+}
+
+/* ---------------------------------------------------------------- BF16 rounding (quant/bf16.py) */
+
+KT_INLINE void to_bf16(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], sizeof u);
+        uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        uint16_t quiet = (uint16_t)((u >> 16) | 0x0040u);
+        out[i] = (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
+    }
+}
+
+/* ---------------------------------------------------------------- per-ISA instantiation */
+
+/* X(name, ggml type id, elements per block, bytes per block) */
+#define KT_GGUF_TYPES(X)              \
+    X(f32, 0, 1, 4)                   \
+    X(f16, 1, 1, 2)                   \
+    X(q4_0, 2, 32, 18)                \
+    X(q4_1, 3, 32, 20)                \
+    X(q5_0, 6, 32, 22)                \
+    X(q5_1, 7, 32, 24)                \
+    X(q8_0, 8, 32, 34)                \
+    X(q2_k, 10, QK_K, 84)             \
+    X(q3_k, 11, QK_K, 110)            \
+    X(q4_k, 12, QK_K, 144)            \
+    X(q5_k, 13, QK_K, 176)            \
+    X(q6_k, 14, QK_K, 210)            \
+    X(iq4_nl, 20, 32, 18)             \
+    X(iq4_xs, 23, QK_K, 136)          \
+    X(bf16, 30, 1, 2)                 \
+    X(tq1_0, 34, QK_K, 54)            \
+    X(tq2_0, 35, QK_K, 66)            \
+    X(mxfp4, 39, 32, 17)
+
+#define BF16_CHUNK 4096 /* floats of scratch per bf16 call step (16 KiB on the stack) */
+
+typedef void (*dq_f32_fn)(const uint8_t *src, int64_t nblocks, float *dst);
+typedef void (*dq_bf16_fn)(const uint8_t *src, int64_t nblocks, uint16_t *dst);
+
+#define KT_DEFINE_TYPE(ATTR, SUFFIX, NAME, ID, ELEMS, BYTES)                                         \
+    ATTR static void dq_##NAME##_##SUFFIX(const uint8_t *src, int64_t nblocks, float *dst) {         \
+        for (int64_t i = 0; i < nblocks; i++) blk_##NAME(src + i * (BYTES), dst + i * (ELEMS));      \
+    }                                                                                                \
+    ATTR static void dqb_##NAME##_##SUFFIX(const uint8_t *src, int64_t nblocks, uint16_t *dst) {     \
+        float buf[BF16_CHUNK];                                                                       \
+        const int64_t step = BF16_CHUNK / (ELEMS);                                                   \
+        for (int64_t i = 0; i < nblocks; i += step) {                                                \
+            int64_t n = nblocks - i < step ? nblocks - i : step;                                     \
+            for (int64_t k = 0; k < n; k++) blk_##NAME(src + (i + k) * (BYTES), buf + k * (ELEMS));  \
+            to_bf16(buf, n * (ELEMS), dst + i * (ELEMS));                                            \
+        }                                                                                            \
+    }
+
+#define KT_DEFINE_TYPE_scalar(NAME, ID, ELEMS, BYTES) KT_DEFINE_TYPE(, scalar, NAME, ID, ELEMS, BYTES)
+KT_GGUF_TYPES(KT_DEFINE_TYPE_scalar)
+
+#ifdef KT_X86
+#define KT_ATTR_AVX2 __attribute__((target("avx2")))
+#define KT_ATTR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define KT_DEFINE_TYPE_avx2(NAME, ID, ELEMS, BYTES) KT_DEFINE_TYPE(KT_ATTR_AVX2, avx2, NAME, ID, ELEMS, BYTES)
+#define KT_DEFINE_TYPE_avx512(NAME, ID, ELEMS, BYTES) KT_DEFINE_TYPE(KT_ATTR_AVX512, avx512, NAME, ID, ELEMS, BYTES)
+KT_GGUF_TYPES(KT_DEFINE_TYPE_avx2)
+KT_GGUF_TYPES(KT_DEFINE_TYPE_avx512)
+#define KT_ISA_FNS(PFX, NAME) {PFX##NAME##_scalar, PFX##NAME##_avx2, PFX##NAME##_avx512}
+#else
+#define KT_ISA_FNS(PFX, NAME) {PFX##NAME##_scalar, PFX##NAME##_scalar, PFX##NAME##_scalar}
+#endif
+
+typedef struct {
+    int type;
+    int64_t elems, bytes;
+    dq_f32_fn f32[3];   /* index: impl id - 1 (scalar, avx2, avx512) */
+    dq_bf16_fn bf16[3];
+} kt_gguf_entry;
+
+#define KT_ENTRY(NAME, ID, ELEMS, BYTES) {ID, ELEMS, BYTES, KT_ISA_FNS(dq_, NAME), KT_ISA_FNS(dqb_, NAME)},
+static const kt_gguf_entry KT_GGUF_TABLE[] = {KT_GGUF_TYPES(KT_ENTRY)};
+#define KT_GGUF_NTYPES ((int)(sizeof KT_GGUF_TABLE / sizeof KT_GGUF_TABLE[0]))
+
+static const kt_gguf_entry *find_type(int type) {
+    for (int i = 0; i < KT_GGUF_NTYPES; i++)
+        if (KT_GGUF_TABLE[i].type == type) return &KT_GGUF_TABLE[i];
+    return NULL;
+}
+
+KT_API int64_t kt_gguf_block_elems(int type) {
+    const kt_gguf_entry *e = find_type(type);
+    return e ? e->elems : 0;
+}
+
+KT_API int64_t kt_gguf_block_bytes(int type) {
+    const kt_gguf_entry *e = find_type(type);
+    return e ? e->bytes : 0;
+}
+
+/* Resolve (type, impl) -> table entry + ISA index; KT_OK or a status. */
+static int prepare(int type, int impl, const void *src, int64_t nblocks, const void *dst,
+                   const kt_gguf_entry **entry, int *isa) {
+    *entry = find_type(type);
+    if (*entry == NULL || nblocks < 0 || (nblocks > 0 && (src == NULL || dst == NULL))) return KT_E_ARG;
+    int chosen = kt_resolve_impl(impl);
+    if (chosen < 0) return -chosen;
+    *isa = chosen - 1;
+    return KT_OK;
+}
+
+/* numpy's mode: round to nearest even, all exceptions masked, no FTZ/DAZ (kt_fpenv_enter would set FTZ/DAZ). */
+typedef struct {
+    unsigned int saved;
+} gguf_fpenv;
+
+static void fp_enter(gguf_fpenv *env) {
+#ifdef KT_X86
+    env->saved = _mm_getcsr();
+    _mm_setcsr(0x1f80u);
+#else
+    (void)env;
+#endif
+}
+
+static void fp_leave(const gguf_fpenv *env) {
+#ifdef KT_X86
+    _mm_setcsr(env->saved);
+#else
+    (void)env;
+#endif
+}
+
+KT_API int kt_gguf_dequant_f32(int type, int impl, const uint8_t *src, int64_t nblocks, float *dst) {
+    const kt_gguf_entry *entry;
+    int isa, status = prepare(type, impl, src, nblocks, dst, &entry, &isa);
+    if (status != KT_OK) return status;
+    gguf_fpenv env;
+    fp_enter(&env);
+    entry->f32[isa](src, nblocks, dst);
+    fp_leave(&env);
+    return KT_OK;
+}
+
+KT_API int kt_gguf_dequant_bf16(int type, int impl, const uint8_t *src, int64_t nblocks, uint16_t *dst) {
+    const kt_gguf_entry *entry;
+    int isa, status = prepare(type, impl, src, nblocks, dst, &entry, &isa);
+    if (status != KT_OK) return status;
+    gguf_fpenv env;
+    fp_enter(&env);
+    entry->bf16[isa](src, nblocks, dst);
+    fp_leave(&env);
+    return KT_OK;
+}
