@@ -38,7 +38,7 @@ if sources:
             # No -march / -m<isa> flags: ISA code is selected at run time. -ffp-contract=off keeps x * inv a plain
             # fp32 product (no FMA contraction) wherever bytes must match the numpy reference.
             extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing", "-fvisibility=hidden", "-ffp-contract=off"],
-            extra_link_args=["-lpthread"],
+            extra_link_args=["-lpthread", "-lm"],
         )
     )
 

@@ -14,27 +14,15 @@ import time
 
 import numpy as np
 
-F16_FIELDS = {"F16": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-              "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0],
-              "TQ1_0": [52], "TQ2_0": [64]}
 DEFAULT_TYPES = ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "MXFP4", "F16", "BF16"]
 
 
-def random_blocks(type_name: str, nbytes_total: int, seed: int = 0) -> np.ndarray:
-    from gguf import GGMLQuantizationType as T
-    from gguf.constants import GGML_QUANT_SIZES
-
-    block_bytes = GGML_QUANT_SIZES[T[type_name]][1]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(nbytes_total // block_bytes, block_bytes), dtype=np.uint8)
-    for off in F16_FIELDS.get(type_name, []):
-        h = np.ascontiguousarray(raw[:, off:off + 2]).view(np.uint16)
-        h[(h & 0x7C00) == 0x7C00] &= np.uint16(0xBFFF)
-        raw[:, off:off + 2] = h.view(np.uint8)
-    if type_name == "BF16":
-        v = raw.view(np.uint16)
-        v[(v & 0x7F80) == 0x7F80] &= np.uint16(0xBFFF)
-    return raw.reshape(-1)
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
 
 
 def best_time(fn, repeat: int) -> tuple[float, object]:
@@ -59,6 +47,7 @@ def main() -> None:
 
     from ktconvert import native
     from ktconvert.native import gguf as native_gguf
+    from ktconvert.quant import ggml
 
     impls = []
     for impl in ("scalar", "avx2", "avx512"):
@@ -69,12 +58,12 @@ def main() -> None:
             pass
     for type_name in args.types.split(","):
         qtype = T[type_name]
-        raw = random_blocks(type_name, int(args.mb * (1 << 20)))
+        raw = ggml.random_blocks(type_name, int(args.mb * (1 << 20)) // ggml.geometry(type_name)[1])
         mb = raw.size / (1 << 20)
         with np.errstate(all="ignore"):
             t_ref, ref = best_time(lambda: quants.dequantize(raw, qtype), args.repeat)
         ref = np.asarray(ref, np.float32).reshape(-1)
-        base = {"type": type_name, "mib": round(mb, 2), "threads": args.threads, "cpu": platform.processor()}
+        base = {"type": type_name, "mib": round(mb, 2), "threads": args.threads, "cpu": cpu_model()}
         print(json.dumps({**base, "impl": "gguf-py", "out": "f32", "mb_per_s": round(mb / t_ref, 1)}), flush=True)
         if not native_gguf.supports(qtype.value):
             continue

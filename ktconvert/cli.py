@@ -320,6 +320,82 @@ def hub_server(port, root) -> None:
         server.stop()
 
 
+GPU_EXPERTS = ["w4a16", "w8a16"]
+GPU_LINEARS = ["fp8", "bf16", "keep"]
+
+
+def _gpu_options(fn):
+    fn = click.option("--linears", type=click.Choice(GPU_LINEARS), default="fp8", show_default=True,
+                      help="Attention / dense / shared-expert linears: fp8 = 128x128 block FP8 + linear_fp8_config "
+                           "(FP8 sources copied), bf16 = BF16 (Kimi style), keep = as stored.")(fn)
+    fn = click.option("--group-size", "gpu_group_size", type=click.Choice(["32", "64", "128"]), default="128",
+                      show_default=True, help="GPU expert quantization group size.")(fn)
+    return click.option("--experts", type=click.Choice(GPU_EXPERTS, case_sensitive=False), default="w4a16",
+                        show_default=True, help="compressed-tensors scheme of the routed experts.")(fn)
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("out", type=click.Path())
+@_gpu_options
+@click.option("--algo", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
+              help="rtn: round-to-nearest, bytes equal llmcompressor model_free_ptq; gptq needs calibration.")
+@click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers (else they are left out).")
+@click.option("--threads", type=int, default=None, help="Worker threads (default: all cores).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted conversion in OUT.")
+@click.option("--force", is_flag=True, help="Delete an existing OUT and start over.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes per component, VRAM per expert) only.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable --dry-run output.")
+@_progress_options
+def gpu(src, out, experts, gpu_group_size, linears, algo, include_mtp, threads, resume, force, dry_run, as_json,
+        quiet, json_progress) -> None:
+    """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
+    FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
+    from ktconvert.gpu.writer import convert_gpu
+    from ktconvert.progress import make_progress
+
+    if dry_run:
+        from ktconvert.gpu.plan import plan_gpu, render_gpu
+
+        _emit(plan_gpu(src, experts, int(gpu_group_size), linears, include_mtp), as_json, render_gpu)
+        return
+    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+        summary = convert_gpu(src, out, experts=experts, algo=algo, group_size=int(gpu_group_size), linears=linears,
+                              include_mtp=include_mtp, threads=threads, resume=resume, force=force,
+                              progress=progress)
+    click.echo(summary)
+
+
+@cli.command()
+@click.argument("src")
+@click.option("--cpu", "cpu_out", type=click.Path(), required=True, help="CPU (kt-kernel) output directory.")
+@click.option("--method", type=click.Choice(CPU_METHODS, case_sensitive=False), required=True,
+              help="kt-kernel method of the CPU output.")
+@click.option("--numa", type=int, default=1, show_default=True, help="NUMA parts T of the CPU output.")
+@click.option("--layout", type=click.Choice(["safetensors", "kt"]), default="safetensors", show_default=True)
+@click.option("--gpu", "gpu_out", type=click.Path(), required=True, help="GPU (SGLang --model) output directory.")
+@_gpu_options
+@click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers, on both sides.")
+@click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
+@click.option("--threads", type=int, default=None, help="Worker threads (default: all cores).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted conversion.")
+@click.option("--force", is_flag=True, help="Delete existing outputs and start over.")
+@_progress_options
+def convert(src, cpu_out, method, numa, layout, gpu_out, experts, gpu_group_size, linears, include_mtp,
+            allow_drop_bias, threads, resume, force, quiet, json_progress) -> None:
+    """Write the CPU and the GPU outputs of SRC in one pass (every source expert read once, RTN on both sides).
+    Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write."""
+    from ktconvert.gpu.convert import convert_both
+    from ktconvert.progress import make_progress
+
+    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+        lines = convert_both(src, cpu_out, gpu_out, method=method, numa=numa, layout=layout, experts=experts,
+                             gpu_group_size=int(gpu_group_size), linears=linears, include_mtp=include_mtp,
+                             allow_drop_bias=allow_drop_bias, threads=threads, resume=resume, force=force,
+                             progress=progress)
+    click.echo("\n".join(lines))
+
+
 def main() -> None:
     cli()
 

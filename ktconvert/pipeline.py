@@ -191,8 +191,12 @@ def _expert_tensor_set(source, layer: int) -> set[str]:
 def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetensors", quant: str = "rtn",
                 group_size: int = 128, threads: int | None = None, resume: bool = False, force: bool = False,
                 include_dense: bool = False, include_mtp: bool = False, allow_drop_bias: bool = False,
-                progress=None) -> str:
-    """Convert the routed experts of checkpoint `src` for kt-kernel into directory `out`. Returns a summary line."""
+                progress=None, extra_outputs=()) -> str:
+    """Convert the routed experts of checkpoint `src` for kt-kernel into directory `out`. Returns a summary line.
+
+    extra_outputs: more outputs fed from the same source read (e.g. ktconvert.gpu's GpuOutput for `convert`), each
+    with `layers` (must equal this conversion's), `journal`, begin_layer / layer_finished / finalize; the CPU
+    output's bytes do not depend on them."""
     from ktconvert.formats.base import open_source
     from ktconvert.plan import plan
     from ktconvert.quant.methods import METHODS
@@ -222,15 +226,41 @@ def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetens
         progress.message(f"resuming: {len(journal.layers)} of {len(layers)} layers already done")
     progress.start(todo_bytes, len(layers) - len(journal.layers), f"convert {qmethod.kt_method} T={numa}")
 
-    run_jobs(jobs, source, [output], journal, threads or os.cpu_count() or 1, progress)
+    for extra in extra_outputs:
+        if list(extra.layers) != layers:
+            raise OutputError("outputs of one pass disagree on the MoE layers", expected=str(layers),
+                              found=str(list(extra.layers)), hint="use the same --include-mtp for both")
+    run_journal = _JointJournal([journal] + [o.journal for o in extra_outputs]) if extra_outputs else journal
+    run_jobs(jobs, source, [output, *extra_outputs], run_journal, threads or os.cpu_count() or 1, progress)
 
     manifest = output.finalize()
+    for extra in extra_outputs:
+        extra.finalize()
     total = sum(f["bytes"] for f in manifest["files"].values())
     return (f"wrote {out_dir}: {len(manifest['files'])} files, {total} bytes; run with --kt-method "
             f"{manifest['method']} --kt-weight-path {out_dir} --kt-threadpool-count {numa}")
 
 
 # ---------------------------------------------------------------------------------------------- the loop
+
+class _JointJournal:
+    """What run_jobs asks of a journal, over several outputs' journals: a layer or source file counts as done
+    only when it is done in every one; source digests go to all."""
+
+    def __init__(self, journals: list):
+        self.journals = journals
+
+    def layer_done(self, layer: int) -> bool:
+        return all(j.layer_done(layer) for j in self.journals)
+
+    def source_digest(self, name: str) -> dict | None:
+        digests = [j.source_digest(name) for j in self.journals]
+        return digests[0] if all(digests) else None
+
+    def finish_source(self, name: str, digest: dict) -> None:
+        for j in self.journals:
+            j.finish_source(name, digest)
+
 
 def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal: Journal, workers: int, progress) -> None:
     """Read every source file front to back; each decoded matrix goes to every output in `outputs`.

@@ -8,8 +8,6 @@ manifest), numerics (``--source``: ``ktconvert.verify_numeric.check_numerics`` w
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import os
 import re
@@ -46,7 +44,7 @@ class _Problems:
 def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None, experts="4", threshold=None,
            remote=None, hub: str = "hf", revision=None, endpoint=None) -> dict:
     """Verify output folder `out`. Returns {"ok": bool, "out", "problems": [one-line str], "checks": [{name,
-    status ("ok" | "failed" | "skipped" | "not available"), detail}], plus "hashes" / "numerics" / "remote" reports
+    status ("ok" | "failed" | "skipped"), detail}], plus "hashes" / "numerics" / "remote" reports
     when those ran}."""
     from ktconvert.formats.out_manifest import load_manifest, verify_hashes
 
@@ -61,9 +59,7 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
     if remote == "":  # `verify REPO --remote`: OUT names a hub repo; its own ktconvert.json is the reference
         from ktconvert.hub import verify_remote
 
-        report = verify_remote(None, str(out), hub, revision, endpoint)
-        result["remote"] = report
-        _add_check(result, "remote", report["problems"], report.get("summary", ""))
+        _add_report(result, "remote", verify_remote(None, str(out), hub, revision, endpoint))
         return result
     try:
         manifest = load_manifest(out)
@@ -74,6 +70,12 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
     if manifest.get("kind", "cpu") == "cpu":
         problems, detail = check_structure(out, manifest)
         _add_check(result, "structure", problems, detail)
+    elif manifest.get("kind") == "gpu":
+        from ktconvert.gpu.verify import check_gpu_checkpoint
+
+        result["gpu"] = check_gpu_checkpoint(out, source=source, experts=experts)
+        for check in result["gpu"]["checks"]:
+            _add_check(result, check["name"], check["problems"], check["detail"])
     else:
         _skip(result, "structure", "skipped", f"no structure rules for kind {manifest.get('kind')!r}")
     if hashes:
@@ -83,13 +85,16 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
                    f"{report['files_checked']} files, {report['tensors_checked']} tensors re-hashed")
     else:
         _skip(result, "hashes", "skipped", "use --hashes")
-    if source is not None:
-        _run_optional(result, "numerics", "ktconvert.verify_numeric", "check_numerics",
-                      (out, manifest, source, tokens, layers, experts, threshold))
-    else:
-        _skip(result, "numerics", "skipped", "use --source MODEL")
+    if manifest.get("kind", "cpu") == "cpu" and _known_method(manifest):
+        if expected_sizes(manifest) is None:
+            from ktconvert.verify_inplace import check_inplace_numerics as check
+        else:
+            from ktconvert.verify_numeric import check_numerics as check
+        _add_report(result, "numerics", check(out, manifest, source, tokens, layers, experts, threshold))
     if remote is not None:
-        _run_optional(result, "remote", "ktconvert.hub", "verify_remote", (manifest, remote, hub, revision, endpoint))
+        from ktconvert.hub import verify_remote
+
+        _add_report(result, "remote", verify_remote(manifest, remote, hub, revision, endpoint))
     else:
         _skip(result, "remote", "skipped", "use --remote REPO")
     return result
@@ -105,17 +110,19 @@ def _skip(result: dict, name: str, status: str, detail: str) -> None:
     result["checks"].append({"name": name, "status": status, "detail": detail})
 
 
-def _run_optional(result: dict, name: str, module: str, func: str, args: tuple) -> None:
-    """Call module.func(*args) -> dict with "ok"/"problems" if the module is installed, else mark not available."""
-    if importlib.util.find_spec(module) is None:
-        _skip(result, name, "not available", f"{module} is not part of this installation")
-        return
-    report = getattr(importlib.import_module(module), func)(*args)
+def _add_report(result: dict, name: str, report: dict) -> None:
+    """Record a sub-check's report ({"ok", "problems", "summary"}) as one row."""
     result[name] = report
     problems = list(report.get("problems", []))
     if not report.get("ok", False) and not problems:
         problems = [f"{name}: check failed"]
     _add_check(result, name, problems, str(report.get("summary", report.get("detail", ""))))
+
+
+def _known_method(manifest: dict) -> bool:
+    from ktconvert.quant.methods import METHODS
+
+    return manifest.get("method", "") in METHODS
 
 
 def _manifest_summary(manifest: dict) -> str:

@@ -55,7 +55,7 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
         variant = native_rt.variant(impl)
         thresholds = _thresholds(rt.kt_method, threshold)
         src = _open_source(source)
-        chosen = _choose_layers(rt.layers, layers)
+        chosen = choose_layers(rt.layers, layers)
     except KtConvertError as exc:
         report["problems"].append(str(exc))
         report["summary"] = "numerics not run"
@@ -90,7 +90,7 @@ def _open_source(source):
     return HFSource.open(source)
 
 
-def _choose_layers(all_layers: list[int], layers) -> list[int]:
+def choose_layers(all_layers: list[int], layers) -> list[int]:
     """None: first, middle and last; "all"; "1,3" / [1, 3]: those (InputError if not converted layers)."""
     if not all_layers:
         raise InputError("the manifest lists no converted MoE layers", file="ktconvert.json")
@@ -107,7 +107,7 @@ def _choose_layers(all_layers: list[int], layers) -> list[int]:
     return chosen
 
 
-def _choose_experts(rng: np.random.Generator, n_experts: int, experts) -> list[int]:
+def choose_experts(rng: np.random.Generator, n_experts: int, experts) -> list[int]:
     if isinstance(experts, str) and experts.strip().lower() == "all":
         return list(range(n_experts))
     count = int(experts)
@@ -124,7 +124,7 @@ def _routing(rng: np.random.Generator, sample: list[int], tokens: int, top_k: in
     return ids, (weights / weights.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
+def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
     """||a - b|| / ||b|| in float64 (0 when both are zero)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     nb = np.linalg.norm(b)
@@ -137,8 +137,9 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (na * nb)) if na > 0 and nb > 0 else float(na == nb)
 
 
-def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    return g / (1.0 + np.exp(-g)) * u
+def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u, with sigmoid written through tanh so large |g| cannot overflow."""
+    return g * (0.5 + 0.5 * np.tanh(0.5 * g)) * u
 
 
 class _Layer:
@@ -163,7 +164,7 @@ def _check_layer(rt, src, layer: int, tokens: int, experts, thresholds: dict, im
     row = {"layer": layer, "experts": [], "problems": [], "ok": False}
     try:
         rt.check_layer(layer)
-        sample = _choose_experts(rng, rt.experts, experts)
+        sample = choose_experts(rng, rt.experts, experts)
     except KtConvertError as exc:
         row["problems"].append(str(exc))
         return row
@@ -205,7 +206,7 @@ def _check_expert(rt, src, layer: int, e: int, x: np.ndarray, ids: np.ndarray, w
     full = _source_weights(ew)
     out_src_e = _expert_ref([(full[0], full[1], full[2])], x64)
     acc.out_src[rows] += coef * out_src_e[rows]
-    acc.expert_rel[e] = _rel(out_deq_e, out_src_e)
+    acc.expert_rel[e] = rel_l2(out_deq_e, out_src_e)
     _weight_errors(rt, deq, parts, full, acc)
 
 
@@ -231,7 +232,7 @@ def _expert_ref(deq_parts, x64: np.ndarray) -> np.ndarray:
     """float64 [tokens, H]: sum over parts of down (silu(gate x) * up x)."""
     out = np.zeros((x64.shape[0], deq_parts[0][2].shape[0]))
     for gate, up, down in deq_parts:
-        h = _silu_mul(x64 @ gate.T.astype(np.float64), x64 @ up.T.astype(np.float64))
+        h = silu_mul(x64 @ gate.T.astype(np.float64), x64 @ up.T.astype(np.float64))
         out += h @ down.T.astype(np.float64)
     return out
 
@@ -247,11 +248,11 @@ def _kernel_check(rt, parts, deq, x: np.ndarray, impl, threads: int) -> float:
             n, k = rt.shapes[proj][:2]
             y = native_rt.gemm(rt.kt_method, w, s, n, k, x, impl=impl, threads=threads)
             ys.append(y)
-            worst = max(worst, _rel(y, x.astype(np.float64) @ wf.T.astype(np.float64)))
-        h = _silu_mul(ys[0].astype(np.float64), ys[1].astype(np.float64)).astype(np.float32)
+            worst = max(worst, rel_l2(y, x.astype(np.float64) @ wf.T.astype(np.float64)))
+        h = silu_mul(ys[0].astype(np.float64), ys[1].astype(np.float64)).astype(np.float32)
         n, k = rt.shapes["down"][:2]
         y = native_rt.gemm(rt.kt_method, part[2][0], part[2][1], n, k, h, impl=impl, threads=threads)
-        worst = max(worst, _rel(y, h.astype(np.float64) @ down.T.astype(np.float64)))
+        worst = max(worst, rel_l2(y, h.astype(np.float64) @ down.T.astype(np.float64)))
     return worst
 
 
@@ -283,11 +284,11 @@ def _weight_errors(rt, deq, parts, full, acc: _Layer) -> None:
 
 
 def _layer_metrics(acc: _Layer, with_source: bool, kt_method: str) -> dict:
-    row = {"kernel_rel": acc.kernel_rel, "moe_kernel_rel": _rel(acc.out_native, acc.out_deq),
+    row = {"kernel_rel": acc.kernel_rel, "moe_kernel_rel": rel_l2(acc.out_native, acc.out_deq),
            "hash_mismatches": acc.hash_mismatches}
     if not with_source:
         return row
-    row["moe_rel_l2"] = _rel(acc.out_native, acc.out_src)
+    row["moe_rel_l2"] = rel_l2(acc.out_native, acc.out_src)
     row["moe_cosine"] = _cos(acc.out_native, acc.out_src)
     for proj, (d2, w2, dw) in acc.weight_err.items():
         row[f"{proj}_rel_l2"] = float(np.sqrt(d2 / w2)) if w2 > 0 else 0.0

@@ -121,23 +121,31 @@ KT_INLINE void blk_q8_0(const uint8_t *b, float *y) {
 }
 
 /* IQ4_NL [d][qs 16]: nibbles as Q4_0, y = d * kvalues[nibble]. */
-KT_INLINE void blk_iq4_nl(const uint8_t *b, float *y) {
-    const float d = f16_to_f32(rd16(b));
-    const uint8_t *qs = b + 2;
+/* The lookup formats (IQ4_NL, IQ4_XS, MXFP4) first build the 16 products scale * kvalue[i] -- the same single
+ * float32 multiply gguf-py does per element -- then look each nibble up: 16 nibbles from q[0..15] (low halves)
+ * go to y[0..15], the high halves to y[16..31]. */
+KT_INLINE void lut16(float scale, const int8_t *kv, float *table) {
+    for (int i = 0; i < 16; i++) table[i] = scale * (float)kv[i];
+}
+
+KT_INLINE void nibbles_lut(const uint8_t *q, const float *table, float *y) {
     for (int j = 0; j < 16; j++) {
-        y[j] = d * (float)KV_IQ4NL[qs[j] & 15];
-        y[j + 16] = d * (float)KV_IQ4NL[qs[j] >> 4];
+        y[j] = table[q[j] & 15];
+        y[j + 16] = table[q[j] >> 4];
     }
+}
+
+KT_INLINE void blk_iq4_nl(const uint8_t *b, float *y) {
+    float table[16];
+    lut16(f16_to_f32(rd16(b)), KV_IQ4NL, table);
+    nibbles_lut(b + 2, table, y);
 }
 
 /* MXFP4 [e8m0][qs 16]: nibbles as Q4_0, y = e8m0_half(e) * kvalues_mxfp4[nibble] (doubled e2m1). */
 KT_INLINE void blk_mxfp4(const uint8_t *b, float *y) {
-    const float d = e8m0_half(b[0]);
-    const uint8_t *qs = b + 1;
-    for (int j = 0; j < 16; j++) {
-        y[j] = d * (float)KV_MXFP4[qs[j] & 15];
-        y[j + 16] = d * (float)KV_MXFP4[qs[j] >> 4];
-    }
+    float table[16];
+    lut16(e8m0_half(b[0]), KV_MXFP4, table);
+    nibbles_lut(b + 1, table, y);
 }
 
 /* ---------------------------------------------------------------- 256-element super-blocks */
@@ -253,12 +261,9 @@ KT_INLINE void blk_iq4_xs(const uint8_t *b, float *y) {
     const uint8_t *sl = b + 4, *qs = b + 8;
     for (int k = 0; k < 8; k++) {
         int s = (((sl[k >> 1] >> (4 * (k & 1))) & 15) | (((sh >> (2 * k)) & 3) << 4)) - 32;
-        const float dl = d * (float)s;
-        const uint8_t *q = qs + k * 16;
-        for (int j = 0; j < 16; j++) {
-            y[k * 32 + j] = dl * (float)KV_IQ4NL[q[j] & 15];
-            y[k * 32 + 16 + j] = dl * (float)KV_IQ4NL[q[j] >> 4];
-        }
+        float table[16];
+        lut16(d * (float)s, KV_IQ4NL, table);
+        nibbles_lut(qs + k * 16, table, y + k * 32);
     }
 }
 
@@ -298,54 +303,111 @@ KT_INLINE void to_bf16(const float *x, int64_t n, uint16_t *out) {
 
 /* ---------------------------------------------------------------- per-ISA instantiation */
 
-/* X(name, ggml type id, elements per block, bytes per block) */
+/* X(name, ggml type id, elements per block, bytes per block, body of the SIMD builds: G generic, S own) */
 #define KT_GGUF_TYPES(X)              \
-    X(f32, 0, 1, 4)                   \
-    X(f16, 1, 1, 2)                   \
-    X(q4_0, 2, 32, 18)                \
-    X(q4_1, 3, 32, 20)                \
-    X(q5_0, 6, 32, 22)                \
-    X(q5_1, 7, 32, 24)                \
-    X(q8_0, 8, 32, 34)                \
-    X(q2_k, 10, QK_K, 84)             \
-    X(q3_k, 11, QK_K, 110)            \
-    X(q4_k, 12, QK_K, 144)            \
-    X(q5_k, 13, QK_K, 176)            \
-    X(q6_k, 14, QK_K, 210)            \
-    X(iq4_nl, 20, 32, 18)             \
-    X(iq4_xs, 23, QK_K, 136)          \
-    X(bf16, 30, 1, 2)                 \
-    X(tq1_0, 34, QK_K, 54)            \
-    X(tq2_0, 35, QK_K, 66)            \
-    X(mxfp4, 39, 32, 17)
+    X(f32, 0, 1, 4, G)                \
+    X(f16, 1, 1, 2, G)                \
+    X(q4_0, 2, 32, 18, G)             \
+    X(q4_1, 3, 32, 20, G)             \
+    X(q5_0, 6, 32, 22, G)             \
+    X(q5_1, 7, 32, 24, G)             \
+    X(q8_0, 8, 32, 34, G)             \
+    X(q2_k, 10, QK_K, 84, G)          \
+    X(q3_k, 11, QK_K, 110, G)         \
+    X(q4_k, 12, QK_K, 144, G)         \
+    X(q5_k, 13, QK_K, 176, G)         \
+    X(q6_k, 14, QK_K, 210, G)         \
+    X(iq4_nl, 20, 32, 18, S)          \
+    X(iq4_xs, 23, QK_K, 136, S)       \
+    X(bf16, 30, 1, 2, G)              \
+    X(tq1_0, 34, QK_K, 54, G)         \
+    X(tq2_0, 35, QK_K, 66, G)         \
+    X(mxfp4, 39, 32, 17, S)
+
+#define KT_BODY_G(NAME, ISA) blk_##NAME
+#define KT_BODY_S(NAME, ISA) blk_##NAME##_##ISA
+
+#ifdef KT_X86
+/* SIMD nibble lookups: the 16-entry float table lives in registers (AVX-512: one permutexvar; AVX2: two 8-entry
+ * permutes blended on bit 3). Tables are built with the same multiply as lut16, so the bits are unchanged. */
+#define KT_ATTR_AVX2 __attribute__((target("avx2")))
+#define KT_ATTR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+KT_ATTR_AVX512 KT_INLINE void nibbles_lut_avx512(const uint8_t *q, const float *table, float *y) {
+    const __m512 t = _mm512_loadu_ps(table);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    _mm512_storeu_ps(y, _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), t));
+    _mm512_storeu_ps(y + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t));
+}
+
+KT_ATTR_AVX2 KT_INLINE __m256 lut16_avx2(__m256i idx, __m256 lo, __m256 hi) {
+    const __m256 from_lo = _mm256_permutevar8x32_ps(lo, idx), from_hi = _mm256_permutevar8x32_ps(hi, idx);
+    return _mm256_blendv_ps(from_lo, from_hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+KT_ATTR_AVX2 KT_INLINE void nibbles_lut_avx2(const uint8_t *q, const float *table, float *y) {
+    const __m256 lo = _mm256_loadu_ps(table), hi = _mm256_loadu_ps(table + 8);
+    const __m256i m15 = _mm256_set1_epi32(15);
+    for (int h = 0; h < 16; h += 8) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + h)));
+        _mm256_storeu_ps(y + h, lut16_avx2(_mm256_and_si256(b, m15), lo, hi));
+        _mm256_storeu_ps(y + 16 + h, lut16_avx2(_mm256_srli_epi32(b, 4), lo, hi));
+    }
+}
+
+#define KT_LOOKUP_BODIES(ISA, ATTR)                                                                   \
+    ATTR KT_INLINE void blk_iq4_nl_##ISA(const uint8_t *b, float *y) {                               \
+        float table[16];                                                                             \
+        lut16(f16_to_f32(rd16(b)), KV_IQ4NL, table);                                                 \
+        nibbles_lut_##ISA(b + 2, table, y);                                                          \
+    }                                                                                                \
+    ATTR KT_INLINE void blk_mxfp4_##ISA(const uint8_t *b, float *y) {                                \
+        float table[16];                                                                             \
+        lut16(e8m0_half(b[0]), KV_MXFP4, table);                                                     \
+        nibbles_lut_##ISA(b + 1, table, y);                                                          \
+    }                                                                                                \
+    ATTR KT_INLINE void blk_iq4_xs_##ISA(const uint8_t *b, float *y) {                               \
+        const float d = f16_to_f32(rd16(b));                                                         \
+        const uint16_t sh = rd16(b + 2);                                                             \
+        for (int k = 0; k < 8; k++) {                                                                \
+            int s = (((b[4 + (k >> 1)] >> (4 * (k & 1))) & 15) | (((sh >> (2 * k)) & 3) << 4)) - 32; \
+            float table[16];                                                                         \
+            lut16(d * (float)s, KV_IQ4NL, table);                                                    \
+            nibbles_lut_##ISA(b + 8 + k * 16, table, y + k * 32);                                    \
+        }                                                                                            \
+    }
+KT_LOOKUP_BODIES(avx2, KT_ATTR_AVX2)
+KT_LOOKUP_BODIES(avx512, KT_ATTR_AVX512)
+#endif
 
 #define BF16_CHUNK 4096 /* floats of scratch per bf16 call step (16 KiB on the stack) */
 
 typedef void (*dq_f32_fn)(const uint8_t *src, int64_t nblocks, float *dst);
 typedef void (*dq_bf16_fn)(const uint8_t *src, int64_t nblocks, uint16_t *dst);
 
-#define KT_DEFINE_TYPE(ATTR, SUFFIX, NAME, ID, ELEMS, BYTES)                                         \
+#define KT_DEFINE_TYPE(ATTR, SUFFIX, BODY, NAME, ID, ELEMS, BYTES)                                   \
     ATTR static void dq_##NAME##_##SUFFIX(const uint8_t *src, int64_t nblocks, float *dst) {         \
-        for (int64_t i = 0; i < nblocks; i++) blk_##NAME(src + i * (BYTES), dst + i * (ELEMS));      \
+        for (int64_t i = 0; i < nblocks; i++) BODY(src + i * (BYTES), dst + i * (ELEMS));            \
     }                                                                                                \
     ATTR static void dqb_##NAME##_##SUFFIX(const uint8_t *src, int64_t nblocks, uint16_t *dst) {     \
         float buf[BF16_CHUNK];                                                                       \
         const int64_t step = BF16_CHUNK / (ELEMS);                                                   \
         for (int64_t i = 0; i < nblocks; i += step) {                                                \
             int64_t n = nblocks - i < step ? nblocks - i : step;                                     \
-            for (int64_t k = 0; k < n; k++) blk_##NAME(src + (i + k) * (BYTES), buf + k * (ELEMS));  \
+            for (int64_t k = 0; k < n; k++) BODY(src + (i + k) * (BYTES), buf + k * (ELEMS));        \
             to_bf16(buf, n * (ELEMS), dst + i * (ELEMS));                                            \
         }                                                                                            \
     }
 
-#define KT_DEFINE_TYPE_scalar(NAME, ID, ELEMS, BYTES) KT_DEFINE_TYPE(, scalar, NAME, ID, ELEMS, BYTES)
+#define KT_DEFINE_TYPE_scalar(NAME, ID, ELEMS, BYTES, SIMD) \
+    KT_DEFINE_TYPE(, scalar, blk_##NAME, NAME, ID, ELEMS, BYTES)
 KT_GGUF_TYPES(KT_DEFINE_TYPE_scalar)
 
 #ifdef KT_X86
-#define KT_ATTR_AVX2 __attribute__((target("avx2")))
-#define KT_ATTR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
-#define KT_DEFINE_TYPE_avx2(NAME, ID, ELEMS, BYTES) KT_DEFINE_TYPE(KT_ATTR_AVX2, avx2, NAME, ID, ELEMS, BYTES)
-#define KT_DEFINE_TYPE_avx512(NAME, ID, ELEMS, BYTES) KT_DEFINE_TYPE(KT_ATTR_AVX512, avx512, NAME, ID, ELEMS, BYTES)
+#define KT_DEFINE_TYPE_avx2(NAME, ID, ELEMS, BYTES, SIMD) \
+    KT_DEFINE_TYPE(KT_ATTR_AVX2, avx2, KT_BODY_##SIMD(NAME, avx2), NAME, ID, ELEMS, BYTES)
+#define KT_DEFINE_TYPE_avx512(NAME, ID, ELEMS, BYTES, SIMD) \
+    KT_DEFINE_TYPE(KT_ATTR_AVX512, avx512, KT_BODY_##SIMD(NAME, avx512), NAME, ID, ELEMS, BYTES)
 KT_GGUF_TYPES(KT_DEFINE_TYPE_avx2)
 KT_GGUF_TYPES(KT_DEFINE_TYPE_avx512)
 #define KT_ISA_FNS(PFX, NAME) {PFX##NAME##_scalar, PFX##NAME##_avx2, PFX##NAME##_avx512}
@@ -360,7 +422,7 @@ typedef struct {
     dq_bf16_fn bf16[3];
 } kt_gguf_entry;
 
-#define KT_ENTRY(NAME, ID, ELEMS, BYTES) {ID, ELEMS, BYTES, KT_ISA_FNS(dq_, NAME), KT_ISA_FNS(dqb_, NAME)},
+#define KT_ENTRY(NAME, ID, ELEMS, BYTES, SIMD) {ID, ELEMS, BYTES, KT_ISA_FNS(dq_, NAME), KT_ISA_FNS(dqb_, NAME)},
 static const kt_gguf_entry KT_GGUF_TABLE[] = {KT_GGUF_TYPES(KT_ENTRY)};
 #define KT_GGUF_NTYPES ((int)(sizeof KT_GGUF_TABLE / sizeof KT_GGUF_TABLE[0]))
 

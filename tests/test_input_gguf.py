@@ -31,10 +31,6 @@ SOURCES_JSON = json.loads((GOLDEN / "SOURCES.json").read_text()) if (GOLDEN / "S
 GGUFPY_QUANTIZABLE = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"]
 NATIVE_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                 "Q6_K", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4"]
-# byte offsets of the fp16 scale fields inside one block (forced finite in random inputs)
-F16_FIELDS = {"F16": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-              "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0],
-              "TQ1_0": [52], "TQ2_0": [64]}
 
 
 def _load_make_fixtures():
@@ -68,22 +64,7 @@ needs_native = pytest.mark.skipif(not IMPLS, reason="native library not built")
 
 
 def random_blocks(type_name: str, n_blocks: int, seed: int) -> np.ndarray:
-    """Random bytes of n_blocks blocks; fp16 scales (and F32/BF16 values) have their exponent kept below all-ones,
-    so every value is finite."""
-    rng = np.random.default_rng(seed)
-    nbytes = GGML_QUANT_SIZES[T[type_name]][1]
-    raw = rng.integers(0, 256, size=(n_blocks, nbytes), dtype=np.uint8)
-    for off in F16_FIELDS.get(type_name, []):
-        h = np.ascontiguousarray(raw[:, off:off + 2]).view(np.uint16)
-        h[(h & 0x7C00) == 0x7C00] &= np.uint16(0xBFFF)
-        raw[:, off:off + 2] = h.view(np.uint8)
-    if type_name == "F32":
-        v = raw.view(np.uint32)
-        v[(v & 0x7F800000) == 0x7F800000] &= np.uint32(0xBFFFFFFF)
-    if type_name == "BF16":
-        v = raw.view(np.uint16)
-        v[(v & 0x7F80) == 0x7F80] &= np.uint16(0xBFFF)
-    return raw.reshape(-1)
+    return ggml.random_blocks(type_name, n_blocks, seed)
 
 
 def gguf_py_f32(raw: np.ndarray, type_name: str) -> np.ndarray:

@@ -171,7 +171,7 @@ def test_verify_ok_and_render(tmp_path, layout):
     result = verify(out, hashes=True)
     assert result["ok"], result["problems"]
     statuses = {c["name"]: c["status"] for c in result["checks"]}
-    assert statuses == {"manifest": "ok", "structure": "ok", "hashes": "ok", "numerics": "skipped",
+    assert statuses == {"manifest": "ok", "structure": "ok", "hashes": "ok", "numerics": "ok",
                         "remote": "skipped"}
     text = render(result)
     assert "result: OK" in text and "structure" in text
@@ -241,28 +241,20 @@ def test_structure_catches_missing_expert_and_bad_index(tmp_path):
     assert any("total_size" in p for p in problems)
 
 
-def test_numerics_and_remote_reported_when_missing_or_called(tmp_path, monkeypatch):
-    import importlib.util
-    import sys
-    import types
+def test_numerics_and_remote_results_are_reported(tmp_path, monkeypatch):
+    import ktconvert.hub
+    import ktconvert.verify_numeric
 
     out = tmp_path / "out"
     make_output(out, layers=(1,), experts=1)
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("ktconvert.verify_numeric", "ktconvert.hub")
-                        else real_find_spec(name, *a))
-    result = verify(out, source=str(tmp_path / "src"), remote="")
-    statuses = {c["name"]: c["status"] for c in result["checks"]}
-    assert statuses["numerics"] == "not available" and statuses["remote"] == "not available" and result["ok"]
-    monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
-    fake = types.ModuleType("ktconvert.verify_numeric")
     calls = []
-    fake.check_numerics = lambda *args: calls.append(args) or {"ok": False, "problems": ["blk.1: error 0.5"]}
-    monkeypatch.setitem(sys.modules, "ktconvert.verify_numeric", fake)
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "ktconvert.verify_numeric" else real_find_spec(name, *a))
-    result = verify(out, source="SRC", tokens=3, layers="1", experts="all", threshold=0.1)
+    monkeypatch.setattr(ktconvert.verify_numeric, "check_numerics",
+                        lambda *args: calls.append(args) or {"ok": False, "problems": ["blk.1: error 0.5"]})
+    monkeypatch.setattr(ktconvert.hub, "verify_remote",
+                        lambda *args: calls.append(args) or {"ok": True, "problems": [], "summary": "remote fine"})
+    result = verify(out, source="SRC", tokens=3, layers="1", experts="all", threshold=0.1, remote="me/repo")
     assert not result["ok"] and result["problems"] == ["blk.1: error 0.5"]
     assert calls[0][2:] == ("SRC", 3, "1", "all", 0.1) and calls[0][1]["format"] == om.FORMAT
-    assert os.path.isdir(out)
+    assert calls[1][1:] == ("me/repo", "hf", None, None)
+    statuses = {c["name"]: c["status"] for c in result["checks"]}
+    assert statuses["numerics"] == "failed" and statuses["remote"] == "ok"

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ktconvert.errors import InputError, ManifestError, ShapeError
-from ktconvert.formats.base import SOURCES, ExpertWeights
+from ktconvert.formats.base import SOURCES, ExpertWeights, TensorRef
 
 GGUF_MAGIC = b"GGUF"
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -36,18 +35,6 @@ PROJ_TENSORS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_
 FUSED_GATE_UP = "ffn_gate_up_exps"
 
 
-@dataclass(frozen=True)
-class GGUFTensor:
-    """One tensor of a GGUF file: shape in numpy order (ggml ne reversed), absolute data offset in `file`."""
-
-    file: Path
-    name: str
-    ggml_type: int
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
 def _scalar(field):
     """A metadata field's value when it is a scalar or string (arrays are skipped: tokenizer data)."""
     from gguf import GGUFValueType
@@ -58,9 +45,14 @@ def _scalar(field):
     return value.item() if hasattr(value, "item") else value
 
 
-def read_header(path: Path) -> tuple[dict, dict[str, GGUFTensor]]:
-    """(scalar metadata, tensors by name) of one GGUF file; the file's memory map is released on return."""
+def read_header(path: Path) -> tuple[dict, dict[str, TensorRef]]:
+    """(scalar metadata, tensors by name) of one GGUF file; the file's memory map is released on return.
+
+    TensorRef.dtype is the ggml type name ("Q4_K"; "type N" for ids ktconvert.quant.ggml does not know), shape is
+    numpy order (ggml ne reversed), offset absolute in the file."""
     from gguf import GGUFReader
+
+    from ktconvert.quant.ggml import type_name
 
     try:
         reader = GGUFReader(path, "r")
@@ -68,8 +60,8 @@ def read_header(path: Path) -> tuple[dict, dict[str, GGUFTensor]]:
         raise InputError(f"not a readable GGUF file ({exc})", file=path.name) from None
     meta = {name: value for name, field in reader.fields.items()
             if not name.startswith("GGUF.") and (value := _scalar(field)) is not None}
-    tensors = {t.name: GGUFTensor(path, t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)),
-                                  int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
+    tensors = {t.name: TensorRef(path, t.name, type_name(int(t.tensor_type)), tuple(int(d) for d in reversed(t.shape)),
+                                 int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
     del reader  # drops the memory map; nothing of the tensor data was touched
     return meta, tensors
 
@@ -112,7 +104,7 @@ def _meta(meta: dict, key: str, file: str, default=None, required: bool = True):
     return default
 
 
-def model_info(meta: dict, tensors: dict[str, GGUFTensor], file: str):
+def model_info(meta: dict, tensors: dict[str, TensorRef], file: str):
     """ModelInfo (ktconvert.architecture) from GGUF metadata + tensor names."""
     from ktconvert.architecture import ModelInfo, manifest_for
 
@@ -162,7 +154,7 @@ class GGUFSource:
 
     input_format = "gguf"
 
-    def __init__(self, paths: list[Path], meta: dict, tensors: dict[str, GGUFTensor]):
+    def __init__(self, paths: list[Path], meta: dict, tensors: dict[str, TensorRef]):
         self.paths = paths
         self.root = paths[0].parent
         self.meta = meta
@@ -188,7 +180,7 @@ class GGUFSource:
         """Parse the header(s) of the model at `path`; metadata comes from the first split part."""
         paths = gguf_files(path)
         meta: dict = {}
-        tensors: dict[str, GGUFTensor] = {}
+        tensors: dict[str, TensorRef] = {}
         for i, part in enumerate(paths):
             part_meta, part_tensors = read_header(part)
             if i == 0:
@@ -242,7 +234,7 @@ class GGUFSource:
         for layer in self.all_layers():
             for name, _ in self._layer_tensors(layer):
                 if name in self.tensors:
-                    key = type_name(self.tensors[name].ggml_type)
+                    key = self.tensors[name].dtype
                     counts[key] = counts.get(key, 0) + 1
         return counts
 
@@ -255,8 +247,8 @@ class GGUFSource:
             for name, projs in self._layer_tensors(layer):
                 self._check_tensor(name, projs)
 
-    def _check_tensor(self, name: str, projs: tuple[str, ...]) -> GGUFTensor:
-        from ktconvert.quant.ggml import DEQUANT_TYPES, packed_bytes, supported, type_name
+    def _check_tensor(self, name: str, projs: tuple[str, ...]) -> TensorRef:
+        from ktconvert.quant.ggml import DEQUANT_TYPES, packed_bytes, supported
 
         ref = self.tensors.get(name)
         if ref is None:
@@ -266,11 +258,11 @@ class GGUFSource:
             raise ShapeError("expert tensor shape disagrees with the GGUF metadata", file=ref.file.name, tensor=name,
                              expected=f"{list(want)} ({'[E, H, I]' if projs == ('down',) else '[E, I, H]'})",
                              found=str(list(ref.shape)))
-        if not supported(ref.ggml_type):
+        if not supported(ref.dtype):
             raise InputError("ggml type of an expert tensor is not supported", file=ref.file.name, tensor=name,
-                             expected="one of " + ", ".join(sorted(DEQUANT_TYPES)), found=type_name(ref.ggml_type))
+                             expected="one of " + ", ".join(sorted(DEQUANT_TYPES)), found=ref.dtype)
         try:
-            nbytes = packed_bytes(ref.ggml_type, int(np.prod(ref.shape)), row=ref.shape[-1])
+            nbytes = packed_bytes(ref.dtype, int(np.prod(ref.shape)), row=ref.shape[-1])
         except ShapeError as exc:
             raise ShapeError(exc.detail, file=ref.file.name, tensor=name, expected=exc.expected,
                              found=exc.found) from None
@@ -282,7 +274,7 @@ class GGUFSource:
 
     # -- reading
 
-    def slice_range(self, name: str, expert: int) -> tuple[GGUFTensor, int, int]:
+    def slice_range(self, name: str, expert: int) -> tuple[TensorRef, int, int]:
         """(tensor, absolute offset, bytes) of expert `expert`'s slice of fused tensor `name`."""
         ref = self.tensors[name]
         step = ref.nbytes // ref.shape[0]
@@ -308,7 +300,7 @@ class GGUFSource:
 
         ref = self.tensors[name]
         rows, cols = ref.shape[1:]
-        bits = dequantize_bf16(raw, ref.ggml_type, name=name).reshape(rows, cols)
+        bits = dequantize_bf16(raw, ref.dtype, name=name).reshape(rows, cols)
         if len(projs) == 1:
             return {projs[0]: bits}
         half = rows // 2
@@ -341,9 +333,9 @@ class GGUFSource:
             return None
         ref = self.tensors[name]
         if expert is None:
-            return dequantize(self._pread(ref.file, ref.offset, ref.nbytes), ref.ggml_type, name=name)
+            return dequantize(self._pread(ref.file, ref.offset, ref.nbytes), ref.dtype, name=name)
         _, offset, nbytes = self.slice_range(name, expert)
-        return dequantize(self._pread(ref.file, offset, nbytes), ref.ggml_type, name=name)
+        return dequantize(self._pread(ref.file, offset, nbytes), ref.dtype, name=name)
 
     def has_expert_biases(self) -> bool:
         return any(self._bias_names(layer) for layer in self.all_layers())
@@ -359,6 +351,9 @@ class GGUFSource:
         """One MatrixJob per expert slice of each expert tensor; key = (tensor name, expert, projections)."""
         from ktconvert.formats.stream import MatrixJob
 
+        if include_dense:
+            raise InputError("--include-dense is not supported for GGUF input (dense tensors are ggml-quantized)",
+                             file=self.paths[0].name, hint="convert without --include-dense")
         jobs = []
         for layer in layers:
             for name, projs in self._layer_tensors(layer):
@@ -383,7 +378,7 @@ def describe(path) -> dict:
     dtypes: dict[str, int] = {}
     components: dict[str, int] = {}
     for ref in source.tensors.values():
-        key = type_name(ref.ggml_type)
+        key = ref.dtype
         dtypes[key] = dtypes.get(key, 0) + ref.nbytes
         cat = _component(ref.name, info.n_layers)
         components[cat] = components.get(cat, 0) + ref.nbytes
@@ -400,8 +395,8 @@ def describe(path) -> dict:
                    "mtp": list(source.present_mtp_layers()), "mtp_in_config": list(info.mtp_layers)},
         "experts": info.n_experts, "experts_per_tok": info.experts_per_tok, "shared_experts": info.n_shared,
         "hidden": info.hidden, "intermediate": info.intermediate,
-        "expert_layout": {"form": "fused", "gate_up": "ggml [E, I, H] per projection", "down": "[E, H, I]",
-                          "biases": source.has_expert_biases()},
+        "expert_layout": {"form": "fused", "gate_up": "ffn_gate_exps + ffn_up_exps [E, I, H]",
+                          "down": "ffn_down_exps [E, H, I]", "biases": source.has_expert_biases()},
         "kt_methods": {
             "LLAMAFILE": "as is (kt-kernel reads the GGUF)" if llamafile_ok else
                          f"no: needs I % 256 == 0 (I = {info.intermediate})",

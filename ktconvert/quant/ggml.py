@@ -30,34 +30,46 @@ DEQUANT_TYPES = frozenset({
 TYPE_IDS = {name: tid for tid, (name, _, _) in GGML_TYPES.items()}
 
 
-def type_name(ggml_type: int) -> str:
-    """"Q4_K" for 12; "type N" for an id this table does not know."""
+def type_name(ggml_type: int | str) -> str:
+    """"Q4_K" for 12 (a name is returned as is); "type N" for an id this table does not know."""
+    if isinstance(ggml_type, str):
+        return ggml_type
     entry = GGML_TYPES.get(int(ggml_type))
     return entry[0] if entry else f"type {int(ggml_type)}"
 
 
-def supported(ggml_type: int) -> bool:
+def type_id(ggml_type: int | str) -> int:
+    """The ggml type id of an id or a name ("Q4_K" -> 12); InputError for an unknown name."""
+    if not isinstance(ggml_type, str):
+        return int(ggml_type)
+    if ggml_type not in TYPE_IDS:
+        raise InputError("unknown ggml tensor type", expected="one of " + ", ".join(sorted(TYPE_IDS)),
+                         found=ggml_type)
+    return TYPE_IDS[ggml_type]
+
+
+def supported(ggml_type: int | str) -> bool:
     """True when tensors of this type can be dequantized (natively or by gguf-py)."""
     return type_name(ggml_type) in DEQUANT_TYPES
 
 
-def native_supported(ggml_type: int) -> bool:
+def native_supported(ggml_type: int | str) -> bool:
     """True when the native library is loaded and dequantizes this type in C."""
     from ktconvert.native import gguf as native_gguf
 
-    return native_gguf.supports(ggml_type)
+    return supported(ggml_type) and native_gguf.supports(type_id(ggml_type))
 
 
-def geometry(ggml_type: int) -> tuple[int, int]:
-    """(elements, bytes) per block; InputError for an unknown type id."""
-    entry = GGML_TYPES.get(int(ggml_type))
+def geometry(ggml_type: int | str) -> tuple[int, int]:
+    """(elements, bytes) per block; InputError for an unknown type."""
+    entry = GGML_TYPES.get(type_id(ggml_type))
     if entry is None:
         raise InputError("unknown ggml tensor type", expected="one of " + ", ".join(sorted(TYPE_IDS)),
                          found=f"type id {int(ggml_type)}")
     return entry[1], entry[2]
 
 
-def packed_bytes(ggml_type: int, n_elements: int, row: int | None = None) -> int:
+def packed_bytes(ggml_type: int | str, n_elements: int, row: int | None = None) -> int:
     """Bytes of `n_elements` values stored as `ggml_type`. row (the innermost dimension) must be a whole number of
     blocks, else ShapeError."""
     elems, nbytes = geometry(ggml_type)
@@ -67,7 +79,7 @@ def packed_bytes(ggml_type: int, n_elements: int, row: int | None = None) -> int
     return n_elements // elems * nbytes
 
 
-def _use_native(ggml_type: int, impl: str | None) -> bool:
+def _use_native(ggml_type: int | str, impl: str | None) -> bool:
     if impl == "numpy":
         return False
     if impl is not None:
@@ -75,16 +87,16 @@ def _use_native(ggml_type: int, impl: str | None) -> bool:
     return native_supported(ggml_type)
 
 
-def _numpy_f32(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+def _numpy_f32(raw: np.ndarray, ggml_type: int | str) -> np.ndarray:
     from gguf import GGMLQuantizationType, quants
 
     with np.errstate(all="ignore"):
         out = quants.dequantize(np.ascontiguousarray(raw).reshape(-1).view(np.uint8),
-                                GGMLQuantizationType(int(ggml_type)))
+                                GGMLQuantizationType(type_id(ggml_type)))
     return np.asarray(out, dtype=np.float32).reshape(-1)
 
 
-def _check(raw: np.ndarray, ggml_type: int, name: str | None) -> None:
+def _check(raw: np.ndarray, ggml_type: int | str, name: str | None) -> None:
     if not supported(ggml_type):
         raise InputError(f"ggml type {type_name(ggml_type)} cannot be dequantized", tensor=name,
                          expected="one of " + ", ".join(sorted(DEQUANT_TYPES)), found=type_name(ggml_type))
@@ -94,26 +106,52 @@ def _check(raw: np.ndarray, ggml_type: int, name: str | None) -> None:
                          expected=f"a multiple of {nbytes} bytes ({type_name(ggml_type)})", found=f"{raw.size} bytes")
 
 
-def dequantize(raw: np.ndarray, ggml_type: int, threads: int = 1, impl: str | None = None,
+def dequantize(raw: np.ndarray, ggml_type: int | str, threads: int = 1, impl: str | None = None,
                name: str | None = None) -> np.ndarray:
-    """Packed bytes (uint8, whole blocks) of type `ggml_type` -> float32 [n_elements], flat; bits equal gguf-py's
+    """Packed bytes (uint8, whole blocks) of type `ggml_type` (id or name) -> float32 [n_elements], flat; bits equal gguf-py's
     ``gguf.quants.dequantize``. name: tensor named in errors."""
     _check(raw, ggml_type, name)
     if _use_native(ggml_type, impl):
         from ktconvert.native import gguf as native_gguf
 
-        return native_gguf.dequantize_f32(raw, ggml_type, threads=threads, impl=impl, name=name)
+        return native_gguf.dequantize_f32(raw, type_id(ggml_type), threads=threads, impl=impl, name=name)
     return _numpy_f32(raw, ggml_type)
 
 
-def dequantize_bf16(raw: np.ndarray, ggml_type: int, threads: int = 1, impl: str | None = None,
+def dequantize_bf16(raw: np.ndarray, ggml_type: int | str, threads: int = 1, impl: str | None = None,
                     name: str | None = None) -> np.ndarray:
     """Packed bytes -> uint16 BF16 bits [n_elements], flat: f32_to_bf16_bits (RNE) of ``dequantize``."""
     _check(raw, ggml_type, name)
     if _use_native(ggml_type, impl):
         from ktconvert.native import gguf as native_gguf
 
-        return native_gguf.dequantize_bf16(raw, ggml_type, threads=threads, impl=impl, name=name)
+        return native_gguf.dequantize_bf16(raw, type_id(ggml_type), threads=threads, impl=impl, name=name)
     from ktconvert.quant.bf16 import f32_to_bf16_bits
 
     return f32_to_bf16_bits(_numpy_f32(raw, ggml_type))
+
+
+# byte offsets of the fp16 scale fields inside one block of each type
+F16_FIELDS = {"F16": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+              "TQ1_0": (52,), "TQ2_0": (64,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,),
+              "IQ3_S": (0,), "IQ1_S": (0,)}
+
+
+def random_blocks(ggml_type: int | str, n_blocks: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n_blocks * block bytes] of random blocks whose values are all finite (fp16 scale fields, F32 and BF16
+    values get their exponent kept below all-ones): test and benchmark input."""
+    name = type_name(ggml_type)
+    nbytes = geometry(ggml_type)[1]
+    raw = np.random.default_rng(seed).integers(0, 256, size=(n_blocks, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS.get(name, ()):
+        h = np.ascontiguousarray(raw[:, off:off + 2]).view(np.uint16)
+        h[(h & 0x7C00) == 0x7C00] &= np.uint16(0xBFFF)
+        raw[:, off:off + 2] = h.view(np.uint8)
+    if name == "F32":
+        v = raw.view(np.uint32)
+        v[(v & 0x7F800000) == 0x7F800000] &= np.uint32(0xBFFFFFFF)
+    elif name == "BF16":
+        v = raw.view(np.uint16)
+        v[(v & 0x7F80) == 0x7F80] &= np.uint16(0xBFFF)
+    return raw.reshape(-1)

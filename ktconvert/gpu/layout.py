@@ -1,0 +1,158 @@
+"""Where every source tensor goes in the GPU checkpoint, decided from headers and config only.
+
+Shards: ``model-00001-of-N.safetensors`` holds everything outside the converted MoE layers (embeddings, lm_head,
+final norm, dense layers); shard i+1 holds MoE layer ``layers[i-1]`` entire: attention, norms, router, shared
+experts and every routed expert (``<expert>.weight_packed`` / ``weight_scale`` / ``weight_shape``). MTP layers
+are converted with ``include_mtp`` and otherwise left out (SGLang's main model does not load them; llmcompressor's
+``oneshot`` output lacks them too).
+
+Each shard is a list of items ``(specs, produce)``: specs [(name, dtype, shape)], produce(checkpoint) ->
+{name: array} reading one source tensor; routed experts are not items: they come from the pipeline's stream.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ktconvert.errors import InputError
+from ktconvert.gpu import linears
+from ktconvert.gpu.experts import expert_specs
+
+PROJS = ("gate", "up", "down")
+
+
+@dataclass
+class Item:
+    specs: list
+    produce: Callable
+
+
+@dataclass
+class Shard:
+    name: str
+    layer: int | None                       # None: the non-MoE shard
+    items: list = field(default_factory=list)
+    experts: list = field(default_factory=list)     # (expert, proj, base, n, k)
+
+    def specs(self, bits: int, group_size: int) -> list:
+        out = [s for item in self.items for s in item.specs]
+        for _, _, base, n, k in self.experts:
+            out += expert_specs(base, n, k, bits, group_size)
+        return out
+
+
+def shard_name(i: int, total: int) -> str:
+    return f"model-{i:05d}-of-{total:05d}.safetensors"
+
+
+def _copy(ref) -> Item:
+    name = ref.name
+    return Item([(name, ref.dtype, tuple(ref.shape))], lambda ck: {name: ck.read(name)})
+
+
+def _to_bf16(module: str, shape) -> Item:
+    name = module + ".weight"
+    return Item([(name, "BF16", tuple(shape))], lambda ck: {name: linears.read_bf16(ck, module)})
+
+
+class GpuLayout:
+    """The GPU checkpoint of `source` (an HFSource) for `layers` (MoE layers, plus MTP layers when included)."""
+
+    def __init__(self, source, layers, linear_mode: str, bits: int, group_size: int):
+        info, ck = source.info, source.checkpoint
+        if info.manifest.experts.form == "fused":
+            raise InputError("GPU checkpoints from fused-expert sources are not supported yet",
+                             file=ck.root.name, expected="per-expert 2-D expert tensors",
+                             found=f"{info.family} fused experts")
+        self.source, self.layers, self.mode = source, list(layers), linear_mode
+        self.bits, self.group_size = bits, group_size
+        self.expert_bases = {(layer, e, p): info.expert_names(layer, e)[p][: -len(".weight")]
+                             for layer in self.layers for e in range(info.n_experts) for p in PROJS}
+        self.expert_modules = set(self.expert_bases.values())
+        dropped = set(info.mtp_layers) - set(self.layers)
+        layer_re = re.compile(re.escape(info.name_prefix) + r"layers\.(\d+)\.")
+        total = len(self.layers) + 1
+        self.shards = {None: Shard(shard_name(1, total), None)}
+        for i, layer in enumerate(self.layers):
+            self.shards[layer] = Shard(shard_name(i + 2, total), layer)
+        self.linear_modules: set[str] = set()
+        self.other_linears: set[str] = set()
+        for name in sorted(ck.tensors):
+            m = layer_re.match(name)
+            layer = int(m.group(1)) if m else None
+            if layer in dropped:
+                continue
+            self._place(self.shards[layer if layer in self.shards else None], name)
+        shapes = {"gate": (info.intermediate, info.hidden), "up": (info.intermediate, info.hidden),
+                  "down": (info.hidden, info.intermediate)}
+        for (layer, e, p), base in sorted(self.expert_bases.items()):
+            self.shards[layer].experts.append((e, p, base, *shapes[p]))
+        self._check_fp8_config()
+
+    def _place(self, shard: Shard, name: str) -> None:
+        ck = self.source.checkpoint
+        ref = ck.tensors[name]
+        module = linears.module_of(name)
+        if module in self.expert_modules:
+            if name.endswith(".bias"):
+                shard.items.append(_copy(ref))
+            return                      # the weight comes from the stream; scales / packed parts are replaced
+        is_weight = name == module + ".weight"
+        suffix = name[len(module) + 1:]
+        if linears.is_linear_base(module):
+            if is_weight:
+                plan = linears.plan_linear(ck, module, self.mode)
+                shard.items.append(Item(plan.specs, plan.produce))
+                self.linear_modules.add(module)
+            elif suffix not in linears.SCALE_SUFFIXES:
+                shard.items.append(_copy(ref))
+            return
+        kind = linears.stored_kind(ck, module)
+        if kind == "fp8-block":
+            if is_weight:
+                shard.items.append(_to_bf16(module, ref.shape))
+            elif suffix not in linears.SCALE_SUFFIXES:
+                shard.items.append(_copy(ref))
+        else:
+            shard.items.append(_copy(ref))
+        if is_weight and len(ref.shape) == 2 and not _is_embedding(module):
+            self.other_linears.add(module)
+
+    def _check_fp8_config(self) -> None:
+        """`keep` needs all linears FP8 or all float (linear_fp8_config covers every LinearBase or none)."""
+        if self.mode != "keep":
+            return
+        kinds = {linears.stored_kind(self.source.checkpoint, m) for m in self.linear_modules}
+        if len(kinds) > 1:
+            raise InputError("--linears keep: the source mixes FP8 and float linears, which SGLang cannot load "
+                             "(linear_fp8_config applies to every linear)", expected="all FP8 or all BF16",
+                             found=", ".join(sorted(kinds)), hint="use --linears fp8 or --linears bf16")
+
+    @property
+    def linear_fp8(self) -> bool:
+        """Whether the output's linears are FP8 (so config.json needs linear_fp8_config)."""
+        if self.mode == "fp8":
+            return True
+        if self.mode == "bf16":
+            return False
+        return any(linears.stored_kind(self.source.checkpoint, m) == "fp8-block" for m in self.linear_modules)
+
+    def ignore_modules(self) -> tuple[set[str], set[str]]:
+        """(HF module names, SGLang module names) of every non-expert linear the ignore list must cover."""
+        hf = self.linear_modules | self.other_linears
+        sgl = set(linears.sglang_names(self.linear_modules).values()) | self.other_linears
+        return hf, sgl
+
+    def expert_check_names(self) -> set[str]:
+        """Expert module names (HF and SGLang's FusedMoE probe `<moe>.experts.0.{gate,up,down}_proj`)."""
+        names = set(self.expert_modules)
+        for layer in self.layers:
+            base = self.expert_bases[(layer, 0, "gate")]
+            moe = base[: base.index(".experts.") + len(".experts.")]
+            names.update(f"{moe}0.{p}_proj" for p in PROJS)
+        return names
+
+
+def _is_embedding(module: str) -> bool:
+    return module.endswith("embed_tokens") or module.endswith("embeddings") or module.endswith("wte")

@@ -1,0 +1,127 @@
+"""``--quant mse``: error-minimising per-row scales for AMXINT4 / AMXINT8, numpy reference (data-free).
+
+Same on-disk format as kt-kernel's own rounding (quant/amx.py): one fp32 scale ``d`` per output row over the row's
+whole k (per NUMA part for down, since the pipeline quantizes each part separately), symmetric codes, no zero
+point, so kt-kernel runs the files unchanged. Only the choice of ``d`` and of the codes differs: kt-kernel sets the
+step from the row's largest value (one outlier flattens the rest of the row); here the step is picked from a grid of
+clipped steps by least squares, then refitted in closed form.
+
+Search definition (native/amx_mse.c implements the same steps and gives bit-identical codes and scales):
+
+  qmax, step, G = 7, 0.5, 16 (INT4) or 127, 0.25, 16 (INT8).
+  x[j]   the row as fp32, BF16 widened exactly, subnormals flushed to 0 (kt-kernel's DAZ); NaN/Inf -> NumericError.
+  amax   max |x[j]| (fp32). A row with amax < 2**-118 (all zero, or so small that kt-kernel's own scale would be
+         subnormal) gets d = 0 and all codes 0.
+  e      the binary exponent of amax: amax = f * 2**e with 0.5 <= f < 1 (numpy.frexp).
+  X[j]   rint_even(float64(x[j]) * 2**(24 - e)): the row as integers, |X| <= 2**24 (fixed point, exact for every
+         value within 2**-16 of amax).
+  for i = 0 .. G-1 (candidate i clips the row at amax * qmax / a_i):
+      a_i    = qmax + step * i                         (exact in fp32)
+      isc_i  = fp32(a_i / amax)                        (fp32 division, round to nearest even)
+      q_i[j] = clamp(rint_even(fp32(x[j] * isc_i)), -qmax, qmax)
+      P_i    = sum_j X[j] * q_i[j],  Q_i = sum_j q_i[j]**2     (float64; every term is an integer >= 0 and every
+                                                                partial sum < 2**53, so the sums are exact in any
+                                                                order: k <= 2**22 is required)
+      S_i    = (P_i * P_i) / Q_i                       (float64; the squared error of candidate i with its
+                                                        least-squares step is sum(X**2) - S_i, up to the scaling)
+  best   the smallest i with the largest S_i (strictly greater replaces; ties keep the earlier candidate).
+  codes  q_best (-7..7 or -127..127: never -8 / -128; the element holding amax always gets +-qmax).
+  d      fp32(ldexp(P_best / Q_best, e - 24 - 4)) for INT4 (the stored d is 1/16 of the step, kt-format.md 2.1),
+         fp32(ldexp(P_best / Q_best, e - 24)) for INT8 (float64 division, one rounding to fp32).
+         A d below 2**-126 (fp32 subnormal, flushed by kt-kernel) becomes 0 with all codes 0.
+
+Dequantization is kt-kernel's unchanged: w ~= codes * 16 * d (INT4), codes * d (INT8).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ktconvert.errors import ShapeError
+from ktconvert.quant.amx import bf16_rows_ftz
+
+GRID = {4: (7, 0.5, 16), 8: (127, 0.25, 16)}   # bits -> (qmax, step, candidates)
+ZERO_ROW_AMAX = np.float32(2.0 ** -118)         # rows with a smaller amax quantize to d = 0, codes 0
+MAX_K = 1 << 22                                  # keeps P, Q exact in float64
+_F32_MIN_NORMAL = np.float32(np.finfo(np.float32).tiny)
+_ROW_CHUNK = 64                                  # rows per numpy pass (bounds the float64 temporaries)
+
+
+def grid(bits: int) -> np.ndarray:
+    """float32 [G]: the candidate level counts a_i = qmax + step * i of the search (module docstring)."""
+    qmax, step, count = GRID[bits]
+    return (qmax + step * np.arange(count)).astype(np.float32)
+
+
+def _fixed_point(x: np.ndarray, amax: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [r, k], float32 [r] -> (X float64 [r, k] integers |X| <= 2**24, e int [r] with amax = f * 2**e)."""
+    e = np.frexp(amax)[1].astype(np.int64)
+    return np.rint(np.ldexp(x.astype(np.float64), (24 - e)[:, None])), e
+
+
+def _candidate(x: np.ndarray, X: np.ndarray, isc: np.ndarray, qmax: int):
+    """Codes float32 [r, k], P float64 [r], Q float64 [r] of one candidate (inverse steps isc float32 [r])."""
+    q = np.multiply(x, isc[:, None])            # fp32 product, round to nearest even
+    np.rint(q, out=q)
+    np.clip(q, -qmax, qmax, out=q)
+    q64 = q.astype(np.float64)
+    return q, np.sum(X * q64, axis=1), np.sum(q64 * q64, axis=1)
+
+
+def _search_chunk(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [r, k] (flushed, finite) -> (codes int8 [r, k], d float32 [r]) for one chunk of rows."""
+    qmax = GRID[bits][0]
+    rows, k = x.shape
+    amax = np.max(np.abs(x), axis=1) if k else np.zeros(rows, np.float32)
+    live = amax >= ZERO_ROW_AMAX
+    codes = np.zeros((rows, k), np.int8)
+    d = np.zeros(rows, np.float32)
+    if not live.any():
+        return codes, d
+    x, amax = x[live], amax[live]
+    X, e = _fixed_point(x, amax)
+    best_s = np.full(len(amax), -np.inf)
+    best_q = np.zeros(x.shape, np.float32)
+    best_p, best_qq = np.zeros(len(amax)), np.ones(len(amax))
+    for a in grid(bits):
+        q, p, qq = _candidate(x, X, (a / amax).astype(np.float32), qmax)
+        s = (p * p) / qq
+        better = s > best_s
+        best_s[better], best_p[better], best_qq[better] = s[better], p[better], qq[better]
+        best_q[better] = q[better]
+    shift = e - 24 - (4 if bits == 4 else 0)
+    d_live = np.ldexp(best_p / best_qq, shift).astype(np.float32)
+    flushed = ~(d_live >= _F32_MIN_NORMAL)
+    d_live[flushed] = 0
+    best_q[flushed] = 0
+    codes[live], d[live] = best_q.astype(np.int8), d_live
+    return codes, d
+
+
+def search_rows(w_bf16: np.ndarray, bits: int, where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """The scale search of the module docstring for AMXINT4 (bits=4) or AMXINT8 (bits=8).
+
+    w_bf16: uint16 [n, k] BF16 bits. returns (codes int8 [n, k], d float32 [n]); NumericError naming ``where`` on
+    NaN/Inf, ShapeError when k > 2**22.
+    """
+    if bits not in GRID:
+        raise ShapeError("unsupported AMX bit width", tensor=where or None, expected="4 or 8", found=bits)
+    x = bf16_rows_ftz(w_bf16, where)
+    n, k = x.shape
+    if k > MAX_K:
+        raise ShapeError("row too long for the mse scale search", tensor=where or None,
+                         expected=f"k <= {MAX_K}", found=k)
+    codes = np.empty((n, k), np.int8)
+    d = np.empty(n, np.float32)
+    for r0 in range(0, n, _ROW_CHUNK):
+        codes[r0:r0 + _ROW_CHUNK], d[r0:r0 + _ROW_CHUNK] = _search_chunk(x[r0:r0 + _ROW_CHUNK], bits)
+    return codes, d
+
+
+def search_int4_rows(w_bf16: np.ndarray, where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """AMXINT4: uint16 [n, k] BF16 bits -> (codes int8 [n, k] in -7..7, d float32 [n]); w ~= codes * 16 * d."""
+    return search_rows(w_bf16, 4, where)
+
+
+def search_int8_rows(w_bf16: np.ndarray, where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """AMXINT8: uint16 [n, k] BF16 bits -> (codes int8 [n, k] in -127..127, d float32 [n]); w ~= codes * d."""
+    return search_rows(w_bf16, 8, where)
