@@ -74,6 +74,10 @@ static const mse_kernels mse_kernels_scalar = {prep_scalar, sums_scalar, codes_s
 #define KT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define KT_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
+KT_AVX512 static inline __m256 upper8(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
 KT_AVX512 static void prep_avx512(const uint16_t *row, int64_t k, double pow2, float *x, double *X) {
     const __m512d p2 = _mm512_set1_pd(pow2);
     int64_t j = 0;
@@ -83,7 +87,7 @@ KT_AVX512 static void prep_avx512(const uint16_t *row, int64_t k, double pow2, f
         __m512 v = _mm512_maskz_mov_ps(normal, _mm512_castsi512_ps(bits));
         _mm512_storeu_ps(x + j, v);
         __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-        __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        __m512d hi = _mm512_cvtps_pd(upper8(v));
         _mm512_storeu_pd(X + j, _mm512_roundscale_pd(_mm512_mul_pd(lo, p2), KT_RNE));
         _mm512_storeu_pd(X + j + 8, _mm512_roundscale_pd(_mm512_mul_pd(hi, p2), KT_RNE));
     }
@@ -95,23 +99,32 @@ KT_AVX512 static inline __m512 codes16_avx512(const float *x, __m512 isc, __m512
     return _mm512_min_ps(_mm512_max_ps(y, lo), hi);
 }
 
+/* P (double: products up to 2^31) and Q (fp32 per lane over <= 1024-element blocks: at most 64 * 127^2 < 2^24, so
+ * exact, then added into double): every partial sum is an exact integer. Two 16-lane steps per iteration. */
 KT_AVX512 static void sums_avx512(const float *x, const double *X, int64_t k, float isc, float qmax, double *pq) {
     const __m512 vi = _mm512_set1_ps(isc), hi = _mm512_set1_ps(qmax), lo = _mm512_set1_ps(-qmax);
-    __m512d p0 = _mm512_setzero_pd(), p1 = p0, q0 = p0, q1 = p0;
+    __m512d p0 = _mm512_setzero_pd(), p1 = p0, p2 = p0, p3 = p0, qd = p0;
     int64_t j = 0;
-    for (; j + 16 <= k; j += 16) {
-        __m512 c = codes16_avx512(x + j, vi, lo, hi);
-        __m512d ca = _mm512_cvtps_pd(_mm512_castps512_ps256(c));
-        __m512d cb = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
-        p0 = _mm512_fmadd_pd(_mm512_loadu_pd(X + j), ca, p0); /* exact: integers, sums < 2^53 */
-        p1 = _mm512_fmadd_pd(_mm512_loadu_pd(X + j + 8), cb, p1);
-        q0 = _mm512_fmadd_pd(ca, ca, q0);
-        q1 = _mm512_fmadd_pd(cb, cb, q1);
+    while (j + 32 <= k) {
+        int64_t block_end = j + 1024 < k ? j + 1024 : k;
+        __m512 qa = _mm512_setzero_ps(), qb = qa;
+        for (; j + 32 <= block_end; j += 32) {
+            __m512 c = codes16_avx512(x + j, vi, lo, hi), e = codes16_avx512(x + j + 16, vi, lo, hi);
+            qa = _mm512_fmadd_ps(c, c, qa);
+            qb = _mm512_fmadd_ps(e, e, qb);
+            p0 = _mm512_fmadd_pd(_mm512_loadu_pd(X + j), _mm512_cvtps_pd(_mm512_castps512_ps256(c)), p0);
+            p1 = _mm512_fmadd_pd(_mm512_loadu_pd(X + j + 8), _mm512_cvtps_pd(upper8(c)), p1);
+            p2 = _mm512_fmadd_pd(_mm512_loadu_pd(X + j + 16), _mm512_cvtps_pd(_mm512_castps512_ps256(e)), p2);
+            p3 = _mm512_fmadd_pd(_mm512_loadu_pd(X + j + 24), _mm512_cvtps_pd(upper8(e)), p3);
+        }
+        __m512 qs = _mm512_add_ps(qa, qb);
+        qd = _mm512_add_pd(qd, _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(qs)),
+                                             _mm512_cvtps_pd(upper8(qs))));
     }
     double tail[2];
     sums_scalar(x + j, X + j, k - j, isc, qmax, tail);
-    pq[0] = _mm512_reduce_add_pd(_mm512_add_pd(p0, p1)) + tail[0];
-    pq[1] = _mm512_reduce_add_pd(_mm512_add_pd(q0, q1)) + tail[1];
+    pq[0] = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(p0, p1), _mm512_add_pd(p2, p3))) + tail[0];
+    pq[1] = _mm512_reduce_add_pd(qd) + tail[1];
 }
 
 KT_AVX512 static void codes_avx512(const float *x, int64_t k, float isc, float qmax, uint16_t *out) {

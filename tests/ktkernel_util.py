@@ -114,12 +114,25 @@ def _wrapper(torch, *, method, weight_path, num_experts, top_k, hidden, intermed
     from kt_kernel import KTMoEWrapper
 
     _cpu_infer_for(threadpool_count)
+    _forget_loaders()
     return KTMoEWrapper(
         layer_idx=layer_idx, num_experts=num_experts, num_experts_per_tok=top_k, hidden_size=hidden,
         moe_intermediate_size=intermediate, gpu_experts_mask=torch.zeros(num_experts, dtype=torch.bool),
         cpuinfer_threads=max(threads, threadpool_count), threadpool_count=threadpool_count,
         weight_path=str(weight_path), chunked_prefill_size=max_tokens, cpu_save=cpu_save, method=method,
     )
+
+
+def _forget_loaders() -> None:
+    """kt-kernel keeps one process-wide SafeTensorLoader per wrapper class, opened on the first weight_path it saw;
+    a later wrapper for another folder would silently read the first one's files. Drop them before each wrapper."""
+    from kt_kernel.utils import amx
+
+    amx.AMXMoEWrapper._safetensor_loader_instance = None
+    native = getattr(amx, "NativeMoEWrapper", None)
+    if native is not None and native._native_loader_instance is not None:
+        native._native_loader_instance.close_all_handles()
+        native._native_loader_instance = None
 
 
 def ktkernel_write_kt(out: Path, method: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray,

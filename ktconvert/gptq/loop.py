@@ -58,6 +58,8 @@ class LayerResult:
     payloads: dict = field(default_factory=dict)
     tokens: list[int] = field(default_factory=list)
     fallback: list[int] = field(default_factory=list)
+    fallback_quant: str | None = None   # the data-free quantizer the fallback experts went through
+    clamped: int = 0                    # AMX: codes clamped to the range so far (see gptq/amx.py)
 
 
 class _Stop(Exception):

@@ -27,6 +27,8 @@ METHODS: Registry = Registry("CPU method")
 # where: str) -> (codes int8 [n, k] in -7..7 / -127..127, d float32 [n]) with w ~= codes * (16 if bits == 4 else 1)
 # * d. "rtn" is kt-kernel's own rounding. Another variant "<name>" lives in ktconvert/quant/<name>.py and
 # registers itself with ``@ROW_QUANT.register("<name>")``; row_quantizer() imports that module on first use.
+# An entry may carry ``fn.quantize_packed(w_bf16, bits, threads=1, where="") -> (blob, scale) | None``: a fast
+# path returning kt-kernel's tiled blob directly (None: not available here, use fn + numpy tiling).
 ROW_QUANT: Registry = Registry("quantization")
 
 
@@ -84,7 +86,7 @@ class AmxMethod(CpuMethod):
                              found=f"{list(getattr(w_bf16, 'shape', ()))}")
         cls.check_shape(*w_bf16.shape, where=where)
         if quant != "rtn":
-            return cls._quantize_variant(w_bf16, where, quant)
+            return cls._quantize_variant(w_bf16, where, quant, threads)
         native = _native_quantizer()
         if native is not None and w_bf16.dtype == np.uint16:
             return cls._quantize_native(native, w_bf16, threads, where)
@@ -92,8 +94,21 @@ class AmxMethod(CpuMethod):
         return cls._pack(codes), scale
 
     @classmethod
-    def _quantize_variant(cls, w_bf16: np.ndarray, where: str, quant: str) -> tuple[np.ndarray, np.ndarray]:
-        codes, scale = row_quantizer(quant)(w_bf16, cls.bits, where)
+    def _quantize_variant(cls, w_bf16: np.ndarray, where: str, quant: str,
+                          threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        rows = row_quantizer(quant)
+        packed = getattr(rows, "quantize_packed", None)   # optional native search + tiling in one step
+        result = packed(w_bf16, cls.bits, threads=max(1, int(threads)), where=where) if packed else None
+        if result is not None:
+            n, k = w_bf16.shape
+            blob, scale = np.asarray(result[0]).reshape(-1), np.asarray(result[1])
+            if blob.dtype != np.uint8 or blob.size != cls.quant_bytes(n, k) or scale.dtype != np.float32 \
+                    or scale.shape != (n,):
+                raise NativeError(f"quantizer {quant!r} returned arrays of the wrong size", tensor=where or None,
+                                  expected=f"uint8 [{cls.quant_bytes(n, k)}], float32 [{n}]",
+                                  found=f"{blob.dtype} [{blob.size}], {scale.dtype} {list(scale.shape)}")
+            return blob, scale
+        codes, scale = rows(w_bf16, cls.bits, where)
         limit = 7 if cls.bits == 4 else 127
         n = w_bf16.shape[0]
         if codes.shape != w_bf16.shape or codes.dtype != np.int8 or np.asarray(scale).shape != (n,) \

@@ -1,0 +1,239 @@
+"""GPTQ for kt-kernel's AMXINT4 / AMXINT8 CPU files (``ktconvert cpu --quant gptq``).
+
+The AMX formats keep one fp32 scale per row of each NUMA part (kt-format.md §2.0-2.2), so GPTQ runs with scales
+that map 1:1 onto them:
+
+* gate / up [I, H]: one scale per row (group = the whole row); a NUMA part is a block of rows.
+* down [H, I]: group size I/T, so each row has T scales — exactly one per NUMA part (part t = columns t*I/T..).
+
+Scales come from kt-kernel's own per-row rule on the (part of the) row (``ktconvert.quant.amx``): INT4 stored
+d = amax/112 and the step 16·d = amax/7, codes -7..7 (never -8: nibble 0x8 breaks kt-kernel's forward,
+kt-format.md §2.1); INT8 d = amax·fp32(1/127), codes -127..127. llmcompressor's ``quantize_weight`` runs with
+those scales (actorder "weight", so every column uses its own part's scale); GPTQ's error feedback can push a
+value one step past the range, which is clamped (counted in ``AmxQuantizer.clamped``). Rows whose d flushes to 0
+get codes 0, as kt-kernel stores them.
+
+Experts no calibration token reaches (routed-only calibration) are quantized data-free with the ``mse`` row
+quantizer when ``ktconvert.quant.mse`` provides one, else kt-kernel's RTN (``AmxQuantizer.fallback_quant``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ktconvert.errors import InputError, ShapeError
+from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream, gptq_module
+
+PROJS = ("gate", "up", "down")
+
+
+def _row_quantizer(bits: int):
+    from ktconvert.quant import amx
+
+    return amx.quantize_int4_rows if bits == 4 else amx.quantize_int8_rows
+
+
+def part_scales(w_bf16: np.ndarray, bits: int, numa: int, proj: str, where: str = "") -> np.ndarray:
+    """kt-kernel's stored scales d, float32 [n, groups]: gate/up one per row ([I, 1]); down one per row and
+    NUMA part ([H, T]). w_bf16: uint16 BF16 bits [n, k]."""
+    from ktconvert.layouts.numa import numa_slices
+
+    quantize_rows = _row_quantizer(bits)
+    if proj != "down":
+        return quantize_rows(w_bf16, where=where)[1][:, None]
+    cols = numa_slices(w_bf16.shape[1], numa)
+    return np.stack([quantize_rows(np.ascontiguousarray(w_bf16[:, sl]), where=where)[1] for sl in cols], axis=1)
+
+
+def split_parts(codes: np.ndarray, d: np.ndarray, numa: int, proj: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(codes int8 [n, k], d float32 [n, groups]) -> per NUMA part (codes [n_t, k_t], d [n_t]) as kt-kernel
+    splits the matrix (gate/up rows, down input columns)."""
+    from ktconvert.layouts.numa import numa_slices
+
+    if proj != "down":
+        return [(np.ascontiguousarray(codes[sl]), np.ascontiguousarray(d[sl, 0]))
+                for sl in numa_slices(codes.shape[0], numa)]
+    return [(np.ascontiguousarray(codes[:, sl]), np.ascontiguousarray(d[:, t]))
+            for t, sl in enumerate(numa_slices(codes.shape[1], numa))]
+
+
+class AmxQuantizer:
+    """LayerStream quantizer for the AMX formats; payload per proj: list over NUMA parts of
+    (codes int8 [n_t, k_t] in -7..7 / -127..127, d float32 [n_t]) with w ~= codes * (16 if INT4 else 1) * d."""
+
+    def __init__(self, bits: int, numa: int, fallback_quant: str | None = None):
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, not {bits}")
+        self.bits, self.numa = bits, numa
+        self.limit = 7 if bits == 4 else 127
+        self.step_factor = 16.0 if bits == 4 else 1.0
+        self.fallback_quant = fallback_quant or default_fallback()
+        self.clamped = 0          # codes GPTQ pushed one step past the range
+
+    def _args(self, group_size: int):
+        from compressed_tensors.quantization import QuantizationArgs
+
+        return QuantizationArgs(num_bits=self.bits, type="int", symmetric=True, strategy="group",
+                                group_size=group_size, actorder="weight")
+
+    def quantize(self, expert, gate_up, down, options: GptqOptions, where: str) -> dict:
+        out = {}
+        for proj, (H, n) in (("gate", gate_up), ("up", gate_up), ("down", down)):
+            out[proj] = self._quantize_proj(getattr(expert, proj + "_proj"), proj, H, n, options, f"{where} {proj}")
+        return out
+
+    def _quantize_proj(self, module, proj: str, H, n, options: GptqOptions, where: str) -> list:
+        import torch
+
+        w = _bf16_bits(module.weight)
+        rows, k = w.shape
+        if proj == "down" and k % self.numa:
+            raise ShapeError("expert intermediate size does not split into NUMA parts", tensor=where,
+                             expected=f"I % {self.numa} == 0", found=f"I = {k}")
+        d = part_scales(w, self.bits, self.numa, proj, where)               # [n, groups]
+        step = d.astype(np.float32) * np.float32(self.step_factor)
+        gptq_step = np.where(step > 0, step, np.float32(1.0)).astype(np.float32)
+        device = module.weight.device
+        qparams = {"scale": torch.from_numpy(gptq_step).to(device),
+                   "zero_point": torch.zeros(gptq_step.shape, dtype=torch.int8, device=device),
+                   "global_scale": None}
+        group = k // d.shape[1]
+        quantized = gptq_module(module, self._args(group), H, n, options, qparams=qparams)[0][0]
+        codes = self._codes(quantized.to("cpu", torch.float32).numpy(), gptq_step, step, group)
+        module.weight.data = torch.from_numpy(codes.astype(np.float32) * np.repeat(step, group, axis=1)
+                                              ).to(module.weight.dtype).to(device)
+        return split_parts(codes, d, self.numa, proj)
+
+    def _codes(self, qdq: np.ndarray, gptq_step: np.ndarray, step: np.ndarray, group: int) -> np.ndarray:
+        """GPTQ's dequantized float32 values -> integer codes on the part grids, clamped to +-limit."""
+        q = np.rint(qdq / np.repeat(gptq_step, group, axis=1))
+        self.clamped += int(np.count_nonzero(np.abs(q) > self.limit))
+        q = np.clip(q, -self.limit, self.limit)
+        q[np.repeat(step, group, axis=1) == 0] = 0
+        return q.astype(np.int8)
+
+    def fallback(self, expert, where: str) -> dict:
+        """Data-free per-row quantization of every NUMA part (``fallback_quant``: "mse" or "rtn")."""
+        from ktconvert.layouts.numa import numa_slices
+        from ktconvert.quant.methods import row_quantizer
+
+        quantize_rows = row_quantizer(self.fallback_quant)
+        out = {}
+        for proj in PROJS:
+            w = _bf16_bits(getattr(expert, proj + "_proj").weight)
+            rows = proj != "down"
+            parts = [w[sl] if rows else w[:, sl] for sl in numa_slices(w.shape[0] if rows else w.shape[1],
+                                                                        self.numa)]
+            out[proj] = [tuple(quantize_rows(np.ascontiguousarray(p), self.bits, f"{where} {proj}"))
+                         for p in parts]
+        return out
+
+
+def default_fallback() -> str:
+    """"mse" when a ``--quant mse`` row quantizer is importable, else "rtn"."""
+    from ktconvert.quant.methods import row_quantizer
+    from ktconvert.errors import UnknownNameError
+
+    try:
+        row_quantizer("mse")
+        return "mse"
+    except (UnknownNameError, KeyError):
+        return "rtn"
+
+
+def _bf16_bits(weight) -> np.ndarray:
+    import torch
+
+    return weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+
+def gptq_amx_codes(src, calibration, method_bits: int, numa: int, *, max_length: int = 2048,
+                   num_samples: int | None = None, options: GptqOptions = GptqOptions(),
+                   fallback_quant: str | None = None) -> Iterator[LayerResult]:
+    """GPTQ codes for every MoE layer of checkpoint `src`, in layer order, one layer in memory at a time.
+
+    calibration: a jsonl path (ktconvert.gptq.calibration) or a list of 1-D int64 token tensors.
+    Yields LayerResult with payloads[(expert, proj)] = [(codes int8 [n_t, k_t], d float32 [n_t]) per NUMA part]
+    (tile with ktconvert.layouts.tiles.pack_int4 / pack_int8, or write_layer()), tokens (routed calibration
+    tokens per expert) and fallback (experts quantized data-free; quantizer name in
+    ``result.fallback_quant``)."""
+    from ktconvert.formats.hf_source import HFSource
+
+    source = src if isinstance(src, HFSource) else HFSource.open(src)
+    samples = calibration
+    if isinstance(calibration, (str, Path)):
+        from ktconvert.gptq.calibration import load_samples
+
+        samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
+                               vocab_size=source.info.config.get("vocab_size"))
+    quantizer = AmxQuantizer(method_bits, numa, fallback_quant)
+    stream = LayerStream(source, samples, quantizer, options)
+    for result in stream.layers_results():
+        result.fallback_quant = quantizer.fallback_quant
+        result.clamped = quantizer.clamped
+        yield result
+
+
+def write_layer(writer, method, result: LayerResult) -> None:
+    """Tile one layer's codes and hand them to a KtSink LayerWriter: writer.put(proj, e, t, blob, scale)."""
+    from ktconvert.layouts import tiles
+
+    pack = tiles.pack_int4 if method.bits == 4 else tiles.pack_int8
+    for (e, proj), parts in sorted(result.payloads.items()):
+        for t, (codes, d) in enumerate(parts):
+            method.check_shape(*codes.shape, where=f"layer {result.layer} expert {e} {proj} part {t}")
+            writer.put(proj, e, t, pack(codes), np.asarray(d, np.float32))
+
+
+def convert_cpu_gptq(src, out, *, method: str, numa: int, calibration, layout: str = "safetensors",
+                     max_length: int = 2048, num_samples: int | None = None,
+                     options: GptqOptions = GptqOptions(), force: bool = False, progress=None) -> dict:
+    """``ktconvert cpu SRC OUT --method amxint4|amxint8 --quant gptq --calibration FILE``: the same output as
+    pipeline.convert_cpu (KtSink files, journal, ktconvert.json with quant "gptq"), layers produced by
+    gptq_amx_codes. Returns {"manifest", "tokens" {layer: [per expert]}, "fallback" {layer: [experts]},
+    "fallback_quant", "clamped"}."""
+    from ktconvert.formats.base import open_source
+    from ktconvert.formats.out_manifest import hash_file
+    from ktconvert.journal import Journal
+    from ktconvert.pipeline import CpuOutput, prepare_output, resolve_source
+    from ktconvert.plan import plan
+    from ktconvert.quant.methods import METHODS
+
+    qmethod = METHODS.get(method)
+    if not hasattr(qmethod, "bits"):
+        raise InputError("--quant gptq needs an AMX method", expected="amxint4 or amxint8", found=method)
+    src_path, src_extra = resolve_source(str(src))
+    the_plan = plan(str(src_path), method=method, numa=numa, layout=layout, group_size=128, include_mtp=False,
+                    out=str(out))
+    source = open_source(src_path)
+    out_dir = Path(out)
+    prepare_output(out_dir, src_path, False, force)
+    options_record = {"method": qmethod.name, "numa": numa, "layout": layout, "quant": "gptq",
+                      "layers": list(the_plan["layers"]), "source": src_extra}
+    journal = Journal.start(out_dir, options_record, False)
+    output = CpuOutput(out_dir, qmethod, the_plan, source, numa=numa, layout=layout, quant="gptq",
+                       group_size=128, include_dense=False, journal=journal, src_extra=src_extra)
+    summary = {"tokens": {}, "fallback": {}, "fallback_quant": None, "clamped": 0}
+    for result in gptq_amx_codes(source, calibration, qmethod.bits, numa, max_length=max_length,
+                                 num_samples=num_samples, options=options):
+        consumer = output.begin_layer(result.layer)
+        try:
+            write_layer(consumer.writer, qmethod, result)
+            output.layer_finished(result.layer, consumer.finish())
+        except BaseException:
+            consumer.abort()
+            raise
+        summary["tokens"][result.layer] = result.tokens
+        summary["fallback"][result.layer] = result.fallback
+        summary["fallback_quant"], summary["clamped"] = result.fallback_quant, result.clamped
+        if progress is not None:
+            progress.advance(0, items=1, detail=f"layer {result.layer}")
+    for path in source.files():
+        size, sha256, _ = hash_file(path)
+        journal.finish_source(source.relative_name(path), {"bytes": size, "sha256": sha256})
+    summary["manifest"] = output.finalize()
+    return summary

@@ -1,0 +1,85 @@
+"""``ktconvert gpu --algo gptq``: the GPU writer's GPTQ hook over ktconvert.gptq.loop.LayerStream.
+
+The writer (ktconvert/gpu/writer.py ``_run_gptq``) calls, for its MoE layers in increasing order::
+
+    state = quantize_layer_gptq(source, layer, state, bits=bits, group_size=group_size, emit=emit,
+                                calibration=FILE_OR_SAMPLES, options=GptqOptions(...))
+
+``state`` is None on the first call and the returned ``GptqState`` afterwards (it holds the meta skeleton and the
+hidden states carried from layer to layer; layers in between — dense ones — are run for propagation only).
+``emit(expert, proj, tensors)`` is called once per routed expert matrix with the dict
+``ktconvert.gpu.experts.quantize_expert_rtn`` returns (``weight_packed`` int32, ``weight_scale`` BF16 bits,
+``weight_shape`` int64): GPTQ bytes equal llmcompressor ``oneshot`` GPTQModifier (W4A16/W8A16, group
+`group_size`, actorder static) on the same calibration data, except where oneshot is wrong (causal mask; experts
+no token reaches in routed-only mode get RTN instead of all-zero weights). Layers the transformers model does not
+run (MTP / next-n layers) are RTN-quantized (``state.rtn_layers``).
+
+``calibration`` is a jsonl path (ktconvert.gptq.calibration) or a list of 1-D int64 token tensors; it is
+required on the first call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ktconvert.errors import InputError
+from ktconvert.gptq.loop import GpuQuantizer, GptqOptions, LayerStream
+
+
+@dataclass
+class GptqState:
+    """The stream plus what it found: tokens[layer] = routed calibration tokens per expert; fallback[layer] =
+    experts RTN-quantized for want of tokens; rtn_layers = layers outside the model (MTP)."""
+
+    stream: LayerStream
+    quantizer: GpuQuantizer
+    tokens: dict = field(default_factory=dict)
+    fallback: dict = field(default_factory=dict)
+    rtn_layers: list = field(default_factory=list)
+
+
+def start(source, bits: int, group_size: int, calibration, options: GptqOptions | None = None,
+          max_length: int = 2048, num_samples: int | None = None) -> GptqState:
+    """Open the stream: skeleton, calibration samples (tokenized with the checkpoint's tokenizer)."""
+    if calibration is None:
+        raise InputError("--algo gptq needs calibration data", expected="--calibration FILE (jsonl of "
+                         '{"text": ...} or {"input_ids": [...]})', found="none")
+    samples = calibration
+    if not isinstance(calibration, list):
+        from ktconvert.gptq.calibration import load_samples
+
+        samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
+                               vocab_size=source.info.config.get("vocab_size"))
+    quantizer = GpuQuantizer(bits, group_size, "static")
+    return GptqState(LayerStream(source, samples, quantizer, options or GptqOptions()), quantizer)
+
+
+def quantize_layer_gptq(source, layer: int, state: GptqState | None, *, bits: int, group_size: int, emit,
+                        calibration=None, options: GptqOptions | None = None, max_length: int = 2048,
+                        num_samples: int | None = None) -> GptqState:
+    """GPTQ the routed experts of MoE layer `layer` (layers in increasing order); emit every expert matrix."""
+    if state is None:
+        state = start(source, bits, group_size, calibration, options, max_length, num_samples)
+    stream = state.stream
+    if layer >= len(stream.layers):
+        _emit_rtn(source, layer, state, emit)
+        return state
+    result = None
+    while stream.done < layer:
+        result = stream.run_layer(stream.done + 1)
+    if result is None or result.layer != layer:
+        raise InputError(f"layer {layer} is not a MoE layer of the model transformers builds", found=str(layer))
+    for (e, proj), tensors in sorted(result.payloads.items()):
+        emit(e, proj, tensors)
+    state.tokens[layer], state.fallback[layer] = result.tokens, result.fallback
+    return state
+
+
+def _emit_rtn(source, layer: int, state: GptqState, emit) -> None:
+    from ktconvert.gpu.experts import quantize_expert_rtn
+
+    for e in range(source.info.n_experts):
+        ew = source.read_expert(layer, e)
+        for proj in ("gate", "up", "down"):
+            emit(e, proj, quantize_expert_rtn(getattr(ew, proj), state.quantizer.bits, state.quantizer.group_size,
+                                              where=f"layer {layer} expert {e} {proj}"))
+    state.rtn_layers.append(layer)
