@@ -15,16 +15,17 @@ Search definition (native/amx_mse.c implements the same steps and gives bit-iden
   e      the binary exponent of amax: amax = f * 2**e with 0.5 <= f < 1 (numpy.frexp).
   X[j]   rint_even(float64(x[j]) * 2**(24 - e)): the row as integers, |X| <= 2**24 (fixed point, exact for every
          value within 2**-16 of amax).
-  for i = 0 .. G-1 (candidate i clips the row at amax * qmax / a_i):
-      a_i    = qmax + step * i                         (exact in fp32)
-      isc_i  = fp32(a_i / amax)                        (fp32 division, round to nearest even)
-      q_i[j] = clamp(rint_even(fp32(x[j] * isc_i)), -qmax, qmax)
-      P_i    = sum_j X[j] * q_i[j],  Q_i = sum_j q_i[j]**2     (float64; every term is an integer >= 0 and every
-                                                                partial sum < 2**53, so the sums are exact in any
-                                                                order: k <= 2**22 is required)
-      S_i    = (P_i * P_i) / Q_i                       (float64; the squared error of candidate i with its
-                                                        least-squares step is sum(X**2) - S_i, up to the scaling)
-  best   the smallest i with the largest S_i (strictly greater replaces; ties keep the earlier candidate).
+  candidate a (a count of levels: the row is clipped at amax * qmax / a), evaluated as
+      isc    = fp32(a / amax)                          (fp32 division, round to nearest even)
+      q[j]   = clamp(rint_even(fp32(x[j] * isc)), -qmax, qmax)
+      P      = sum_j X[j] * q[j],  Q = sum_j q[j]**2   (float64; every term is an integer >= 0 and every partial
+                                                        sum < 2**53, so the sums are exact in any order: k <= 2**22)
+      S      = (P * P) / Q                             (float64; the squared error with the least-squares step is
+                                                        sum(X**2) - S, up to the fixed-point scaling: larger is better)
+  search over the grid a_j = qmax + step * j, j = 0 .. 15 (exact in fp32), coarse then fine:
+      1. a_j for even j = 0, 2, .., 14, in that order; best = the first with the largest S.
+      2. then a_{b-1} (only if b > 0) and a_{b+1}, in that order, for the best index b of step 1; each replaces the
+         best only when its S is strictly larger.
   codes  q_best (-7..7 or -127..127: never -8 / -128; the element holding amax always gets +-qmax).
   d      fp32(ldexp(P_best / Q_best, e - 24 - 4)) for INT4 (the stored d is 1/16 of the step, kt-format.md 2.1),
          fp32(ldexp(P_best / Q_best, e - 24)) for INT8 (float64 division, one rounding to fp32).
@@ -39,7 +40,7 @@ import numpy as np
 from ktconvert.errors import ShapeError
 from ktconvert.quant.amx import bf16_rows_ftz
 
-GRID = {4: (7, 0.5, 16), 8: (127, 0.25, 16)}   # bits -> (qmax, step, candidates)
+GRID = {4: (7, 0.5, 16), 8: (127, 0.25, 16)}   # bits -> (qmax, step, grid points)
 ZERO_ROW_AMAX = np.float32(2.0 ** -118)         # rows with a smaller amax quantize to d = 0, codes 0
 MAX_K = 1 << 22                                  # keeps P, Q exact in float64
 _F32_MIN_NORMAL = np.float32(np.finfo(np.float32).tiny)
@@ -67,6 +68,24 @@ def _candidate(x: np.ndarray, X: np.ndarray, isc: np.ndarray, qmax: int):
     return q, np.sum(X * q64, axis=1), np.sum(q64 * q64, axis=1)
 
 
+class _Best:
+    """Running best candidate per row: grid index, codes float32 [r, k], P, Q, S float64 [r]."""
+
+    def __init__(self, rows: int, shape: tuple[int, int]):
+        self.index = np.zeros(rows, np.int64)
+        self.q = np.zeros(shape, np.float32)
+        self.p, self.qq, self.s = np.zeros(rows), np.ones(rows), np.full(rows, -np.inf)
+
+    def offer(self, index: np.ndarray, candidate, valid: np.ndarray | None = None) -> None:
+        """Take the candidate (codes, P, Q) in rows where its S is strictly larger (and ``valid``)."""
+        q, p, qq = candidate
+        s = (p * p) / qq
+        better = s > self.s if valid is None else valid & (s > self.s)
+        self.index[better], self.s[better], self.p[better], self.qq[better] = index[better], s[better], \
+            p[better], qq[better]
+        self.q[better] = q[better]
+
+
 def _search_chunk(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """float32 [r, k] (flushed, finite) -> (codes int8 [r, k], d float32 [r]) for one chunk of rows."""
     qmax = GRID[bits][0]
@@ -79,15 +98,17 @@ def _search_chunk(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
         return codes, d
     x, amax = x[live], amax[live]
     X, e = _fixed_point(x, amax)
-    best_s = np.full(len(amax), -np.inf)
-    best_q = np.zeros(x.shape, np.float32)
-    best_p, best_qq = np.zeros(len(amax)), np.ones(len(amax))
-    for a in grid(bits):
-        q, p, qq = _candidate(x, X, (a / amax).astype(np.float32), qmax)
-        s = (p * p) / qq
-        better = s > best_s
-        best_s[better], best_p[better], best_qq[better] = s[better], p[better], qq[better]
-        best_q[better] = q[better]
+    levels = grid(bits)
+    best = _Best(len(amax), x.shape)
+    for j in range(0, len(levels), 2):                      # 1. coarse: even grid points
+        best.offer(np.full(len(amax), j), _candidate(x, X, (levels[j] / amax).astype(np.float32), qmax))
+    coarse = best.index.copy()
+    for delta in (-1, 1):                                   # 2. fine: the two neighbours of the coarse best
+        j = coarse + delta
+        valid = (j >= 0) & (j < len(levels))
+        a = levels[np.clip(j, 0, len(levels) - 1)]
+        best.offer(j, _candidate(x, X, (a / amax).astype(np.float32), qmax), valid)
+    best_q, best_p, best_qq = best.q, best.p, best.qq
     shift = e - 24 - (4 if bits == 4 else 0)
     d_live = np.ldexp(best_p / best_qq, shift).astype(np.float32)
     flushed = ~(d_live >= _F32_MIN_NORMAL)

@@ -1,0 +1,89 @@
+"""Failures while converting: a full disk, an unusable output path, a source that changes under the converter.
+Each is one clear error naming the file, a non-zero exit code, and nothing left that looks complete."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from ktconvert.cli import cli
+
+
+def _run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def _looks_complete(out) -> list[str]:
+    """Files a user (or kt-kernel's loader) could mistake for finished output."""
+    if not out.exists():
+        return []
+    names = [p.name for p in out.rglob("*") if p.is_file()]
+    return [n for n in names if n == "ktconvert.json" or (n.endswith(".safetensors") and not n.startswith("."))]
+
+
+def test_disk_full_at_preallocation(tiny_model, tmp_path, monkeypatch):
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    out = tmp_path / "out"
+    result = _run("cpu", tiny_model("qwen3_moe"), out, "--method", "amxint4", "--quiet")
+    assert result.exit_code != 0
+    assert "No space left on device" in result.output and ".partial" in result.output
+    assert _looks_complete(out) == []
+
+
+def test_disk_full_while_writing(tiny_model, tmp_path, monkeypatch):
+    from ktconvert.formats import st_writer
+
+    real = st_writer._pwrite_all
+    calls = {"n": 0}
+
+    def fail_later(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(st_writer, "_pwrite_all", fail_later)
+    out = tmp_path / "out"
+    result = _run("cpu", tiny_model("qwen3_moe"), out, "--method", "amxint8", "--numa", "2", "--quiet")
+    assert result.exit_code != 0 and "write failed (No space left on device)" in result.output
+    assert _looks_complete(out) == []
+    monkeypatch.setattr(st_writer, "_pwrite_all", real)   # space freed: --resume finishes the job
+    result = _run("cpu", tiny_model("qwen3_moe"), out, "--method", "amxint8", "--numa", "2", "--quiet", "--resume")
+    assert result.exit_code == 0, result.output
+    assert _run("verify", out, "--hashes").exit_code == 0
+
+
+def test_output_path_under_a_file(tiny_model, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = _run("cpu", tiny_model("qwen3_moe"), blocker / "out", "--method", "amxint4", "--quiet")
+    assert result.exit_code != 0
+    assert "not writable" in result.output and "file/out" in result.output
+
+
+def test_source_truncated_mid_run(tiny_model, tmp_path, monkeypatch):
+    from ktconvert.formats import stream
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model("qwen3_moe", layers=3), src)
+    real = stream.HashingFileReader.read_range
+    calls = {"n": 0}
+
+    def vanish(self, offset, nbytes):
+        calls["n"] += 1
+        if calls["n"] == 10:   # another process truncates the shard being read
+            os.truncate(self.path, offset)
+        return real(self, offset, nbytes)
+
+    monkeypatch.setattr(stream.HashingFileReader, "read_range", vanish)
+    out = tmp_path / "out"
+    result = _run("cpu", src, out, "--method", "amxint4", "--quiet", "--threads", "1")
+    assert result.exit_code == 3
+    assert "changed or truncated while reading" in result.output and ".safetensors" in result.output
+    assert "ktconvert.json" not in _looks_complete(out)
