@@ -281,7 +281,7 @@ def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal: Journal, wor
     def work(job: MatrixJob, raw) -> None:
         targets = consumers_for(job.layer)
         for proj, w in source.decode(job, raw).items():
-            where = f"layer {job.layer} expert {job.expert} {proj}"
+            where = f"{job_tensor(job)} (layer {job.layer}, expert {job.expert}, {proj})"
             for consumer in targets:
                 consumer.put_matrix(proj, job.expert, w, where)
         progress.advance(job.nbytes)
@@ -341,6 +341,13 @@ def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal: Journal, wor
                          found=f"layers {sorted(tracker.remaining)} unfinished")
 
 
+def job_tensor(job: MatrixJob) -> str:
+    """'file: tensor' (with the expert slice of a fused tensor) for messages."""
+    name = job.key[0] if job.key else "?"
+    index = job.key[1] if len(job.key) > 1 else None
+    return f"{job.file.name}: {name}" + (f"[{index}]" if index is not None else "")
+
+
 class _LayerTracker:
     """Counts each layer's outstanding jobs; a layer is ready when all its jobs were submitted and are done."""
 
@@ -370,8 +377,12 @@ class _LayerTracker:
 
 
 def _throttle(tracker: _LayerTracker, workers: int) -> None:
-    """Bound memory: at most 2 jobs per worker in flight."""
-    pending = [f for fs in tracker.futures.values() for f in fs if not f.done()]
+    """Bound memory: at most 2 jobs per worker in flight. A failed job stops the run here, not at the end."""
+    futures = [f for fs in tracker.futures.values() for f in fs]
+    for f in futures:
+        if f.done() and f.exception() is not None:
+            raise f.exception()
+    pending = [f for f in futures if not f.done()]
     if len(pending) >= 2 * workers:
         wait(pending, return_when=FIRST_COMPLETED)
 

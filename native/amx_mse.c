@@ -2,11 +2,12 @@
  * docstring is the specification; codes and scales here are bit-identical to it).
  *
  * Per row: amax (the AMX kernels' row_amax_bits), x = the row as fp32 (subnormals flushed), X = the row as integers
- * (rint_even(x * 2^(24-e)), |X| <= 2^24), then for each of 16 candidate inverse steps isc_i = fp32(a_i / amax) the
- * codes q = clamp(rint_even(fp32(x * isc_i)), -qmax, qmax) and the sums P = sum X*q, Q = sum q*q. Every term is an
+ * (rint_even(x * 2^(24-e)), |X| <= 2^24), then for candidate inverse steps isc = fp32(a_j / amax) on a 16-point grid
+ * (8 coarse points, then the 2 neighbours of the best) the codes q = clamp(rint_even(fp32(x * isc)), -qmax, qmax)
+ * and the sums P = sum X*q, Q = sum q*q. Every term is an
  * integer >= 0 and every partial sum < 2^53 (k <= 2^22), so P and Q are exact in double whatever the summation
  * order: the SIMD and scalar versions agree bit for bit with each other and with numpy. The best candidate is the
- * first with the largest P*P/Q; d = fp32(ldexp(P/Q, e - 24 [- 4 for INT4])).
+ * first (in evaluation order) with the largest P*P/Q; d = fp32(ldexp(P/Q, e - 24 [- 4 for INT4])).
  *
  * Packing reuses kt_amx_quantize: a row of integer codes written as BF16 has amax = qmax, so kt-kernel's own
  * rounding of it gives back exactly those codes (INT4: d = 7/112 = 1/16, x * 16 is exact; INT8: d ~ 1, |q| < 128).
@@ -17,7 +18,7 @@
 
 #include "kt_internal.h"
 
-#define MSE_CANDIDATES 16
+#define MSE_GRID 16 /* grid points a_j = qmax + step * j */
 #define MSE_MAX_K ((int64_t)1 << 22)
 #define MSE_ZERO_ROW_AMAX 0x1p-118f /* rows with a smaller amax get d = 0, codes 0 */
 #define ROUND_MAGIC_F 12582912.0f   /* 1.5 * 2^23: (v + M) - M == rint_even(v) for |v| < 2^22 */
@@ -160,6 +161,24 @@ static void scratch_free(mse_scratch *s) {
     free(s->codes);
 }
 
+typedef struct {
+    double score, p, q;
+    float isc;
+    int index;
+} mse_best;
+
+/* Evaluate grid point j (a = qmax + step * j); it replaces the best only with a strictly larger score. */
+static void offer(const mse_kernels *mk, const mse_scratch *s, int64_t k, float amax, float qmax, float step, int j,
+                  mse_best *best) {
+    float isc = (qmax + step * (float)j) / amax;
+    double pq[2];
+    mk->sums(s->x, s->X, k, isc, qmax, pq);
+    double score = (pq[0] * pq[0]) / pq[1];
+    if (score > best->score) {
+        best->score = score, best->p = pq[0], best->q = pq[1], best->isc = isc, best->index = j;
+    }
+}
+
 /* One row: codes (BF16 bits of the integers) into `out`, d into *d_out. KT_E_NONFINITE on NaN/Inf. */
 static int search_row(const mse_kernels *mk, const kt_amx_kernels *ak, const uint16_t *row, int64_t k, int bits,
                       const mse_scratch *s, uint16_t *out, float *d_out) {
@@ -172,17 +191,14 @@ static int search_row(const mse_kernels *mk, const kt_amx_kernels *ak, const uin
     int e = (amax_bits >> 7) - 126; /* amax = f * 2^e, 0.5 <= f < 1 */
     mk->prep(row, k, ldexp(1.0, 24 - e), s->x, s->X);
     float qmax = bits == 4 ? 7.0f : 127.0f, step = bits == 4 ? 0.5f : 0.25f;
-    double best = -INFINITY, best_p = 0.0, best_q = 1.0;
-    float best_isc = 0.0f;
-    for (int i = 0; i < MSE_CANDIDATES; i++) {
-        float isc = (qmax + step * (float)i) / amax;
-        double pq[2];
-        mk->sums(s->x, s->X, k, isc, qmax, pq);
-        double score = (pq[0] * pq[0]) / pq[1];
-        if (score > best) {
-            best = score, best_p = pq[0], best_q = pq[1], best_isc = isc;
-        }
-    }
+    mse_best best = {-INFINITY, 0.0, 1.0, 0.0f, 0};
+    for (int j = 0; j < MSE_GRID; j += 2) /* 1. coarse: even grid points */
+        offer(mk, s, k, amax, qmax, step, j, &best);
+    int coarse = best.index;
+    if (coarse > 0) offer(mk, s, k, amax, qmax, step, coarse - 1, &best); /* 2. fine: the two neighbours */
+    if (coarse + 1 < MSE_GRID) offer(mk, s, k, amax, qmax, step, coarse + 1, &best);
+    double best_p = best.p, best_q = best.q;
+    float best_isc = best.isc;
     float d = (float)ldexp(best_p / best_q, e - 24 - (bits == 4 ? 4 : 0));
     if (!(d >= FLT_MIN)) return KT_OK; /* a subnormal scale: zero row, as kt-kernel flushes it */
     mk->codes(s->x, k, best_isc, qmax, out);

@@ -87,3 +87,21 @@ def test_source_truncated_mid_run(tiny_model, tmp_path, monkeypatch):
     assert result.exit_code == 3
     assert "changed or truncated while reading" in result.output and ".safetensors" in result.output
     assert "ktconvert.json" not in _looks_complete(out)
+
+
+def test_nan_in_a_weight_names_file_tensor_layer_expert_projection(tiny_model, tmp_path):
+    from ktconvert.formats.safetensors_reader import Checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model("qwen3_moe"), src)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    ref = Checkpoint.open(src).tensors[name]
+    with open(ref.file, "r+b") as fh:
+        fh.seek(ref.offset + 2 * 300)
+        fh.write(b"\xc0\x7f")          # BF16 quiet NaN at row 1, column 44 (H = 256)
+    out = tmp_path / "out"
+    result = _run("cpu", src, out, "--method", "amxint4", "--quiet")
+    assert result.exit_code == 3
+    assert f"{ref.file.name}: {name} (layer 1, expert 3, up)" in result.output
+    assert "NaN at row 1, column 44" in result.output
+    assert "ktconvert.json" not in _looks_complete(out)

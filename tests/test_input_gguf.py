@@ -116,6 +116,18 @@ def test_native_mxfp4_subnormal_scales_match_numpy():
 
 
 @needs_native
+def test_native_f16_every_finite_half():
+    from ktconvert.native import gguf as native_gguf
+
+    halves = np.arange(1 << 16, dtype=np.uint16)
+    halves = halves[(halves & 0x7C00) != 0x7C00]
+    want = halves.view(np.float16).astype(np.float32).view(np.uint32)
+    for impl in IMPLS:
+        assert np.array_equal(native_gguf.dequantize_f32(halves.view(np.uint8), T.F16.value, impl=impl)
+                              .view(np.uint32), want), impl
+
+
+@needs_native
 def test_native_threads_do_not_change_bits():
     from ktconvert.native import gguf as native_gguf
 
