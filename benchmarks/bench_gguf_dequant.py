@@ -45,17 +45,10 @@ def main() -> None:
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
-    from ktconvert import native
     from ktconvert.native import gguf as native_gguf
     from ktconvert.quant import ggml
 
-    impls = []
-    for impl in ("scalar", "avx2", "avx512"):
-        try:
-            native.resolve_impl(impl)
-            impls.append(impl)
-        except Exception:
-            pass
+    impls = native_gguf.usable_impls()
     for type_name in args.types.split(","):
         qtype = T[type_name]
         raw = ggml.random_blocks(type_name, int(args.mb * (1 << 20)) // ggml.geometry(type_name)[1])

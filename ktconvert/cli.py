@@ -120,6 +120,8 @@ def tiny_model(out, arch, layers, experts, hidden, intermediate, dtype, seed, fo
 @click.option("--quant", type=click.Choice(["rtn", "mse", "gptq"]), default="rtn", show_default=True,
               help="rtn is byte-identical to kt-kernel's converter; mse searches each row's scale.")
 @click.option("--group-size", type=int, default=128, show_default=True, help="Group size for --method rawint4.")
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--threads", type=int, default=None, help="Worker threads (default: all cores). Bytes never depend on it.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion in OUT.")
 @click.option("--force", is_flag=True, help="Delete an existing OUT and start over.")
@@ -128,8 +130,8 @@ def tiny_model(out, arch, layers, experts, hidden, intermediate, dtype, seed, fo
 @click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option("--json-progress", is_flag=True, help="Progress as JSON lines on stderr.")
-def cpu(src, out, method, numa, layout, quant, group_size, threads, resume, force, include_dense, include_mtp,
-        allow_drop_bias, quiet, json_progress) -> None:
+def cpu(src, out, method, numa, layout, quant, group_size, calibration, threads, resume, force, include_dense,
+        include_mtp, allow_drop_bias, quiet, json_progress) -> None:
     """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable)."""
     from ktconvert.pipeline import convert_cpu
     from ktconvert.progress import make_progress
@@ -138,7 +140,7 @@ def cpu(src, out, method, numa, layout, quant, group_size, threads, resume, forc
         summary = convert_cpu(src, out, method=method, numa=numa, layout=layout, quant=quant,
                               group_size=group_size, threads=threads, resume=resume, force=force,
                               include_dense=include_dense, include_mtp=include_mtp,
-                              allow_drop_bias=allow_drop_bias, progress=progress)
+                              allow_drop_bias=allow_drop_bias, calibration=calibration, progress=progress)
     click.echo(summary)
 
 

@@ -191,7 +191,7 @@ def _expert_tensor_set(source, layer: int) -> set[str]:
 def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetensors", quant: str = "rtn",
                 group_size: int = 128, threads: int | None = None, resume: bool = False, force: bool = False,
                 include_dense: bool = False, include_mtp: bool = False, allow_drop_bias: bool = False,
-                progress=None, extra_outputs=()) -> str:
+                calibration=None, progress=None, extra_outputs=()) -> str:
     """Convert the routed experts of checkpoint `src` for kt-kernel into directory `out`. Returns a summary line.
 
     extra_outputs: more outputs fed from the same source read (e.g. ktconvert.gpu's GpuOutput for `convert`), each
@@ -202,6 +202,13 @@ def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetens
     from ktconvert.quant.methods import METHODS
 
     progress = progress or _NullProgress()
+    if quant == "gptq":
+        if extra_outputs:
+            raise InputError("--quant gptq writes the CPU output on its own", hint="convert the GPU side separately")
+        return _convert_cpu_gptq(src, out, method, numa, layout, calibration, resume, force, include_dense,
+                                 include_mtp, progress)
+    if calibration is not None:
+        raise InputError("--calibration is only used with --quant gptq", found=f"--quant {quant}")
     src_path, src_extra = resolve_source(str(src))
     the_plan = plan(str(src_path), method=method, numa=numa, layout=layout, group_size=group_size,
                     include_mtp=include_mtp, out=str(out))
@@ -239,6 +246,26 @@ def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetens
     total = sum(f["bytes"] for f in manifest["files"].values())
     return (f"wrote {out_dir}: {len(manifest['files'])} files, {total} bytes; run with --kt-method "
             f"{manifest['method']} --kt-weight-path {out_dir} --kt-threadpool-count {numa}")
+
+
+def _convert_cpu_gptq(src, out, method, numa, layout, calibration, resume, force, include_dense, include_mtp,
+                      progress) -> str:
+    """--quant gptq: calibrated, one decoder layer at a time (ktconvert.gptq); no resume, no MTP, no dense shard."""
+    if calibration is None:
+        raise InputError("--quant gptq needs calibration data", expected="--calibration FILE (JSON lines)")
+    unsupported = [flag for flag, on in (("--resume", resume), ("--include-dense", include_dense),
+                                         ("--include-mtp", include_mtp)) if on]
+    if unsupported:
+        raise InputError("not available with --quant gptq", found=", ".join(unsupported))
+    from ktconvert.gptq.amx import convert_cpu_gptq
+
+    result = convert_cpu_gptq(src, out, method=method, numa=numa, calibration=calibration, layout=layout,
+                              force=force, progress=progress)
+    fallback = sum(len(v) for v in result["fallback"].values())
+    manifest = result["manifest"]
+    return (f"wrote {out} (GPTQ; {fallback} experts without calibration tokens used {result['fallback_quant']}, "
+            f"{result['clamped']} codes clamped); run with --kt-method {manifest['method']} --kt-weight-path {out} "
+            f"--kt-threadpool-count {numa}")
 
 
 # ---------------------------------------------------------------------------------------------- the loop

@@ -179,15 +179,34 @@ static void offer(const mse_kernels *mk, const mse_scratch *s, int64_t k, float 
     }
 }
 
+/* kt-kernel's own rounding of one row (kt-format.md 2.1 / 2.2), codes as BF16 bits: the fallback for rows whose
+ * search would give a subnormal scale (and for rows too small to search). Its largest code is qmax (or all 0). */
+static void rtn_row(const uint16_t *row, int64_t k, int bits, float amax, uint16_t *out, float *d_out) {
+    float d = bits == 4 ? (float)((double)amax / 112.0) : amax * (1.0f / 127.0f);
+    if (!(d >= FLT_MIN)) d = 0.0f;
+    float inv = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        float v = (row[j] & 0x7f80) ? kt_bf16_to_f32(row[j]) : 0.0f;
+        float q = (v * inv + ROUND_MAGIC_F) - ROUND_MAGIC_F; /* |v * inv| <= ~127: in the magic's range */
+        q = q > 127.0f ? 127.0f : (q < -128.0f ? -128.0f : q);
+        if (bits == 4) q = q < 0.0f ? -floorf((-q + 8.0f) / 16.0f) : floorf((q + 8.0f) / 16.0f);
+        uint32_t u;
+        memcpy(&u, &q, sizeof u);
+        out[j] = (uint16_t)(u >> 16);
+    }
+    *d_out = d;
+}
+
 /* One row: codes (BF16 bits of the integers) into `out`, d into *d_out. KT_E_NONFINITE on NaN/Inf. */
 static int search_row(const mse_kernels *mk, const kt_amx_kernels *ak, const uint16_t *row, int64_t k, int bits,
                       const mse_scratch *s, uint16_t *out, float *d_out) {
     uint16_t amax_bits = ak->row_amax_bits(row, k);
     if (amax_bits >= 0x7f80) return KT_E_NONFINITE;
-    float amax = kt_bf16_to_f32(amax_bits);
-    memset(out, 0, (size_t)k * sizeof *out);
-    *d_out = 0.0f;
-    if (!(amax >= MSE_ZERO_ROW_AMAX)) return KT_OK;
+    float amax = amax_bits >= 0x0080 ? kt_bf16_to_f32(amax_bits) : 0.0f;
+    if (!(amax >= MSE_ZERO_ROW_AMAX)) {
+        rtn_row(row, k, bits, amax, out, d_out);
+        return KT_OK;
+    }
     int e = (amax_bits >> 7) - 126; /* amax = f * 2^e, 0.5 <= f < 1 */
     mk->prep(row, k, ldexp(1.0, 24 - e), s->x, s->X);
     float qmax = bits == 4 ? 7.0f : 127.0f, step = bits == 4 ? 0.5f : 0.25f;
@@ -197,11 +216,12 @@ static int search_row(const mse_kernels *mk, const kt_amx_kernels *ak, const uin
     int coarse = best.index;
     if (coarse > 0) offer(mk, s, k, amax, qmax, step, coarse - 1, &best); /* 2. fine: the two neighbours */
     if (coarse + 1 < MSE_GRID) offer(mk, s, k, amax, qmax, step, coarse + 1, &best);
-    double best_p = best.p, best_q = best.q;
-    float best_isc = best.isc;
-    float d = (float)ldexp(best_p / best_q, e - 24 - (bits == 4 ? 4 : 0));
-    if (!(d >= FLT_MIN)) return KT_OK; /* a subnormal scale: zero row, as kt-kernel flushes it */
-    mk->codes(s->x, k, best_isc, qmax, out);
+    float d = (float)ldexp(best.p / best.q, e - 24 - (bits == 4 ? 4 : 0));
+    if (!(d >= FLT_MIN)) { /* a subnormal scale: kt-kernel's own rounding instead */
+        rtn_row(row, k, bits, amax, out, d_out);
+        return KT_OK;
+    }
+    mk->codes(s->x, k, best.isc, qmax, out);
     *d_out = d;
     return KT_OK;
 }

@@ -240,17 +240,19 @@ KT_INLINE void blk_q6_k(const uint8_t *b, float *y) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = f16_to_f32(rd16(b + 208));
-    for (int g = 0; g < 2; g++)
-        for (int c = 0; c < 8; c++) {     /* 16-element chunk c of this half: r = c*16 .. c*16+15 */
-            const int r0 = c * 16, e0 = g * 128 + r0;
-            const float scale = d * (float)sc[e0 >> 4];
-            const uint8_t *l = ql + g * 64 + (r0 & 63), *h = qh + g * 32 + (r0 & 31);
-            const int ls = 4 * (r0 >> 6), hs = 2 * (r0 >> 5);
-            for (int j = 0; j < 16; j++) {
-                int v = (((l[j] >> ls) & 15) | (((h[j] >> hs) & 3) << 4)) - 32;
-                y[e0 + j] = scale * (float)v;
-            }
+    int8_t q[QK_K];
+    for (int g = 0; g < 2; g++)         /* r = j, 32+j, 64+j, 96+j of half g */
+        for (int j = 0; j < 32; j++) {
+            const int l0 = ql[g * 64 + j], l1 = ql[g * 64 + 32 + j], h = qh[g * 32 + j];
+            q[g * 128 + j] = (int8_t)(((l0 & 15) | ((h & 3) << 4)) - 32);
+            q[g * 128 + 32 + j] = (int8_t)(((l1 & 15) | (((h >> 2) & 3) << 4)) - 32);
+            q[g * 128 + 64 + j] = (int8_t)(((l0 >> 4) | (((h >> 4) & 3) << 4)) - 32);
+            q[g * 128 + 96 + j] = (int8_t)(((l1 >> 4) | (((h >> 6) & 3) << 4)) - 32);
         }
+    for (int c = 0; c < 16; c++) {
+        const float scale = d * (float)sc[c];
+        for (int j = 0; j < 16; j++) y[c * 16 + j] = scale * (float)q[c * 16 + j];
+    }
 }
 
 /* IQ4_XS [d][scales_h u16][scales_l 4][qs 128]: scale k = ((scales_l[k/2] >> 4*(k%2)) & 15 |

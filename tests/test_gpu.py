@@ -228,10 +228,13 @@ def test_cli_gpu_verify_and_dry_run(tiny_model, tmp_path):
     assert runner.invoke(cli, ["verify", str(tmp_path / "o")]).exit_code == 4
 
 
-def test_gptq_hook_missing_is_a_clear_error(tiny_model, tmp_path):
+def test_gptq_hook_missing_is_a_clear_error(tiny_model, tmp_path, monkeypatch):
+    import sys
+
     from ktconvert.errors import KtConvertError
     from ktconvert.gpu.writer import convert_gpu
 
+    monkeypatch.setitem(sys.modules, "ktconvert.gpu.gptq", None)      # as in an installation without the module
     with pytest.raises(KtConvertError, match="--algo gptq is not available"):
         convert_gpu(tiny_model("qwen3_moe"), tmp_path / "o", algo="gptq")
     assert not (tmp_path / "o").exists()

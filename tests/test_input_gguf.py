@@ -44,19 +44,9 @@ write_moe_gguf = _load_make_fixtures().write_moe_gguf
 
 
 def _native_impls() -> list[str]:
-    from ktconvert import native
     from ktconvert.native import gguf as native_gguf
 
-    if native_gguf.gguf_lib() is None:
-        return []
-    impls = []
-    for impl in ("scalar", "avx2", "avx512"):
-        try:
-            native.resolve_impl(impl)
-            impls.append(impl)
-        except Exception:
-            pass
-    return impls
+    return native_gguf.usable_impls()
 
 
 IMPLS = _native_impls()
@@ -67,9 +57,35 @@ def random_blocks(type_name: str, n_blocks: int, seed: int) -> np.ndarray:
     return ggml.random_blocks(type_name, n_blocks, seed)
 
 
+def _ieee_mode() -> bool:
+    """False once a library in this process switched on FTZ/DAZ (importing kt_kernel does): numpy then flushes
+    subnormal results, and gguf-py's reference must be computed in a fresh process."""
+    tiny = np.array([1e-40, 1e-30], dtype=np.float32)
+    return bool(tiny[0] * np.float32(1) != 0 and tiny[1] * np.float32(1e-9) != 0)
+
+
+_REFERENCE_SCRIPT = """import sys, numpy as np
+from gguf import GGMLQuantizationType as T, quants
+raw = np.fromfile(sys.argv[1], dtype=np.uint8)
+with np.errstate(all="ignore"):
+    np.asarray(quants.dequantize(raw, T[sys.argv[2]]), dtype=np.float32).reshape(-1).tofile(sys.argv[3])
+"""
+
+
 def gguf_py_f32(raw: np.ndarray, type_name: str) -> np.ndarray:
-    with np.errstate(all="ignore"):
-        return np.asarray(quants.dequantize(raw, T[type_name]), dtype=np.float32).reshape(-1)
+    """gguf-py's dequantize, in IEEE mode (a subprocess when this process has FTZ/DAZ on)."""
+    if _ieee_mode():
+        with np.errstate(all="ignore"):
+            return np.asarray(quants.dequantize(raw, T[type_name]), dtype=np.float32).reshape(-1)
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "raw.bin", Path(tmp) / "out.bin"
+        np.ascontiguousarray(raw).tofile(src)
+        subprocess.run([sys.executable, "-c", _REFERENCE_SCRIPT, str(src), type_name, str(dst)], check=True)
+        return np.fromfile(dst, dtype=np.float32)
 
 
 def first_mismatch(got: np.ndarray, want: np.ndarray, block: int) -> str:
@@ -109,7 +125,8 @@ def test_native_mxfp4_subnormal_scales_match_numpy():
     raw[:, 0] = np.arange(1024) % 4
     raw = raw.reshape(-1)
     want = gguf_py_f32(raw, "MXFP4")
-    assert np.any((want != 0) & (np.abs(want) < np.finfo(np.float32).tiny))
+    bits = want.view(np.uint32)
+    assert np.any(((bits & 0x7F800000) == 0) & ((bits & 0x007FFFFF) != 0))   # subnormals present (bit test: DAZ-proof)
     for impl in IMPLS:
         assert np.array_equal(native_gguf.dequantize_f32(raw, T.MXFP4.value, impl=impl).view(np.uint32),
                               want.view(np.uint32))

@@ -40,6 +40,20 @@ def gguf_lib() -> ctypes.CDLL | None:
     return handle
 
 
+def usable_impls() -> list[str]:
+    """The implementations ("scalar", "avx2", "avx512") that can run here; [] without the library."""
+    if gguf_lib() is None:
+        return []
+    usable = []
+    for impl in ("scalar", "avx2", "avx512"):
+        try:
+            native.resolve_impl(impl)
+        except NativeError:
+            continue
+        usable.append(impl)
+    return usable
+
+
 def supports(ggml_type: int) -> bool:
     """True when ggml type id `ggml_type` is dequantized natively here."""
     handle = gguf_lib()

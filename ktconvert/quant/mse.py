@@ -10,8 +10,8 @@ Search definition (native/amx_mse.c implements the same steps and gives bit-iden
 
   qmax, step, G = 7, 0.5, 16 (INT4) or 127, 0.25, 16 (INT8).
   x[j]   the row as fp32, BF16 widened exactly, subnormals flushed to 0 (kt-kernel's DAZ); NaN/Inf -> NumericError.
-  amax   max |x[j]| (fp32). A row with amax < 2**-118 (all zero, or so small that kt-kernel's own scale would be
-         subnormal) gets d = 0 and all codes 0.
+  amax   max |x[j]| (fp32). A row with amax < 2**-118 (zero, or too small for fp32 inverse steps) gets kt-kernel's
+         own rounding (quant/amx.py: d = 0 and codes 0 when amax/112 resp. amax/127 is subnormal).
   e      the binary exponent of amax: amax = f * 2**e with 0.5 <= f < 1 (numpy.frexp).
   X[j]   rint_even(float64(x[j]) * 2**(24 - e)): the row as integers, |X| <= 2**24 (fixed point, exact for every
          value within 2**-16 of amax).
@@ -29,7 +29,8 @@ Search definition (native/amx_mse.c implements the same steps and gives bit-iden
   codes  q_best (-7..7 or -127..127: never -8 / -128; the element holding amax always gets +-qmax).
   d      fp32(ldexp(P_best / Q_best, e - 24 - 4)) for INT4 (the stored d is 1/16 of the step, kt-format.md 2.1),
          fp32(ldexp(P_best / Q_best, e - 24)) for INT8 (float64 division, one rounding to fp32).
-         A d below 2**-126 (fp32 subnormal, flushed by kt-kernel) becomes 0 with all codes 0.
+         If d < 2**-126 (an fp32 subnormal, which kt-kernel would flush), the row gets kt-kernel's own rounding
+         instead. So no row is ever worse than rtn: rtn's codes are a rounding at the step of grid point 0.
 
 Dequantization is kt-kernel's unchanged: w ~= codes * 16 * d (INT4), codes * d (INT8).
 """
@@ -38,6 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from ktconvert.errors import ShapeError
+from ktconvert.quant import amx
 from ktconvert.quant.amx import bf16_rows_ftz
 
 GRID = {4: (7, 0.5, 16), 8: (127, 0.25, 16)}   # bits -> (qmax, step, grid points)
@@ -86,17 +88,23 @@ class _Best:
         self.q[better] = q[better]
 
 
-def _search_chunk(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [r, k] (flushed, finite) -> (codes int8 [r, k], d float32 [r]) for one chunk of rows."""
+def _search_chunk(w_bf16: np.ndarray, x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """BF16 bits uint16 [r, k] and the same rows as float32 (flushed, finite) -> (codes int8 [r, k], d float32 [r])."""
     qmax = GRID[bits][0]
-    rows, k = x.shape
-    amax = np.max(np.abs(x), axis=1) if k else np.zeros(rows, np.float32)
+    amax = np.max(np.abs(x), axis=1)
     live = amax >= ZERO_ROW_AMAX
-    codes = np.zeros((rows, k), np.int8)
-    d = np.zeros(rows, np.float32)
-    if not live.any():
-        return codes, d
-    x, amax = x[live], amax[live]
+    codes, d = np.zeros(x.shape, np.int8), np.zeros(len(amax), np.float32)
+    if live.any():
+        codes[live], d[live] = _search_live(x[live], amax[live], bits, qmax)
+    fallback = ~(d >= _F32_MIN_NORMAL)                      # tiny rows and subnormal d: kt-kernel's rounding
+    if fallback.any():
+        rtn = amx.quantize_int4_rows if bits == 4 else amx.quantize_int8_rows
+        codes[fallback], d[fallback] = rtn(np.ascontiguousarray(w_bf16[fallback]))
+    return codes, d
+
+
+def _search_live(x: np.ndarray, amax: np.ndarray, bits: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows with amax >= 2**-118: (codes int8, d float32; d may be subnormal, the caller replaces those rows)."""
     X, e = _fixed_point(x, amax)
     levels = grid(bits)
     best = _Best(len(amax), x.shape)
@@ -108,14 +116,8 @@ def _search_chunk(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
         valid = (j >= 0) & (j < len(levels))
         a = levels[np.clip(j, 0, len(levels) - 1)]
         best.offer(j, _candidate(x, X, (a / amax).astype(np.float32), qmax), valid)
-    best_q, best_p, best_qq = best.q, best.p, best.qq
-    shift = e - 24 - (4 if bits == 4 else 0)
-    d_live = np.ldexp(best_p / best_qq, shift).astype(np.float32)
-    flushed = ~(d_live >= _F32_MIN_NORMAL)
-    d_live[flushed] = 0
-    best_q[flushed] = 0
-    codes[live], d[live] = best_q.astype(np.int8), d_live
-    return codes, d
+    d = np.ldexp(best.p / best.qq, e - 24 - (4 if bits == 4 else 0)).astype(np.float32)
+    return best.q.astype(np.int8), d
 
 
 def search_rows(w_bf16: np.ndarray, bits: int, where: str = "") -> tuple[np.ndarray, np.ndarray]:
@@ -131,10 +133,13 @@ def search_rows(w_bf16: np.ndarray, bits: int, where: str = "") -> tuple[np.ndar
     if k > MAX_K:
         raise ShapeError("row too long for the mse scale search", tensor=where or None,
                          expected=f"k <= {MAX_K}", found=k)
-    codes = np.empty((n, k), np.int8)
-    d = np.empty(n, np.float32)
+    codes = np.zeros((n, k), np.int8)
+    d = np.zeros(n, np.float32)
+    if k == 0:
+        return codes, d
     for r0 in range(0, n, _ROW_CHUNK):
-        codes[r0:r0 + _ROW_CHUNK], d[r0:r0 + _ROW_CHUNK] = _search_chunk(x[r0:r0 + _ROW_CHUNK], bits)
+        rows = slice(r0, r0 + _ROW_CHUNK)
+        codes[rows], d[rows] = _search_chunk(w_bf16[rows], x[rows], bits)
     return codes, d
 
 
