@@ -151,20 +151,31 @@ KT_INLINE void blk_mxfp4(const uint8_t *b, float *y) {
 
 /* ---------------------------------------------------------------- 256-element super-blocks */
 
+/* Second pass of the super-block formats: integer codes -> floats, one scale (and min) per run. */
+KT_INLINE void scale_run(const int8_t *q, int n, float scale, float *y) {
+    for (int j = 0; j < n; j++) y[j] = scale * (float)q[j];
+}
+
+KT_INLINE void affine_run(const uint8_t *q, int n, float scale, float min, float *y) {
+    for (int j = 0; j < n; j++) y[j] = scale * (float)q[j] - min;
+}
+
 /* Q2_K [scales 16][qs 64][d][dmin]: element g*128 + s*32 + j = (qs[g*32+j] >> 2s) & 3, sub-block e/16;
  * y = (d * (sc & 15)) * q - (dmin * (sc >> 4)). */
 KT_INLINE void blk_q2_k(const uint8_t *b, float *y) {
     const uint8_t *sc = b, *qs = b + 16;
     const float d = f16_to_f32(rd16(b + 80)), dmin = f16_to_f32(rd16(b + 82));
+    uint8_t q[QK_K];
     for (int g = 0; g < 2; g++)
-        for (int s = 0; s < 4; s++)
-            for (int h = 0; h < 2; h++) {
-                const int sub = g * 8 + s * 2 + h;
-                const float dl = d * (float)(sc[sub] & 15), ml = dmin * (float)(sc[sub] >> 4);
-                const uint8_t *q = qs + g * 32 + h * 16;
-                float *out = y + sub * 16;
-                for (int j = 0; j < 16; j++) out[j] = dl * (float)((q[j] >> (2 * s)) & 3) - ml;
-            }
+        for (int j = 0; j < 32; j++) {
+            const int v = qs[g * 32 + j];
+            q[g * 128 + j] = v & 3;
+            q[g * 128 + 32 + j] = (v >> 2) & 3;
+            q[g * 128 + 64 + j] = (v >> 4) & 3;
+            q[g * 128 + 96 + j] = v >> 6;
+        }
+    for (int sub = 0; sub < 16; sub++)
+        affine_run(q + sub * 16, 16, d * (float)(sc[sub] & 15), dmin * (float)(sc[sub] >> 4), y + sub * 16);
 }
 
 /* Q3_K [hmask 32][qs 64][scales 12][d]: 6-bit scale i = (low nibble: scales[i] & 15 for i < 8, scales[i-8] >> 4
@@ -173,23 +184,18 @@ KT_INLINE void blk_q2_k(const uint8_t *b, float *y) {
 KT_INLINE void blk_q3_k(const uint8_t *b, float *y) {
     const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
     const float d = f16_to_f32(rd16(b + 108));
-    float dl[16];
-    for (int i = 0; i < 16; i++) {
-        int lo = i < 8 ? (sc[i] & 15) : (sc[i - 8] >> 4);
-        int hi = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
-        dl[i] = d * (float)((lo | (hi << 4)) - 32);
-    }
+    int8_t q[QK_K];
     for (int g = 0; g < 2; g++)
         for (int s = 0; s < 4; s++)
-            for (int h = 0; h < 2; h++) {
-                const int e0 = g * 128 + s * 32 + h * 16, bit = e0 >> 5;
-                const float scale = dl[e0 >> 4];
-                const uint8_t *q = qs + g * 32 + h * 16, *m = hm + h * 16;
-                for (int j = 0; j < 16; j++) {
-                    int v = ((q[j] >> (2 * s)) & 3) - ((((m[j] >> bit) & 1) ^ 1) << 2);
-                    y[e0 + j] = scale * (float)v;
-                }
+            for (int j = 0; j < 32; j++) {
+                const int low = (qs[g * 32 + j] >> (2 * s)) & 3, high = (hm[j] >> (g * 4 + s)) & 1;
+                q[g * 128 + s * 32 + j] = (int8_t)(low - ((high ^ 1) << 2));
             }
+    for (int i = 0; i < 16; i++) {
+        const int lo = i < 8 ? (sc[i] & 15) : (sc[i - 8] >> 4);
+        const int hi = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+        scale_run(q + i * 16, 16, d * (float)((lo | (hi << 4)) - 32), y + i * 16);
+    }
 }
 
 /* Q4_K / Q5_K 6-bit scales and mins (12 bytes) -> sc[8], mn[8]. */
@@ -206,32 +212,29 @@ KT_INLINE void k_scale_min(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
  * y = (d * sc[k]) * q - (dmin * m[k]). */
 KT_INLINE void blk_q4_k(const uint8_t *b, float *y) {
     const float d = f16_to_f32(rd16(b)), dmin = f16_to_f32(rd16(b + 2));
-    uint8_t sc[8], mn[8];
+    uint8_t sc[8], mn[8], q[QK_K];
     k_scale_min(b + 4, sc, mn);
     const uint8_t *qs = b + 16;
-    for (int k = 0; k < 8; k++) {
-        const float dk = d * (float)sc[k], mk = dmin * (float)mn[k];
-        const uint8_t *q = qs + (k >> 1) * 32;
-        const int shift = 4 * (k & 1);
-        for (int j = 0; j < 32; j++) y[k * 32 + j] = dk * (float)((q[j] >> shift) & 15) - mk;
-    }
+    for (int g = 0; g < 4; g++)
+        for (int j = 0; j < 32; j++) {
+            q[g * 64 + j] = qs[g * 32 + j] & 15;
+            q[g * 64 + 32 + j] = qs[g * 32 + j] >> 4;
+        }
+    for (int k = 0; k < 8; k++) affine_run(q + k * 32, 32, d * (float)sc[k], dmin * (float)mn[k], y + k * 32);
 }
 
 /* Q5_K [d][dmin][scales 12][qh 32][qs 128]: as Q4_K with bit 4 of sub-block k's element j = (qh[j] >> k) & 1. */
 KT_INLINE void blk_q5_k(const uint8_t *b, float *y) {
     const float d = f16_to_f32(rd16(b)), dmin = f16_to_f32(rd16(b + 2));
-    uint8_t sc[8], mn[8];
+    uint8_t sc[8], mn[8], q[QK_K];
     k_scale_min(b + 4, sc, mn);
     const uint8_t *qh = b + 16, *qs = b + 48;
-    for (int k = 0; k < 8; k++) {
-        const float dk = d * (float)sc[k], mk = dmin * (float)mn[k];
-        const uint8_t *q = qs + (k >> 1) * 32;
-        const int shift = 4 * (k & 1);
+    for (int g = 0; g < 4; g++)
         for (int j = 0; j < 32; j++) {
-            int v = ((q[j] >> shift) & 15) | (((qh[j] >> k) & 1) << 4);
-            y[k * 32 + j] = dk * (float)v - mk;
+            q[g * 64 + j] = (uint8_t)((qs[g * 32 + j] & 15) | (((qh[j] >> (2 * g)) & 1) << 4));
+            q[g * 64 + 32 + j] = (uint8_t)((qs[g * 32 + j] >> 4) | (((qh[j] >> (2 * g + 1)) & 1) << 4));
         }
-    }
+    for (int k = 0; k < 8; k++) affine_run(q + k * 32, 32, d * (float)sc[k], dmin * (float)mn[k], y + k * 32);
 }
 
 /* Q6_K [ql 128][qh 64][scales int8 16][d]: element e = g*128 + r: low = (ql[g*64 + r%64] >> 4*(r/64)) & 15,
@@ -249,10 +252,7 @@ KT_INLINE void blk_q6_k(const uint8_t *b, float *y) {
             q[g * 128 + 64 + j] = (int8_t)(((l0 >> 4) | (((h >> 4) & 3) << 4)) - 32);
             q[g * 128 + 96 + j] = (int8_t)(((l1 >> 4) | (((h >> 6) & 3) << 4)) - 32);
         }
-    for (int c = 0; c < 16; c++) {
-        const float scale = d * (float)sc[c];
-        for (int j = 0; j < 16; j++) y[c * 16 + j] = scale * (float)q[c * 16 + j];
-    }
+    for (int c = 0; c < 16; c++) scale_run(q + c * 16, 16, d * (float)sc[c], y + c * 16);
 }
 
 /* IQ4_XS [d][scales_h u16][scales_l 4][qs 128]: scale k = ((scales_l[k/2] >> 4*(k%2)) & 15 |
