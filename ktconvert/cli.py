@@ -341,7 +341,9 @@ def _gpu_options(fn):
 @click.argument("out", type=click.Path())
 @_gpu_options
 @click.option("--algo", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
-              help="rtn: round-to-nearest, bytes equal llmcompressor model_free_ptq; gptq needs calibration.")
+              help="rtn: round-to-nearest, bytes equal llmcompressor model_free_ptq; gptq needs --calibration.")
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="For --algo gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers (else they are left out).")
 @click.option("--threads", type=int, default=None, help="Worker threads (default: all cores).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion in OUT.")
@@ -349,8 +351,8 @@ def _gpu_options(fn):
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes per component, VRAM per expert) only.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable --dry-run output.")
 @_progress_options
-def gpu(src, out, experts, gpu_group_size, linears, algo, include_mtp, threads, resume, force, dry_run, as_json,
-        quiet, json_progress) -> None:
+def gpu(src, out, experts, gpu_group_size, linears, algo, calibration, include_mtp, threads, resume, force, dry_run,
+        as_json, quiet, json_progress) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
     from ktconvert.gpu.writer import convert_gpu
@@ -364,7 +366,7 @@ def gpu(src, out, experts, gpu_group_size, linears, algo, include_mtp, threads, 
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
         summary = convert_gpu(src, out, experts=experts, algo=algo, group_size=int(gpu_group_size), linears=linears,
                               include_mtp=include_mtp, threads=threads, resume=resume, force=force,
-                              progress=progress)
+                              calibration=calibration, progress=progress)
     click.echo(summary)
 
 

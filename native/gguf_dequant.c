@@ -72,10 +72,12 @@ KT_INLINE void blk_bf16(const uint8_t *b, float *y) { y[0] = bits_to_f32((uint32
 KT_INLINE void blk_q4_0(const uint8_t *b, float *y) {
     const float d = f16_to_f32(rd16(b));
     const uint8_t *qs = b + 2;
+    int8_t q[32];
     for (int j = 0; j < 16; j++) {
-        y[j] = d * (float)((int)(qs[j] & 15) - 8);
-        y[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
+        q[j] = (int8_t)((qs[j] & 15) - 8);
+        q[j + 16] = (int8_t)((qs[j] >> 4) - 8);
     }
+    for (int j = 0; j < 32; j++) y[j] = d * (float)q[j];
 }
 
 /* Q4_1 [d][m][qs 16]: y = d * q + m. */
@@ -383,6 +385,10 @@ KT_LOOKUP_BODIES(avx2, KT_ATTR_AVX2)
 KT_LOOKUP_BODIES(avx512, KT_ATTR_AVX512)
 #endif
 
+/* An empty volatile asm in the loop over blocks keeps the compiler from vectorizing across blocks (strided
+ * gathers, much slower) instead of within a block. Element formats (1 element per block) are exempt. */
+#define KT_NO_OUTER_VECTORIZE(ELEMS) do { if ((ELEMS) > 1) __asm__ volatile(""); } while (0)
+
 #define BF16_CHUNK 4096 /* floats of scratch per bf16 call step (16 KiB on the stack) */
 
 typedef void (*dq_f32_fn)(const uint8_t *src, int64_t nblocks, float *dst);
@@ -390,14 +396,20 @@ typedef void (*dq_bf16_fn)(const uint8_t *src, int64_t nblocks, uint16_t *dst);
 
 #define KT_DEFINE_TYPE(ATTR, SUFFIX, BODY, NAME, ID, ELEMS, BYTES)                                   \
     ATTR static void dq_##NAME##_##SUFFIX(const uint8_t *src, int64_t nblocks, float *dst) {         \
-        for (int64_t i = 0; i < nblocks; i++) BODY(src + i * (BYTES), dst + i * (ELEMS));            \
+        for (int64_t i = 0; i < nblocks; i++) {                                                      \
+            KT_NO_OUTER_VECTORIZE(ELEMS);                                                               \
+            BODY(src + i * (BYTES), dst + i * (ELEMS));                                              \
+        }                                                                                            \
     }                                                                                                \
     ATTR static void dqb_##NAME##_##SUFFIX(const uint8_t *src, int64_t nblocks, uint16_t *dst) {     \
         float buf[BF16_CHUNK];                                                                       \
         const int64_t step = BF16_CHUNK / (ELEMS);                                                   \
         for (int64_t i = 0; i < nblocks; i += step) {                                                \
             int64_t n = nblocks - i < step ? nblocks - i : step;                                     \
-            for (int64_t k = 0; k < n; k++) BODY(src + (i + k) * (BYTES), buf + k * (ELEMS));        \
+            for (int64_t k = 0; k < n; k++) {                                                        \
+                KT_NO_OUTER_VECTORIZE(ELEMS);                                                           \
+                BODY(src + (i + k) * (BYTES), buf + k * (ELEMS));                                    \
+            }                                                                                        \
             to_bf16(buf, n * (ELEMS), dst + i * (ELEMS));                                            \
         }                                                                                            \
     }

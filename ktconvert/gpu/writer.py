@@ -39,6 +39,7 @@ class GpuOptions:
     algo: str = "rtn"
     linears: str = "fp8"
     include_mtp: bool = False
+    calibration: str | None = None   # --algo gptq: JSON lines of texts or token ids
 
     @property
     def bits(self) -> int:
@@ -266,13 +267,14 @@ def gptq_hook():
 
 def convert_gpu(src, out, *, experts: str = "w4a16", algo: str = "rtn", group_size: int = 128,
                 linears: str = "fp8", include_mtp: bool = False, threads: int | None = None, resume: bool = False,
-                force: bool = False, progress=None) -> str:
+                force: bool = False, calibration=None, progress=None) -> str:
     """Write the SGLang-KT GPU checkpoint of `src` into `out`. Returns a summary line."""
     from ktconvert.formats.out_manifest import JOURNAL_NAME, MANIFEST_NAME
     from ktconvert.pipeline import _NullProgress, prepare_output, resolve_source, run_jobs
 
     progress = progress or _NullProgress()
-    options = GpuOptions(experts.lower(), group_size, algo, linears, include_mtp)
+    options = GpuOptions(experts.lower(), group_size, algo, linears, include_mtp,
+                         str(calibration) if calibration is not None else None)
     src_path, src_extra = resolve_source(str(src))
     out_dir = Path(out)
     _check_options(options)
@@ -311,7 +313,8 @@ def _run_gptq(source, output: GpuOutput, journal, progress) -> None:
         writer = output.begin_layer(layer)
         try:
             state = quantize_layer_gptq(source, layer, state, bits=opts.bits, group_size=opts.group_size,
-                                        emit=lambda e, proj, tensors: writer.put_tensors(e, proj, tensors))
+                                        emit=lambda e, proj, tensors: writer.put_tensors(e, proj, tensors),
+                                        calibration=opts.calibration)
             output.layer_finished(layer, writer.finish())
         except BaseException:
             writer.abort()
