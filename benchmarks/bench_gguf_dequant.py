@@ -2,8 +2,9 @@
 
 One JSON line per (type, implementation): MB/s of packed input, the speed-up over gguf-py measured in the same
 run, and whether the bits equal gguf-py's. Input: random blocks (fp16 scales kept finite), --mb MiB per type.
+The pipeline uses the bf16 output (dequantize + round to BF16 in one pass).
 
-    python benchmarks/bench_gguf_dequant.py [--mb 16] [--repeat 3] [--threads 1] [--types Q4_K,Q6_K]
+    python benchmarks/bench_gguf_dequant.py [--mb 4] [--repeat 5] [--threads 1] [--types Q4_K,Q6_K]
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def best_time(fn, repeat: int) -> tuple[float, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mb", type=float, default=16.0, help="MiB of packed input per type")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--mb", type=float, default=4.0,
+                    help="MiB of packed input per type (about one expert slice of a large model)")
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--types", default=",".join(DEFAULT_TYPES))
     args = ap.parse_args()

@@ -65,25 +65,41 @@ def inspect(src: str, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("src", type=click.Path(exists=True))
-@click.option("--method", type=click.Choice(CPU_METHODS, case_sensitive=False), required=True,
-              help="kt-kernel method the output is for.")
+@click.option("--method", type=click.Choice(CPU_METHODS, case_sensitive=False), default=None,
+              help="kt-kernel method of the CPU output to plan.")
 @click.option("--numa", type=int, default=1, show_default=True,
               help="NUMA parts T (= SGLang --kt-threadpool-count). Gate/up split by rows, down by input columns.")
 @click.option("--layout", type=click.Choice(["safetensors", "kt"]), default="safetensors", show_default=True)
 @click.option("--group-size", type=int, default=128, show_default=True, help="Group size for --method rawint4.")
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers' experts.")
+@click.option("--gpu", "gpu_experts", type=click.Choice(["w4a16", "w8a16"]), default=None,
+              help="Also plan the GPU checkpoint with these experts (`ktconvert gpu`).")
+@click.option("--linears", type=click.Choice(["fp8", "bf16", "keep"]), default="fp8", show_default=True,
+              help="GPU linears, with --gpu.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.argument("out", required=False, type=click.Path())
-def plan(src, method, numa, layout, group_size, include_mtp, as_json, out) -> None:
-    """What a conversion of SRC would write: files, bytes, peak RAM, disk, and the alignment checks.
+def plan(src, method, numa, layout, group_size, include_mtp, gpu_experts, linears, as_json, out) -> None:
+    """What a conversion of SRC would write: files, bytes, peak RAM, disk, and the alignment checks — for the
+    CPU output (--method) and/or the GPU checkpoint (--gpu: sizes per component, VRAM per GPU expert).
 
     No weights are read. A NUMA count that cannot work fails here and lists the ones that would.
     """
-    from ktconvert.plan import plan as run, render
+    if method is None and gpu_experts is None:
+        raise click.UsageError("give --method (CPU output), --gpu (GPU checkpoint), or both")
+    results, renders = {}, {}
+    if method is not None:
+        from ktconvert.plan import plan as run, render
 
-    result = run(src, method=method, numa=numa, layout=layout, group_size=group_size,
-                 include_mtp=include_mtp, out=out)
-    _emit(result, as_json, render)
+        results["cpu"], renders["cpu"] = run(src, method=method, numa=numa, layout=layout, group_size=group_size,
+                                             include_mtp=include_mtp, out=out), render
+    if gpu_experts is not None:
+        from ktconvert.gpu.plan import plan_gpu, render_gpu
+
+        results["gpu"], renders["gpu"] = plan_gpu(src, gpu_experts, group_size, linears, include_mtp), render_gpu
+    if as_json:
+        click.echo(json.dumps(results if len(results) > 1 else next(iter(results.values())), indent=2, sort_keys=True))
+    else:
+        click.echo("\n\n".join(renders[k](results[k]) for k in results))
 
 
 @cli.command("tiny-model")
