@@ -153,3 +153,12 @@ def test_help_lists_every_command():
     result = run("--help")
     for command in ("inspect", "plan", "cpu", "verify", "tiny-model", "demo", "env"):
         assert command in result.output
+
+
+def test_plan_covers_cpu_and_gpu_outputs(tiny_model):
+    model = tiny_model("deepseek_v3")
+    report = json.loads(run("plan", model, "--method", "amxint4", "--numa", "2", "--gpu", "w4a16", "--json").output)
+    assert report["cpu"]["method"].upper() == "AMXINT4" and report["cpu"]["numa"] == 2
+    assert "gpu plan" in run("plan", model, "--gpu", "w8a16").output
+    result = run("plan", model, ok=False)
+    assert result.exit_code == 2 and "--method" in result.output
