@@ -211,11 +211,19 @@ def parse_manifest(text: str, source: str) -> Manifest:
     )
 
 
+def _shipped_manifests():
+    """The installed package ktconvert.manifests, or the repository's manifests/ folder when ktconvert runs from a
+    source checkout that was never installed (PYTHONPATH=.)."""
+    try:
+        return resources.files("ktconvert.manifests")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[1] / "manifests"
+
+
 def _manifest_files() -> list[tuple[str, str]]:
     """(source name, text) of every manifest: shipped ones first, then KTCONVERT_MANIFEST_PATH directories."""
     files = []
-    shipped = resources.files("ktconvert.manifests")
-    for entry in sorted(shipped.iterdir(), key=lambda e: e.name):
+    for entry in sorted(_shipped_manifests().iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".toml"):
             files.append((f"manifests/{entry.name}", entry.read_text(encoding="utf-8")))
     for directory in filter(None, os.environ.get(MANIFEST_PATH_ENV, "").split(os.pathsep)):

@@ -4,8 +4,10 @@
  * `(d * sc) * q - (dmin * m)`: scales are products of float32 values first, then one multiply and one subtract per
  * element. The element order of every format is written next to its function as gguf-py's reshapes produce it.
  * The bodies are written once (always_inline) and instantiated per ISA, so the compiler vectorizes them for
- * AVX2/AVX-512; IEEE float32 multiply/subtract are exact-rounded whatever the vector width, and -ffp-contract=off
- * forbids fusing them, so every instantiation gives the same bits.
+ * AVX2/AVX-512; a few types have hand-written SIMD bodies instead (nibble lookups, Q6_K), or use the SSE2 build in
+ * every slot where GCC's wider code was measured slower (see KT_GGUF_TYPES). IEEE float32 multiply/subtract are
+ * exact-rounded whatever the vector width, and -ffp-contract=off forbids fusing them, so every variant gives the
+ * same bits (tests/test_input_gguf.py checks each against gguf-py).
  */
 #include <string.h>
 
@@ -139,12 +141,16 @@ KT_INLINE void blk_mxfp4(const uint8_t *b, float *y) {
 
 /* ---------------------------------------------------------------- 256-element super-blocks */
 
-/* Second pass of the super-block formats: integer codes -> floats, one scale (and min) per run. */
+/* Second pass of the super-block formats: integer codes -> floats, one scale (and min) per run. The empty asm
+ * keeps the compiler from vectorizing the caller's loop over runs (it would transpose 16 runs at a time) instead
+ * of the run itself. */
 KT_INLINE void scale_run(const int8_t *q, int n, float scale, float *y) {
+    __asm__ volatile("");
     for (int j = 0; j < n; j++) y[j] = scale * (float)q[j];
 }
 
 KT_INLINE void affine_run(const uint8_t *q, int n, float scale, float min, float *y) {
+    __asm__ volatile("");
     for (int j = 0; j < n; j++) y[j] = scale * (float)q[j] - min;
 }
 
@@ -292,9 +298,39 @@ KT_INLINE void to_bf16(const float *x, int64_t n, uint16_t *out) {
     }
 }
 
+#ifdef KT_X86
+/* SSE2 (x86-64 baseline) BF16 rounding for the scalar build: GCC cannot narrow 32 -> 16 bits without SSE4.1, so
+ * bias to signed, pack with signed saturation (values fit), and un-bias. */
+KT_INLINE void to_bf16_sse2(const float *x, int64_t n, uint16_t *out) {
+    const __m128i bias = _mm_set1_epi32(0x7fff), one = _mm_set1_epi32(1), inf = _mm_set1_epi32(0x7f800000);
+    const __m128i abs_mask = _mm_set1_epi32(0x7fffffff), quiet = _mm_set1_epi32(0x0040);
+    const __m128i sign32 = _mm_set1_epi32(0x8000), sign16 = _mm_set1_epi16((short)0x8000);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i r[2];
+        for (int h = 0; h < 2; h++) {
+            const __m128i u = _mm_castps_si128(_mm_loadu_ps(x + i + 4 * h));
+            const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), one);
+            const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(bias, lsb)), 16);
+            const __m128i nan = _mm_or_si128(_mm_srli_epi32(u, 16), quiet);
+            const __m128i is_nan = _mm_cmpgt_epi32(_mm_and_si128(u, abs_mask), inf);
+            const __m128i v = _mm_or_si128(_mm_and_si128(is_nan, nan), _mm_andnot_si128(is_nan, rounded));
+            r[h] = _mm_sub_epi32(v, sign32);
+        }
+        _mm_storeu_si128((__m128i *)(out + i), _mm_xor_si128(_mm_packs_epi32(r[0], r[1]), sign16));
+    }
+    to_bf16(x + i, n - i, out + i);
+}
+#define KT_TO_BF16_SCALAR to_bf16_sse2
+#else
+#define KT_TO_BF16_SCALAR to_bf16
+#endif
+
 /* ---------------------------------------------------------------- per-ISA instantiation */
 
-/* X(name, ggml type id, elements per block, bytes per block, body of the SIMD builds: G generic, S own) */
+/* X(name, ggml type id, elements per block, bytes per block, SIMD: G generic body compiled per ISA, S own SIMD
+ *   body, N every implementation slot uses the baseline (SSE2) build: GCC's AVX2/AVX-512 code for these bodies was
+ *   measured slower than its SSE2 code) */
 #define KT_GGUF_TYPES(X)              \
     X(f32, 0, 1, 4, G)                \
     X(f16, 1, 1, 2, G)                \
@@ -303,11 +339,11 @@ KT_INLINE void to_bf16(const float *x, int64_t n, uint16_t *out) {
     X(q5_0, 6, 32, 22, G)             \
     X(q5_1, 7, 32, 24, G)             \
     X(q8_0, 8, 32, 34, G)             \
-    X(q2_k, 10, QK_K, 84, G)          \
-    X(q3_k, 11, QK_K, 110, G)         \
+    X(q2_k, 10, QK_K, 84, N)          \
+    X(q3_k, 11, QK_K, 110, N)         \
     X(q4_k, 12, QK_K, 144, G)         \
     X(q5_k, 13, QK_K, 176, G)         \
-    X(q6_k, 14, QK_K, 210, G)         \
+    X(q6_k, 14, QK_K, 210, S)         \
     X(iq4_nl, 20, 32, 18, S)          \
     X(iq4_xs, 23, QK_K, 136, S)       \
     X(bf16, 30, 1, 2, G)              \
@@ -317,6 +353,7 @@ KT_INLINE void to_bf16(const float *x, int64_t n, uint16_t *out) {
 
 #define KT_BODY_G(NAME, ISA) blk_##NAME
 #define KT_BODY_S(NAME, ISA) blk_##NAME##_##ISA
+#define KT_BODY_N(NAME, ISA) blk_##NAME   /* instantiated but not used: see KT_ISA_FNS_N */
 
 #ifdef KT_X86
 /* SIMD nibble lookups: the 16-entry float table lives in registers (AVX-512: one permutexvar; AVX2: two 8-entry
@@ -343,6 +380,85 @@ KT_ATTR_AVX2 KT_INLINE void nibbles_lut_avx2(const uint8_t *q, const float *tabl
         const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + h)));
         _mm256_storeu_ps(y + h, lut16_avx2(_mm256_and_si256(b, m15), lo, hi));
         _mm256_storeu_ps(y + 16 + h, lut16_avx2(_mm256_srli_epi32(b, 4), lo, hi));
+    }
+}
+
+/* BF16 rounding of a run of floats, as to_bf16 (RNE; NaN -> quiet NaN with the top bits kept). */
+KT_ATTR_AVX512 KT_INLINE void to_bf16_avx512(const float *x, int64_t n, uint16_t *out) {
+    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), quiet = _mm512_set1_epi32(0x0040);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(x + i));
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+        const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, lsb)), 16);
+        const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), quiet);
+        const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+        _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, nan)));
+    }
+    to_bf16(x + i, n - i, out + i);
+}
+
+KT_ATTR_AVX2 KT_INLINE void to_bf16_avx2(const float *x, int64_t n, uint16_t *out) {
+    const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), quiet = _mm256_set1_epi32(0x0040);
+    const __m256i inf = _mm256_set1_epi32(0x7f800000);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i r[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + i + 8 * h));
+            const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+            const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, lsb)), 16);
+            const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
+            const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf); /* signed ok: < 2^31 */
+            r[h] = _mm256_blendv_epi8(rounded, nan, is_nan);
+        }
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8);
+        _mm256_storeu_si256((__m256i *)(out + i), packed);
+    }
+    to_bf16(x + i, n - i, out + i);
+}
+
+/* Q6_K codes for one half (128 elements) of a super-block, as blk_q6_k's first pass, 32 bytes at a time. */
+KT_ATTR_AVX2 KT_INLINE void q6_k_codes_avx2(const uint8_t *ql, const uint8_t *qh, int8_t *q) {
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                           _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+    for (int k = 0; k < 4; k++) {
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h, 2 * k), m2);
+        const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo[k], _mm256_slli_epi16(hi, 4)), off);
+        _mm256_storeu_si256((__m256i *)(q + 32 * k), v);
+    }
+}
+
+KT_ATTR_AVX2 KT_INLINE void blk_q6_k_avx2(const uint8_t *b, float *y) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = f16_to_f32(rd16(b + 208));
+    int8_t q[QK_K];
+    q6_k_codes_avx2(b, b + 128, q);
+    q6_k_codes_avx2(b + 64, b + 160, q + 128);
+    for (int c = 0; c < 16; c++) {
+        const __m256 scale = _mm256_set1_ps(d * (float)sc[c]);
+        for (int h = 0; h < 16; h += 8) {
+            const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + c * 16 + h)));
+            _mm256_storeu_ps(y + c * 16 + h, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(v)));
+        }
+    }
+}
+
+KT_ATTR_AVX512 KT_INLINE void blk_q6_k_avx512(const uint8_t *b, float *y) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = f16_to_f32(rd16(b + 208));
+    int8_t q[QK_K];
+    q6_k_codes_avx2(b, b + 128, q);
+    q6_k_codes_avx2(b + 64, b + 160, q + 128);
+    for (int c = 0; c < 16; c++) {
+        const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + c * 16)));
+        _mm512_storeu_ps(y + c * 16, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[c]), _mm512_cvtepi32_ps(v)));
     }
 }
 
@@ -375,19 +491,21 @@ KT_LOOKUP_BODIES(avx512, KT_ATTR_AVX512)
  * gathers, much slower) instead of within a block. Element formats (1 element per block) are exempt. */
 #define KT_NO_OUTER_VECTORIZE(ELEMS) do { if ((ELEMS) > 1) __asm__ volatile(""); } while (0)
 
+#define KT_UNUSED __attribute__((unused)) /* N types instantiate ISA variants that the table does not use */
 #define BF16_CHUNK 4096 /* floats of scratch per bf16 call step (16 KiB on the stack) */
 
 typedef void (*dq_f32_fn)(const uint8_t *src, int64_t nblocks, float *dst);
 typedef void (*dq_bf16_fn)(const uint8_t *src, int64_t nblocks, uint16_t *dst);
 
-#define KT_DEFINE_TYPE(ATTR, SUFFIX, BODY, NAME, ID, ELEMS, BYTES)                                   \
-    ATTR static void dq_##NAME##_##SUFFIX(const uint8_t *src, int64_t nblocks, float *dst) {         \
+/* dq_NAME_SUFFIX: blocks -> float32; dqb_NAME_SUFFIX: blocks -> BF16 bits through a float buffer rounded by TO_BF16. */
+#define KT_DEFINE_TYPE2(ATTR, SUFFIX, BODY, TO_BF16, NAME, ID, ELEMS, BYTES)                                   \
+    ATTR KT_UNUSED static void dq_##NAME##_##SUFFIX(const uint8_t *src, int64_t nblocks, float *dst) {      \
         for (int64_t i = 0; i < nblocks; i++) {                                                      \
             KT_NO_OUTER_VECTORIZE(ELEMS);                                                               \
             BODY(src + i * (BYTES), dst + i * (ELEMS));                                              \
         }                                                                                            \
     }                                                                                                \
-    ATTR static void dqb_##NAME##_##SUFFIX(const uint8_t *src, int64_t nblocks, uint16_t *dst) {     \
+    ATTR KT_UNUSED static void dqb_##NAME##_##SUFFIX(const uint8_t *src, int64_t nblocks, uint16_t *dst) {  \
         float buf[BF16_CHUNK];                                                                       \
         const int64_t step = BF16_CHUNK / (ELEMS);                                                   \
         for (int64_t i = 0; i < nblocks; i += step) {                                                \
@@ -396,23 +514,25 @@ typedef void (*dq_bf16_fn)(const uint8_t *src, int64_t nblocks, uint16_t *dst);
                 KT_NO_OUTER_VECTORIZE(ELEMS);                                                           \
                 BODY(src + (i + k) * (BYTES), buf + k * (ELEMS));                                    \
             }                                                                                        \
-            to_bf16(buf, n * (ELEMS), dst + i * (ELEMS));                                            \
+            TO_BF16(buf, n * (ELEMS), dst + i * (ELEMS));                                            \
         }                                                                                            \
     }
 
 #define KT_DEFINE_TYPE_scalar(NAME, ID, ELEMS, BYTES, SIMD) \
-    KT_DEFINE_TYPE(, scalar, blk_##NAME, NAME, ID, ELEMS, BYTES)
+    KT_DEFINE_TYPE2(, scalar, blk_##NAME, KT_TO_BF16_SCALAR, NAME, ID, ELEMS, BYTES)
 KT_GGUF_TYPES(KT_DEFINE_TYPE_scalar)
 
 #ifdef KT_X86
 #define KT_DEFINE_TYPE_avx2(NAME, ID, ELEMS, BYTES, SIMD) \
-    KT_DEFINE_TYPE(KT_ATTR_AVX2, avx2, KT_BODY_##SIMD(NAME, avx2), NAME, ID, ELEMS, BYTES)
+    KT_DEFINE_TYPE2(KT_ATTR_AVX2, avx2, KT_BODY_##SIMD(NAME, avx2), to_bf16_avx2, NAME, ID, ELEMS, BYTES)
 #define KT_DEFINE_TYPE_avx512(NAME, ID, ELEMS, BYTES, SIMD) \
-    KT_DEFINE_TYPE(KT_ATTR_AVX512, avx512, KT_BODY_##SIMD(NAME, avx512), NAME, ID, ELEMS, BYTES)
+    KT_DEFINE_TYPE2(KT_ATTR_AVX512, avx512, KT_BODY_##SIMD(NAME, avx512), to_bf16_avx512, NAME, ID, ELEMS, BYTES)
 KT_GGUF_TYPES(KT_DEFINE_TYPE_avx2)
 KT_GGUF_TYPES(KT_DEFINE_TYPE_avx512)
 #define KT_ISA_FNS(PFX, NAME) {PFX##NAME##_scalar, PFX##NAME##_avx2, PFX##NAME##_avx512}
+#define KT_ISA_FNS_N(PFX, NAME) {PFX##NAME##_scalar, PFX##NAME##_scalar, PFX##NAME##_scalar}
 #else
+#define KT_ISA_FNS_N(PFX, NAME) KT_ISA_FNS(PFX, NAME)
 #define KT_ISA_FNS(PFX, NAME) {PFX##NAME##_scalar, PFX##NAME##_scalar, PFX##NAME##_scalar}
 #endif
 
@@ -423,7 +543,10 @@ typedef struct {
     dq_bf16_fn bf16[3];
 } kt_gguf_entry;
 
-#define KT_ENTRY(NAME, ID, ELEMS, BYTES, SIMD) {ID, ELEMS, BYTES, KT_ISA_FNS(dq_, NAME), KT_ISA_FNS(dqb_, NAME)},
+#define KT_ISA_FNS_G KT_ISA_FNS
+#define KT_ISA_FNS_S KT_ISA_FNS
+#define KT_ENTRY(NAME, ID, ELEMS, BYTES, SIMD) \
+    {ID, ELEMS, BYTES, KT_ISA_FNS_##SIMD(dq_, NAME), KT_ISA_FNS_##SIMD(dqb_, NAME)},
 static const kt_gguf_entry KT_GGUF_TABLE[] = {KT_GGUF_TYPES(KT_ENTRY)};
 #define KT_GGUF_NTYPES ((int)(sizeof KT_GGUF_TABLE / sizeof KT_GGUF_TABLE[0]))
 
@@ -443,57 +566,31 @@ KT_API int64_t kt_gguf_block_bytes(int type) {
     return e ? e->bytes : 0;
 }
 
-/* Resolve (type, impl) -> table entry + ISA index; KT_OK or a status. */
-static int prepare(int type, int impl, const void *src, int64_t nblocks, const void *dst,
-                   const kt_gguf_entry **entry, int *isa) {
-    *entry = find_type(type);
-    if (*entry == NULL || nblocks < 0 || (nblocks > 0 && (src == NULL || dst == NULL))) return KT_E_ARG;
-    int chosen = kt_resolve_impl(impl);
+/* numpy's floating-point mode for the call: round to nearest even, all exceptions masked, no FTZ/DAZ (so subnormal
+ * results match; kt_fpenv_enter would set FTZ/DAZ). The caller's MXCSR is restored. */
+static int run(int type, int impl, const uint8_t *src, int64_t nblocks, void *dst, int bf16) {
+    const kt_gguf_entry *entry = find_type(type);
+    if (entry == NULL || nblocks < 0 || (nblocks > 0 && (src == NULL || dst == NULL))) return KT_E_ARG;
+    const int chosen = kt_resolve_impl(impl);
     if (chosen < 0) return -chosen;
-    *isa = chosen - 1;
-    return KT_OK;
-}
-
-/* numpy's mode: round to nearest even, all exceptions masked, no FTZ/DAZ (kt_fpenv_enter would set FTZ/DAZ). */
-typedef struct {
-    unsigned int saved;
-} gguf_fpenv;
-
-static void fp_enter(gguf_fpenv *env) {
 #ifdef KT_X86
-    env->saved = _mm_getcsr();
+    const unsigned int saved = _mm_getcsr();
     _mm_setcsr(0x1f80u);
-#else
-    (void)env;
 #endif
-}
-
-static void fp_leave(const gguf_fpenv *env) {
+    if (bf16)
+        entry->bf16[chosen - 1](src, nblocks, (uint16_t *)dst);
+    else
+        entry->f32[chosen - 1](src, nblocks, (float *)dst);
 #ifdef KT_X86
-    _mm_setcsr(env->saved);
-#else
-    (void)env;
+    _mm_setcsr(saved);
 #endif
+    return KT_OK;
 }
 
 KT_API int kt_gguf_dequant_f32(int type, int impl, const uint8_t *src, int64_t nblocks, float *dst) {
-    const kt_gguf_entry *entry;
-    int isa, status = prepare(type, impl, src, nblocks, dst, &entry, &isa);
-    if (status != KT_OK) return status;
-    gguf_fpenv env;
-    fp_enter(&env);
-    entry->f32[isa](src, nblocks, dst);
-    fp_leave(&env);
-    return KT_OK;
+    return run(type, impl, src, nblocks, dst, 0);
 }
 
 KT_API int kt_gguf_dequant_bf16(int type, int impl, const uint8_t *src, int64_t nblocks, uint16_t *dst) {
-    const kt_gguf_entry *entry;
-    int isa, status = prepare(type, impl, src, nblocks, dst, &entry, &isa);
-    if (status != KT_OK) return status;
-    gguf_fpenv env;
-    fp_enter(&env);
-    entry->bf16[isa](src, nblocks, dst);
-    fp_leave(&env);
-    return KT_OK;
+    return run(type, impl, src, nblocks, dst, 1);
 }

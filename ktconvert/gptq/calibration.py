@@ -3,7 +3,12 @@
 FILE is JSON lines, one sample per line: ``{"text": "..."}`` (tokenized with the tokenizer files next to the
 checkpoint's config.json, offline, special tokens added as the tokenizer does by default) or
 ``{"input_ids": [int, ...]}`` (used as is). Blank lines are skipped. Samples are truncated to `max_length`
-tokens and kept in file order (llmcompressor's oneshot does not shuffle either). Nothing is downloaded.
+tokens; the first `num_samples` in file order are kept. Nothing is downloaded.
+
+The GPTQ loop calibrates them in ``oneshot_order``: longest first, as llmcompressor ``oneshot`` with
+``shuffle_calibration_samples=False`` (its ``LengthAwareSampler``). The order changes the float32 summation order
+of the Hessians, so bit-identity with oneshot needs it; oneshot's default (``True``) draws a random order from
+torch's global generator, which no other run reproduces.
 """
 from __future__ import annotations
 
@@ -79,3 +84,12 @@ def load_samples(path, model_dir, max_length: int = 2048, num_samples: int | Non
                              expected=f"0..{vocab_size - 1}", found=f"{min(ids)}..{max(ids)}")
         samples.append(torch.tensor(ids, dtype=torch.long))
     return samples
+
+
+def oneshot_order(samples: list) -> list:
+    """`samples` (1-D token tensors) reordered as llmcompressor's LengthAwareSampler visits them: descending
+    length, ties in the order ``torch.argsort(lengths, descending=True)`` gives on CPU."""
+    import torch
+
+    lengths = torch.tensor([len(s) for s in samples])
+    return [samples[i] for i in torch.argsort(lengths, descending=True).tolist()]

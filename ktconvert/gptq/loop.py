@@ -14,7 +14,9 @@
 Details carried over for bit-identity with llmcompressor ``oneshot`` (gptq-streaming.md §2): eager attention and
 the real causal mask (``causal_mask=False`` reproduces oneshot's Qwen3-MoE mask=None, tests only); tensors loaded
 in the dtype ``from_pretrained`` gives them (``_keep_in_fp32_modules_strict`` stay float32); propagation under
-``DisableQuantization``; samples in order, batch size 1; ``malloc_trim`` after each layer; routed token counts
+``DisableQuantization``; samples in oneshot's unshuffled order (``calibration.oneshot_order``: longest first — the
+order sets the float32 summation order of every Hessian), batch size 1; ``malloc_trim`` after each layer; routed
+token counts
 per expert, and experts no calibration token reaches (routed-only mode) go to the quantizer's data-free fallback
 instead of a zero Hessian (which llmcompressor turns into all-zero weights).
 
@@ -165,10 +167,12 @@ class _Recorder:
 
 class LayerStream:
     """GPTQ over checkpoint `src`'s decoder layers in order, with calibration `samples` (list of 1-D int64
-    token tensors), quantizer `quantizer` (see GpuQuantizer for the interface) and GptqOptions."""
+    token tensors, calibrated in ``oneshot_order``), quantizer `quantizer` (see GpuQuantizer for the interface)
+    and GptqOptions."""
 
     def __init__(self, src, samples: list, quantizer, options: GptqOptions = GptqOptions()):
         from ktconvert.formats.hf_source import HFSource
+        from ktconvert.gptq.calibration import oneshot_order
 
         if not samples:
             raise InputError("no calibration samples", hint="--calibration FILE must hold at least one sample")
@@ -181,7 +185,7 @@ class LayerStream:
         self.layers = self.model.model.layers
         self.fp32_keys = tuple(getattr(self.model, "_keep_in_fp32_modules_strict", None) or ())
         self.prefix = self.info.name_prefix
-        self.hidden, self.kwargs = self._record_inputs(samples)
+        self.hidden, self.kwargs = self._record_inputs(oneshot_order(samples))
         self.done = -1
 
     # -- inputs
