@@ -33,7 +33,8 @@ else:
     ds = Dataset.from_dict({"input_ids": [s.tolist() for s in samples], "attention_mask": [[1] * length] * n})
     ignore = ["lm_head", r"re:.*self_attn.*", r"re:.*mlp\.gate$", r"re:.*mlp\.(gate|up|down)_proj$"]
     oneshot(model=model, dataset=ds, num_calibration_samples=n, max_seq_length=length,
-            recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore, dampening_frac=0.1))
+            recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore, dampening_frac=0.1),
+            shuffle_calibration_samples=False)
 print(json.dumps({"wall_s": round(time.perf_counter() - t0, 2),
                   "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
 """

@@ -109,6 +109,18 @@ class ModelInfo:
     manifest: Manifest
     config: dict
 
+    def minimal_config(self) -> dict:
+        """A config.json for outputs of a source that has none (GGUF): model_type and the dims, under the
+        family's own key names (the first key its manifest tries for each field)."""
+        fields = {"n_layers": self.n_layers, "n_experts": self.n_experts, "hidden": self.hidden,
+                  "intermediate": self.intermediate, "experts_per_tok": self.experts_per_tok}
+        config = {"model_type": self.model_type}
+        for name, value in fields.items():
+            keys = self.manifest.config_keys.get(name)
+            if keys:
+                config[keys[0]] = value
+        return config
+
     @property
     def fused(self) -> bool:
         return self.manifest.experts.form == "fused"

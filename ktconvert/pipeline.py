@@ -139,7 +139,11 @@ class CpuOutput:
 
         if self.include_dense:
             self._write_dense()
-        extra = self.sink.finalize(copy_from=source_root(self.source))
+        if self.inplace:   # kt-kernel's native loaders and our verifier read config.json's quantization_config
+            extra = self.sink.finalize(copy_from=source_root(self.source),
+                                       fallback_config=self.source.info.minimal_config())
+        else:
+            extra = self.sink.finalize(copy_from=source_root(self.source))
         manifest = self._manifest(extra)
         write_manifest(self.out_dir, manifest)
         self.journal.remove()
@@ -214,6 +218,9 @@ def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetens
                     include_mtp=include_mtp, out=str(out))
     source = open_source(src_path)
     _check_biases(source, the_plan, allow_drop_bias)
+    if include_dense and not hasattr(source, "checkpoint"):
+        raise InputError(f"--include-dense needs a safetensors checkpoint; this input is {source.input_format}",
+                         file=src_path)
     qmethod = METHODS.get(method)
     out_dir = Path(out)
     prepare_output(out_dir, src_path, resume, force)

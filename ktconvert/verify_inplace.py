@@ -25,7 +25,7 @@ PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=None, experts="4",
                            threshold=None, seed: int = 0) -> dict:
     """{"ok", "problems", "summary", "layers": [...]} for an in-place output folder (see module doc)."""
-    from ktconvert.formats.hf_source import HFSource
+    from ktconvert.formats.base import open_source
     from ktconvert.formats.quantized import decode_matrix, detect_scheme
     from ktconvert.formats.safetensors_reader import Checkpoint
 
@@ -33,7 +33,7 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     try:
         ck = Checkpoint.open(out)
         scheme = detect_scheme(ck.config)
-        src = HFSource.open(source) if source is not None else None
+        src = open_source(source) if source is not None else None
         chosen = choose_layers([int(x) for x in manifest["model"]["layers"]], layers)
     except KtConvertError as exc:
         report["problems"].append(str(exc))

@@ -6,7 +6,7 @@ For each sampled layer (default: first, middle and last converted MoE layer) and
 * the native runtime reading the files in place (``ktconvert.native.runtime``; tile layout decoded by the kernel),
 * (a) numpy: ``METHOD.dequantize(blob, scale)`` of the same bytes, from the layout spec. Kernel and numpy must agree
   to ``KERNEL_TOL`` relative L2 per projection and for the MoE output; more means a kernel or layout bug.
-* (b) with ``source``: the original BF16 weights (``HFSource.read_expert``). Reports per layer the relative L2 and
+* (b) with ``source``: the original BF16 weights (the source's ``read_expert``: safetensors or GGUF). Reports per layer the relative L2 and
   cosine of the MoE output and of each projection's weights, names the worst experts, and counts weights outside
   the rounding bound of round-to-nearest (``quant == "rtn"``: |w_deq - w| <= 8.5 d INT4, 0.5 d INT8 per element).
 * integrity: the sha256 of every tensor read is compared with ``ktconvert.json``'s ``tensors``. Check (a) cannot see
@@ -85,9 +85,9 @@ def _thresholds(kt_method: str, threshold) -> dict:
 def _open_source(source):
     if source is None:
         return None
-    from ktconvert.formats.hf_source import HFSource
+    from ktconvert.formats.base import open_source
 
-    return HFSource.open(source)
+    return open_source(source)
 
 
 def choose_layers(all_layers: list[int], layers) -> list[int]:

@@ -299,8 +299,8 @@ KT_INLINE void to_bf16(const float *x, int64_t n, uint16_t *out) {
 }
 
 #ifdef KT_X86
-/* SSE2 (x86-64 baseline) BF16 rounding for the scalar build: GCC cannot narrow 32 -> 16 bits without SSE4.1, so
- * bias to signed, pack with signed saturation (values fit), and un-bias. */
+/* SSE2 (x86-64 baseline) BF16 rounding for the scalar and AVX2 builds: GCC cannot narrow 32 -> 16 bits without
+ * SSE4.1, so bias to signed, pack with signed saturation (values fit), and un-bias. */
 KT_INLINE void to_bf16_sse2(const float *x, int64_t n, uint16_t *out) {
     const __m128i bias = _mm_set1_epi32(0x7fff), one = _mm_set1_epi32(1), inf = _mm_set1_epi32(0x7f800000);
     const __m128i abs_mask = _mm_set1_epi32(0x7fffffff), quiet = _mm_set1_epi32(0x0040);
@@ -399,27 +399,6 @@ KT_ATTR_AVX512 KT_INLINE void to_bf16_avx512(const float *x, int64_t n, uint16_t
     to_bf16(x + i, n - i, out + i);
 }
 
-KT_ATTR_AVX2 KT_INLINE void to_bf16_avx2(const float *x, int64_t n, uint16_t *out) {
-    const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
-    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), quiet = _mm256_set1_epi32(0x0040);
-    const __m256i inf = _mm256_set1_epi32(0x7f800000);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m256i r[2];
-        for (int h = 0; h < 2; h++) {
-            const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + i + 8 * h));
-            const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-            const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, lsb)), 16);
-            const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
-            const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf); /* signed ok: < 2^31 */
-            r[h] = _mm256_blendv_epi8(rounded, nan, is_nan);
-        }
-        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8);
-        _mm256_storeu_si256((__m256i *)(out + i), packed);
-    }
-    to_bf16(x + i, n - i, out + i);
-}
-
 /* Q6_K codes for one half (128 elements) of a super-block, as blk_q6_k's first pass, 32 bytes at a time. */
 KT_ATTR_AVX2 KT_INLINE void q6_k_codes_avx2(const uint8_t *ql, const uint8_t *qh, int8_t *q) {
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
@@ -435,12 +414,17 @@ KT_ATTR_AVX2 KT_INLINE void q6_k_codes_avx2(const uint8_t *ql, const uint8_t *qh
     }
 }
 
-KT_ATTR_AVX2 KT_INLINE void blk_q6_k_avx2(const uint8_t *b, float *y) {
-    const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = f16_to_f32(rd16(b + 208));
-    int8_t q[QK_K];
+/* All 256 codes of a Q6_K block into q; returns d. */
+KT_ATTR_AVX2 KT_INLINE float q6_k_block_codes(const uint8_t *b, int8_t *q) {
     q6_k_codes_avx2(b, b + 128, q);
     q6_k_codes_avx2(b + 64, b + 160, q + 128);
+    return f16_to_f32(rd16(b + 208));
+}
+
+KT_ATTR_AVX2 KT_INLINE void blk_q6_k_avx2(const uint8_t *b, float *y) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    int8_t q[QK_K];
+    const float d = q6_k_block_codes(b, q);
     for (int c = 0; c < 16; c++) {
         const __m256 scale = _mm256_set1_ps(d * (float)sc[c]);
         for (int h = 0; h < 16; h += 8) {
@@ -452,10 +436,8 @@ KT_ATTR_AVX2 KT_INLINE void blk_q6_k_avx2(const uint8_t *b, float *y) {
 
 KT_ATTR_AVX512 KT_INLINE void blk_q6_k_avx512(const uint8_t *b, float *y) {
     const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = f16_to_f32(rd16(b + 208));
     int8_t q[QK_K];
-    q6_k_codes_avx2(b, b + 128, q);
-    q6_k_codes_avx2(b + 64, b + 160, q + 128);
+    const float d = q6_k_block_codes(b, q);
     for (int c = 0; c < 16; c++) {
         const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + c * 16)));
         _mm512_storeu_ps(y + c * 16, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[c]), _mm512_cvtepi32_ps(v)));
@@ -524,7 +506,7 @@ KT_GGUF_TYPES(KT_DEFINE_TYPE_scalar)
 
 #ifdef KT_X86
 #define KT_DEFINE_TYPE_avx2(NAME, ID, ELEMS, BYTES, SIMD) \
-    KT_DEFINE_TYPE2(KT_ATTR_AVX2, avx2, KT_BODY_##SIMD(NAME, avx2), to_bf16_avx2, NAME, ID, ELEMS, BYTES)
+    KT_DEFINE_TYPE2(KT_ATTR_AVX2, avx2, KT_BODY_##SIMD(NAME, avx2), to_bf16_sse2, NAME, ID, ELEMS, BYTES)
 #define KT_DEFINE_TYPE_avx512(NAME, ID, ELEMS, BYTES, SIMD) \
     KT_DEFINE_TYPE2(KT_ATTR_AVX512, avx512, KT_BODY_##SIMD(NAME, avx512), to_bf16_avx512, NAME, ID, ELEMS, BYTES)
 KT_GGUF_TYPES(KT_DEFINE_TYPE_avx2)

@@ -1,10 +1,10 @@
 """GPTQ through llmcompressor, one layer at a time (ktconvert/gptq, ktconvert/gpu/gptq.py).
 
 Golden values: plain transformers forwards (router choices, per-layer inputs), compressed-tensors RTN
-(``quantize_expert_rtn``, itself byte-equal to model_free_ptq), kt-kernel's per-row formula (quant/amx.py), llmcompressor's
-own ``LengthAwareSampler`` (sample order), and in the slow tests llmcompressor ``oneshot`` itself, run with
-``shuffle_calibration_samples=False`` (its default shuffles with torch's global generator, an order nothing else
-reproduces; the order sets the float32 summation order of every Hessian).
+(``quantize_expert_rtn``, itself byte-equal to model_free_ptq), kt-kernel's per-row formula (quant/amx.py),
+llmcompressor's own ``LengthAwareSampler`` (sample order), and in the slow tests llmcompressor ``oneshot`` itself,
+run with ``shuffle_calibration_samples=False`` (its default shuffles with torch's global generator, an order
+nothing else reproduces; the order sets the float32 summation order of every Hessian) at one torch thread.
 """
 from __future__ import annotations
 
@@ -205,9 +205,25 @@ def test_samples_in_oneshot_order():
     assert [int(s[0]) for s in oneshot_order(samples)] == list(sampler)
 
 
+def test_codes_independent_of_thread_count(small_qwen):
+    """Same samples, 1 and 3 torch threads: identical GPTQ bytes (the CPU solve runs at one thread)."""
+    from ktconvert.gptq.loop import GpuQuantizer, GptqOptions, LayerStream
+
+    samples, threads, runs = _samples(3, 24), torch.get_num_threads(), []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            (res,) = LayerStream(small_qwen, samples, GpuQuantizer(4, 128), GptqOptions()).layers_results()
+            runs.append({k: b"".join(v[t].tobytes() for t in sorted(v)) for k, v in res.payloads.items()})
+    finally:
+        torch.set_num_threads(threads)
+    assert runs[0] == runs[1]
+
+
 # ---------------------------------------------------------------------------------------------- oneshot (slow)
 
-IGNORE = ["lm_head", r"re:.*self_attn.*", r"re:.*mlp\.gate$", r"re:.*shared_expert.*", r"re:.*mlp\.(gate|up|down)_proj$"]
+IGNORE = ["lm_head", r"re:.*self_attn.*", r"re:.*mlp\.gate$", r"re:.*shared_expert.*",
+          r"re:.*mlp\.(gate|up|down)_proj$"]
 LENGTHS = [48, 32, 40, 48, 24]     # unequal lengths: oneshot sorts them, longest first
 
 
@@ -241,11 +257,16 @@ def _oneshot(src, samples, bits, calibrate_all, out, causal_fix=False):
     hooks = _causal_mask_hooks(model) if causal_fix else []
     ds = Dataset.from_dict({"input_ids": [s.tolist() for s in samples],
                             "attention_mask": [[1] * len(s) for s in samples]})
-    oneshot(model=model, dataset=ds, num_calibration_samples=len(samples), max_seq_length=max(map(len, samples)),
-            recipe=GPTQModifier(targets="Linear", scheme=f"W{bits}A16", ignore=IGNORE, dampening_frac=0.1),
-            moe_calibrate_all_experts=calibrate_all, shuffle_calibration_samples=False)
-    for h in hooks:
-        h.remove()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)          # ours solves GPTQ at one thread (MKL's Cholesky depends on the count)
+    try:
+        oneshot(model=model, dataset=ds, num_calibration_samples=len(samples), max_seq_length=max(map(len, samples)),
+                recipe=GPTQModifier(targets="Linear", scheme=f"W{bits}A16", ignore=IGNORE, dampening_frac=0.1),
+                moe_calibrate_all_experts=calibrate_all, shuffle_calibration_samples=False)
+    finally:
+        torch.set_num_threads(threads)
+        for h in hooks:
+            h.remove()
     model.save_pretrained(out, save_compressed=True)
     ck = Checkpoint.open(out)
     return {k: ck.read(k) for k in ck.tensors if ".experts." in k}

@@ -27,3 +27,16 @@ def test_input_through_every_method(tiny_model, tmp_path, arch, dtype):
         result = verify(out, source=str(model), hashes=True, layers="all")
         assert result["ok"], (method, result["problems"])
         assert result["numerics"]["layers"], method
+
+
+@pytest.mark.parametrize("fixture", ["tiny-qwen3moe-Q4_K_M.gguf", "tiny-qwen3moe-IQ4_XS.gguf"])
+def test_gguf_through_every_method(tmp_path, fixture):
+    """GGUF files quantized by llama.cpp itself (tests/golden/gguf): convert, then verify against the GGUF."""
+    from pathlib import Path
+
+    model = Path(__file__).parent / "golden" / "gguf" / fixture
+    for method in METHODS:
+        out = tmp_path / method
+        convert_cpu(model, out, method=method, numa=1, group_size=64)
+        result = verify(out, source=str(model), hashes=True, layers="all")
+        assert result["ok"], (method, result["problems"])

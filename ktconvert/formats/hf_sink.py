@@ -75,17 +75,19 @@ class InplaceSink:
         self.files[writer.path.name] = {"bytes": writer.size, "sha256": writer.sha256, "git_sha1": writer.git_sha1}
         self.tensor_sha256.update(writer.tensor_sha256)
 
-    def finalize(self, copy_from=None) -> list[FileRecord]:
-        """Write the index, config.json (the source's, with this method's quantization_config) and copies of the
-        tokenizer / generation config from `copy_from`; returns their records."""
+    def finalize(self, copy_from=None, fallback_config: dict | None = None) -> list[FileRecord]:
+        """Write the index, config.json (the source's — or `fallback_config` when the source has none — with this
+        method's quantization_config) and copies of the tokenizer / generation config from `copy_from`; returns
+        their records."""
         weight_map = {name: self.shard_of(layer) for layer in self.layers for name, _, _ in self.layer_specs(layer)}
         total = sum(self.method.matrix_bytes(n, k) for n, k in self.shapes.values()) * self.n_experts * len(self.layers)
         files = {INDEX_NAME: _json_bytes({"metadata": {"total_size": total},
                                           "weight_map": dict(sorted(weight_map.items()))})}
         for name, path in copy_sources(copy_from).items():
             files[name] = path.read_bytes()
-        if "config.json" in files:
-            files["config.json"] = _json_bytes(output_config(json.loads(files["config.json"]), self.method))
+        if "config.json" in files or fallback_config is not None:
+            config = json.loads(files["config.json"]) if "config.json" in files else fallback_config
+            files["config.json"] = _json_bytes(output_config(config, self.method))
         for name, data in sorted(files.items()):
             write_atomic(self.out_dir / name, data)
         return [record_for(self.out_dir, name) for name in sorted(files)]

@@ -25,6 +25,7 @@ expert's two Hessians (H^2 + I^2 float32). Runs on CUDA when torch sees a GPU (`
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import re
@@ -376,8 +377,6 @@ class LayerStream:
 
     def _propagate(self, L: int, layer) -> None:
         """Next layer's inputs: the layer forward with quantized weights (oneshot's propagation pass)."""
-        import contextlib
-
         from llmcompressor.modeling.moe.context import moe_calibration_context
         from llmcompressor.utils.helpers import DisableQuantization
 
@@ -460,11 +459,30 @@ def gptq_module(module, quant_args, hessian, num_samples, options: GptqOptions, 
         qparams = module.weight_observer.get_qparams()
     weights, hessians, scales, zero_points, global_scales = prepare_batch(
         [module], [qparams], {module: hessian}, {module: num_samples})
-    quantized, _losses, rtn = quantize_weight(weights=weights, hessians=hessians, scale=scales,
-                                              zero_point=zero_points, global_scale=global_scales,
-                                              quant_args=quant_args, blocksize=options.block_size,
-                                              percdamp=options.dampening)
+    with single_thread_on_cpu(weights.device):
+        quantized, _losses, rtn = quantize_weight(weights=weights, hessians=hessians, scale=scales,
+                                                  zero_point=zero_points, global_scale=global_scales,
+                                                  quant_args=quant_args, blocksize=options.block_size,
+                                                  percdamp=options.dampening)
     return quantized, scales, zero_points, global_scales, bool(rtn[0])
+
+
+@contextlib.contextmanager
+def single_thread_on_cpu(device):
+    """One torch thread while a CPU GPTQ solve runs: MKL's Cholesky factorisation / inverse
+    (``torch.linalg.cholesky``, ``cholesky_inverse``) round differently with the thread count, which would make the
+    codes depend on the host's cores. (oneshot on CPU has that dependence; compare with it at one thread.)"""
+    import torch
+
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class GpuQuantizer:

@@ -108,8 +108,8 @@ def _check(raw: np.ndarray, ggml_type: int | str, name: str | None) -> None:
 
 def dequantize(raw: np.ndarray, ggml_type: int | str, threads: int = 1, impl: str | None = None,
                name: str | None = None) -> np.ndarray:
-    """Packed bytes (uint8, whole blocks) of type `ggml_type` (id or name) -> float32 [n_elements], flat; bits equal gguf-py's
-    ``gguf.quants.dequantize``. name: tensor named in errors."""
+    """Packed bytes (uint8, whole blocks) of type `ggml_type` (id or name) -> float32 [n_elements], flat; bits equal
+    gguf-py's ``gguf.quants.dequantize``. name: tensor named in errors."""
     _check(raw, ggml_type, name)
     if _use_native(ggml_type, impl):
         from ktconvert.native import gguf as native_gguf
