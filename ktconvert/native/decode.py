@@ -1,0 +1,186 @@
+"""ctypes bindings of the native decoders of quantized HF inputs (native/kt_decode.h, native/quant_decode.c).
+
+Results are bit-identical to the numpy references in ktconvert.quant (``fp8.dequant_block``,
+``ct_int4.unpack_int32`` / ``ct_int4.dequant``, ``mxfp4.dequant``), which route here when ``usable()``.
+``impl``: None (automatic, KTCONVERT_FORCE_IMPL honoured) or "scalar" | "avx2" | "avx512". ``threads``: row ranges
+run on the shared native pool; the bytes never depend on it. Inputs are checked by the numpy-side callers; these
+functions check only what the C code needs (dtypes, contiguity, sizes).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ktconvert import native
+from ktconvert.errors import NativeError, ShapeError
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "kt_fp8_block_dequant_bf16": (_INT, [_P, _I64, _I64, _P, _I64, _I64, _INT, _INT, _P, _I64, _I64]),
+    "kt_ct_unpack": (_INT, [_P, _I64, _I64, _I64, _INT, _P]),
+    "kt_ct_dequant_bf16": (_INT, [_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _INT, _INT, _P, _I64, _I64]),
+    "kt_ct_packed_dequant_bf16": (_INT, [_P, _I64, _I64, _INT, _P, _I64, _P, _I64, _I64, _INT, _INT, _P, _I64,
+                                         _I64]),
+    "kt_mxfp4_dequant_bf16": (_INT, [_P, _P, _I64, _I64, _INT, _P, _I64, _I64]),
+}
+_bound: dict[int, ctypes.CDLL] = {}
+MIN_ELEMENTS_PER_THREAD = 1 << 18  # below this, threads cost more than they save
+
+
+def decode_lib() -> ctypes.CDLL | None:
+    """The native library with the decoder signatures set; None when missing, disabled (KTCONVERT_FORCE_IMPL=numpy,
+    KTCONVERT_NO_NATIVE) or built before the decoders existed."""
+    if not native.available():
+        return None
+    handle = native.lib()
+    if id(handle) not in _bound:
+        try:
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                fn = getattr(handle, name)
+                fn.restype, fn.argtypes = restype, argtypes
+        except AttributeError:
+            return None
+        _bound[id(handle)] = handle
+    return handle
+
+
+def usable() -> bool:
+    """True when the automatic choice of the ktconvert.quant decoders is native."""
+    return decode_lib() is not None
+
+
+def usable_impls() -> list[str]:
+    """The implementations ("scalar", "avx2", "avx512") that can run here; [] without the library."""
+    if decode_lib() is None:
+        return []
+    impls = []
+    for impl in ("scalar", "avx2", "avx512"):
+        try:
+            native.resolve_impl(impl)
+        except NativeError:
+            continue
+        impls.append(impl)
+    return impls
+
+
+def _handle(name: str | None) -> ctypes.CDLL:
+    handle = decode_lib()
+    if handle is None:
+        raise NativeError(native.load_error() or "native decoders not available (KTCONVERT_FORCE_IMPL=numpy?)",
+                          tensor=name)
+    return handle
+
+
+def _array(a, dtype, what: str, name: str | None) -> np.ndarray:
+    """`a` as a C-contiguous array of `dtype` (a copy only when needed)."""
+    arr = np.ascontiguousarray(a)
+    if arr.dtype != dtype:
+        raise ShapeError(f"{what} has the wrong dtype", tensor=name, expected=np.dtype(dtype).name,
+                         found=str(arr.dtype))
+    return arr
+
+
+def _rows(fn, n: int, k: int, threads: int, fn_name: str, name: str | None) -> None:
+    """Run fn(row_begin, row_end) -> status over [0, n) split across threads; NativeError on a non-zero status."""
+    parts = max(1, min(int(threads), n * k // MIN_ELEMENTS_PER_THREAD, n))
+    ranges = native._split(n, parts)
+    if len(ranges) == 1:
+        statuses = [fn(*ranges[0])]
+    else:
+        futures = native._submit(lambda i: fn(*ranges[i]), range(1, len(ranges)), len(ranges) - 1)
+        statuses = [fn(*ranges[0])] + [f.result() for f in futures]
+    bad = next((s for s in statuses if s != native.KT_OK), native.KT_OK)
+    if bad != native.KT_OK:
+        raise NativeError(f"{fn_name} failed: {native._STATUS_TEXT.get(bad, 'status')} ({bad})", tensor=name,
+                          found=f"[n, k] = [{n}, {k}]")
+
+
+def fp8_block_dequant(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], product_f16: bool = False,
+                      threads: int = 1, impl: str | None = None, name: str | None = None) -> np.ndarray:
+    """uint8 [n, k] e4m3fn codes + float32 [ceil(n/bn), ceil(k/bk)] scales -> uint16 [n, k] BF16 bits
+    (fp8.dequant_block; the scale grid must already match, as fp8.check_block_scale checks)."""
+    handle = _handle(name)
+    codes = _array(codes, np.uint8, "FP8 codes", name)
+    scale = _array(scale, np.float32, "FP8 scale", name)
+    n, k = codes.shape
+    bn, bk = int(block[0]), int(block[1])
+    if scale.size != -(-n // bn) * -(-k // bk):
+        raise ShapeError("FP8 scale grid size", tensor=name, expected=f"{-(-n // bn)} x {-(-k // bk)}",
+                         found=str(list(scale.shape)))
+    impl_id = native.resolve_impl(impl)
+    out = np.empty((n, k), dtype=np.uint16)
+    _rows(lambda b, e: handle.kt_fp8_block_dequant_bf16(codes.ctypes.data, n, k, scale.ctypes.data, bn, bk,
+                                                        int(product_f16), impl_id, out.ctypes.data, b, e),
+          n, k, threads, "kt_fp8_block_dequant_bf16", name)
+    return out
+
+
+def ct_unpack(packed: np.ndarray, k: int, num_bits: int, name: str | None = None) -> np.ndarray:
+    """int32 [r, ceil(k*b/32)] -> int8 [r, k] signed values (ct_int4.unpack_int32; widths checked there)."""
+    handle = _handle(name)
+    packed = _array(packed, np.int32, "weight_packed", name)
+    rows, words = packed.shape
+    out = np.empty((rows, k), dtype=np.int8)
+    status = handle.kt_ct_unpack(packed.ctypes.data, rows, words, k, int(num_bits), out.ctypes.data)
+    if status != native.KT_OK:
+        raise NativeError(f"kt_ct_unpack failed (status {status})", tensor=name, found=f"[{rows}, {words}] -> k {k}")
+    return out
+
+
+def _scale_layout(scale: np.ndarray, n: int, k: int, group_size: int | None) -> tuple[int, int]:
+    """(row stride, group) of a [n, k/group] | [n, 1] | [1] scale (or zero point), shapes checked by the caller."""
+    if scale.size == 1:
+        return 0, k
+    if scale.shape == (n, 1):
+        return 1, k
+    return scale.shape[1], int(group_size)
+
+
+def ct_dequant(q: np.ndarray | None, scale: np.ndarray, group_size: int | None, zero_point: np.ndarray | None = None,
+               product_f16: bool = False, threads: int = 1, impl: str | None = None, name: str | None = None, *,
+               packed: np.ndarray | None = None, k: int | None = None, num_bits: int = 4) -> np.ndarray:
+    """Grouped integer weights -> uint16 [n, k] BF16 bits (ct_int4.dequant): from int8 values `q` [n, k], or in
+    one pass from `packed` int32 [n, ceil(k*b/32)] with `k` and `num_bits`. scale: float32 [n, k/group] | [n, 1] |
+    [1]; zero_point: int8 of the scale's shape or None (shapes already checked by the caller)."""
+    handle = _handle(name)
+    scale = _array(scale, np.float32, "weight_scale", name)
+    zp = None if zero_point is None else _array(zero_point, np.int8, "weight_zero_point", name)
+    if packed is None:
+        q = _array(q, np.int8, "quantized values", name)
+        n, k = q.shape
+    else:
+        packed = _array(packed, np.int32, "weight_packed", name)
+        n = packed.shape[0]
+    s_stride, group = _scale_layout(scale, n, k, group_size)
+    z_stride = _scale_layout(zp, n, k, group_size)[0] if zp is not None else 0
+    zp_ptr = zp.ctypes.data if zp is not None else None
+    impl_id = native.resolve_impl(impl)
+    out = np.empty((n, k), dtype=np.uint16)
+    if packed is None:
+        def run(b: int, e: int) -> int:
+            return handle.kt_ct_dequant_bf16(q.ctypes.data, n, k, scale.ctypes.data, s_stride, zp_ptr, z_stride,
+                                             group, int(product_f16), impl_id, out.ctypes.data, b, e)
+    else:
+        def run(b: int, e: int) -> int:
+            return handle.kt_ct_packed_dequant_bf16(packed.ctypes.data, n, k, int(num_bits), scale.ctypes.data,
+                                                    s_stride, zp_ptr, z_stride, group, int(product_f16), impl_id,
+                                                    out.ctypes.data, b, e)
+    _rows(run, n, k, threads, "kt_ct_dequant_bf16", name)
+    return out
+
+
+def mxfp4_dequant(blocks: np.ndarray, scales: np.ndarray, threads: int = 1, impl: str | None = None,
+                  name: str | None = None) -> np.ndarray:
+    """uint8 blocks [n, G, 16] + uint8 E8M0 scales [n, G] -> uint16 [n, G*32] BF16 bits (mxfp4.dequant; shapes
+    checked there)."""
+    handle = _handle(name)
+    blocks = _array(blocks, np.uint8, "MXFP4 blocks", name)
+    scales = _array(scales, np.uint8, "MXFP4 scales", name)
+    n, groups = scales.shape
+    impl_id = native.resolve_impl(impl)
+    out = np.empty((n, groups * 32), dtype=np.uint16)
+    _rows(lambda b, e: handle.kt_mxfp4_dequant_bf16(blocks.ctypes.data, scales.ctypes.data, n, groups, impl_id,
+                                                    out.ctypes.data, b, e),
+          n, groups * 32, threads, "kt_mxfp4_dequant_bf16", name)
+    return out
