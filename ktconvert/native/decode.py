@@ -64,6 +64,19 @@ def usable_impls() -> list[str]:
     return impls
 
 
+def route(impl: str | None):
+    """What a ktconvert.quant decoder called with ``impl`` runs: this module (native) or None (numpy).
+    impl None: native when usable(), else numpy; "numpy": numpy; "scalar" | "avx2" | "avx512": native (the call
+    raises NativeError when that cannot run here)."""
+    if impl == "numpy":
+        return None
+    if impl is None and not usable():
+        return None
+    import sys
+
+    return sys.modules[__name__]
+
+
 def _handle(name: str | None) -> ctypes.CDLL:
     handle = decode_lib()
     if handle is None:
