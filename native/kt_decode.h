@@ -29,8 +29,9 @@ extern "C" {
 
 /* Block-scaled FP8 e4m3fn -> BF16 (fp8.dequant_block).
  * codes  uint8 [n, k]; scale float32 [ceil(n/bn), ceil(k/bk)] row-major (edge blocks may be partial).
- * out[r, c] = RNE_bf16(e4m3(codes[r, c]) * scale[r / bn, c / bk]); codes 0x7F / 0xFF (NaN) give 0x7FC0 whatever
- * the scale (numpy's product returns its first operand's NaN). */
+ * out[r, c] = RNE_bf16(e4m3(codes[r, c]) * scale[r / bn, c / bk]); codes 0x7F / 0xFF (NaN) give 0x7FC0 (numpy's
+ * table NaN) whatever the scale. With a NaN scale too, numpy returns either operand's NaN depending on its inner
+ * loop, so there only "a NaN" is common to both; everywhere else the bits are equal. */
 KT_API int kt_fp8_block_dequant_bf16(const uint8_t *codes, int64_t n, int64_t k, const float *scale, int64_t bn,
                                      int64_t bk, int product_f16, int impl, uint16_t *out, int64_t row_begin,
                                      int64_t row_end);

@@ -88,6 +88,13 @@ KT_API int kt_select_impl(void);                       /* id >= 1, or -KT_E_IMPL
 KT_API int kt_resolve_impl(int impl);                  /* id >= 1, or -KT_E_IMPL / -KT_E_ARG */
 KT_API const char *kt_impl_name(int impl);             /* "scalar" | "avx2" | "avx512"; NULL when unknown */
 
+/* The calling thread's floating-point mode. Some libraries loaded into the same process (kt-kernel does, at import)
+ * switch on flush-to-zero / denormals-are-zero for the whole thread; numpy code then silently flushes subnormals.
+ * kt_fp_flush_mode() returns 1 when FTZ or DAZ is on; kt_fp_restore_default() switches both off and sets
+ * round-to-nearest-even (the C default). ktconvert's own kernels set the mode they need per call either way. */
+KT_API int kt_fp_flush_mode(void);
+KT_API void kt_fp_restore_default(void);
+
 /* ---- AMXINT4 / AMXINT8 quantize + tile packing (kt-format.md 2.1, 2.2) ----
  *
  * w_bf16  [n, k] BF16 bit patterns, row-major, contiguous (HF [out_features, in_features]).

@@ -23,7 +23,7 @@
 #endif
 
 #define KT_INLINE static inline __attribute__((always_inline))
-#define BF16_NAN_E4M3 0x7FC0u /* RNE_bf16 of numpy's e4m3 NaN (+NaN 0x7FC00000) */
+#define BF16_TABLE_NAN 0x7FC0u /* RNE_bf16 of numpy's NaN table entries (+NaN 0x7FC00000: e4m3 0x7F/0xFF, E8M0 255) */
 
 KT_INLINE uint32_t bits_of(float f) {
     uint32_t u;
@@ -83,7 +83,7 @@ static void fp8_run_scalar(const uint8_t *codes, int64_t len, float s, int f16, 
     for (int64_t i = 0; i < len; i++) {
         float p = e4m3_value(codes[i]) * s;
         if (f16) p = f16_round(p);
-        out[i] = (codes[i] & 0x7f) == 0x7f ? (uint16_t)BF16_NAN_E4M3 : bf16_rne(p);
+        out[i] = (codes[i] & 0x7f) == 0x7f ? (uint16_t)BF16_TABLE_NAN : bf16_rne(p);
     }
 }
 
@@ -95,10 +95,12 @@ static void ct_run_scalar(const int8_t *q, int64_t len, float zp, float s, int f
     }
 }
 
-/* The 16 BF16 values e2m1[i] * 2^(e-127) of one block (numpy: one float32 multiply each, then RNE). */
+/* The 16 BF16 values e2m1[i] * 2^(e-127) of one block (numpy: one float32 multiply each, then RNE). A NaN scale
+ * (e = 255) gives numpy's +NaN for every entry; it is written out because the compiler may compute the negative
+ * half of the table as -(E2M1[i-8] * s), which flips the sign of a NaN. */
 KT_INLINE void mx_table(uint8_t e, uint16_t *table) {
     const float s = e8m0_value(e);
-    for (int i = 0; i < 16; i++) table[i] = bf16_rne(E2M1[i] * s);
+    for (int i = 0; i < 16; i++) table[i] = e == 255 ? (uint16_t)BF16_TABLE_NAN : bf16_rne(E2M1[i] * s);
 }
 
 static void mx_row_scalar(const uint8_t *blocks, const uint8_t *scales, int64_t groups, uint16_t *out) {
@@ -185,7 +187,7 @@ KT_ATTR_AVX2 KT_INLINE __m256i fp8_lanes_avx2(__m256i code, __m256 s, int f16) {
     __m256 p = _mm256_mul_ps(e4m3_avx2(code), s);
     if (f16) p = _mm256_cvtph_ps(_mm256_cvtps_ph(p, KT_F16_RNE));
     const __m256i is_nan = _mm256_cmpeq_epi32(_mm256_and_si256(code, _mm256_set1_epi32(0x7f)), _mm256_set1_epi32(0x7f));
-    return _mm256_blendv_epi8(bf16_lanes_avx2(p), _mm256_set1_epi32(BF16_NAN_E4M3), is_nan);
+    return _mm256_blendv_epi8(bf16_lanes_avx2(p), _mm256_set1_epi32(BF16_TABLE_NAN), is_nan);
 }
 
 KT_ATTR_AVX2 static void fp8_run_avx2(const uint8_t *codes, int64_t len, float s, int f16, uint16_t *out) {
@@ -240,7 +242,7 @@ KT_ATTR_AVX2 static void mx_row_avx2(const uint8_t *blocks, const uint8_t *scale
 
 KT_ATTR_AVX512 static void fp8_run_avx512(const uint8_t *codes, int64_t len, float s, int f16, uint16_t *out) {
     const __m512 vs = _mm512_set1_ps(s), rebias = _mm512_set1_ps(0x1p120f);
-    const __m512i m7f = _mm512_set1_epi32(0x7f), m80 = _mm512_set1_epi32(0x80), nan = _mm512_set1_epi32(BF16_NAN_E4M3);
+    const __m512i m7f = _mm512_set1_epi32(0x7f), m80 = _mm512_set1_epi32(0x80), nan = _mm512_set1_epi32(BF16_TABLE_NAN);
     int64_t i = 0;
     for (; i + 16 <= len; i += 16) {
         const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
@@ -273,7 +275,8 @@ KT_ATTR_AVX512 static void mx_row_avx512(const uint8_t *blocks, const uint8_t *s
     const __m128i m15 = _mm_set1_epi8(15);
     for (int64_t g = 0; g < groups; g++) {
         const __m512 t = _mm512_mul_ps(e2m1, _mm512_set1_ps(e8m0_value(scales[g])));
-        const __m512i table = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(bf16_lanes_avx512(t)));
+        const __m512i table = scales[g] == 255 ? _mm512_set1_epi16((short)BF16_TABLE_NAN)
+                                               : _mm512_castsi256_si512(_mm512_cvtepi32_epi16(bf16_lanes_avx512(t)));
         const __m128i b = _mm_loadu_si128((const __m128i *)(blocks + g * 16));
         const __m128i lo = _mm_and_si128(b, m15), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m15);
         const __m256i idx = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));

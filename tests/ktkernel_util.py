@@ -51,6 +51,8 @@ def ktkernel_skip_reason(method: str = "AMXINT4") -> str | None:
     try:
         import kt_kernel  # noqa: F401
         import kt_kernel_ext.moe as moe
+
+        _restore_fp_mode()
     except Exception as exc:  # ImportError, or a broken install raising anything
         return f"kt_kernel not importable ({type(exc).__name__}: {exc}); pip install --no-deps kt-kernel==0.7.2"
     cls = {"AMXINT4": "AMXInt4_MOE", "AMXINT8": "AMXInt8_MOE"}.get(method)
@@ -123,6 +125,14 @@ def _wrapper(torch, *, method, weight_path, num_experts, top_k, hidden, intermed
     )
 
 
+def _restore_fp_mode() -> None:
+    """kt-kernel switches flush-to-zero / denormals-are-zero on for the process when it loads (and its calls may
+    again): switch them off so numpy references computed later in the same test run keep their subnormals."""
+    from ktconvert import native
+
+    native.restore_fp_mode()
+
+
 def _forget_loaders() -> None:
     """kt-kernel keeps one process-wide SafeTensorLoader per wrapper class, opened on the first weight_path it saw;
     a later wrapper for another folder would silently read the first one's files. Drop them before each wrapper."""
@@ -153,6 +163,7 @@ def ktkernel_write_kt(out: Path, method: str, gate: np.ndarray, up: np.ndarray, 
         wrapper.load_weights_from_tensors(_bf16_tensor(gate), _bf16_tensor(up), _bf16_tensor(down),
                                           torch.arange(num_experts, dtype=torch.int64))
         del wrapper
+    _restore_fp_mode()
     return out / f"_layer_{layer_idx}"
 
 
@@ -185,6 +196,7 @@ def ktkernel_forward(weight_path: Path, method: str, *, num_experts: int, hidden
                               torch.from_numpy(np.asarray(topk_weights, np.float32)), None)
         result = out.float().numpy().copy()
         del wrapper
+    _restore_fp_mode()
     return result
 
 

@@ -389,13 +389,13 @@ def _decode_packed(checkpoint, refs, data, where):
     s_name = refs.partners["scale"]
     s_dtype = checkpoint.tensors[s_name].dtype
     scale = _float_values(_read(checkpoint, s_name, refs.index0), s_dtype)
-    q = ct_int4.unpack_int32(data, k, group.num_bits, where)
     zp = None
     if "zero_point" in refs.partners:
         zp_packed = _read(checkpoint, refs.partners["zero_point"], refs.index0)
         zp = ct_int4.unpack_int32(np.ascontiguousarray(zp_packed.T), n, group.num_bits, where).T
     product = np.float16 if s_dtype == "F16" else np.float32
-    return ct_int4.dequant(q, scale, group.group_size, zp, product_dtype=product, where=where)
+    return ct_int4.dequant_packed(data, k, group.num_bits, scale, group.group_size, zp, product_dtype=product,
+                                  where=where)
 
 
 def _decode_mxfp4(checkpoint, refs, data, where):

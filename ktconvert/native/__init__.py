@@ -41,6 +41,8 @@ _I64 = ctypes.c_int64
 _C_INT = ctypes.c_int
 _SIGNATURES = {
     "kt_abi_version": (_C_INT, []),
+    "kt_fp_flush_mode": (_C_INT, []),
+    "kt_fp_restore_default": (None, []),
     "kt_cpu_features": (_C_INT, []),
     "kt_cpu_feature_name": (ctypes.c_char_p, [_C_INT]),
     "kt_impl_missing": (_C_INT, [_C_INT]),
@@ -107,6 +109,17 @@ def available() -> bool:
     """True when the native quantizer should be used: the library is built, loadable and not disabled
     (KTCONVERT_NO_NATIVE), and KTCONVERT_FORCE_IMPL is not "numpy" (which selects the numpy reference paths)."""
     return lib() is not None and not _numpy_forced()
+
+
+def restore_fp_mode() -> bool:
+    """Switch flush-to-zero / denormals-are-zero off again in this thread if another library turned them on
+    (kt-kernel does at import), so numpy results keep their subnormals. Returns whether they were on."""
+    handle = lib()
+    if handle is None:
+        return False
+    was_on = bool(handle.kt_fp_flush_mode())
+    handle.kt_fp_restore_default()
+    return was_on
 
 
 def cpu_features() -> list[str]:

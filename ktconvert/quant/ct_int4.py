@@ -33,13 +33,18 @@ def packed_cols(k: int, num_bits: int = 4) -> int:
     return -(-k * num_bits // 32)
 
 
-def unpack_int32(packed: np.ndarray, k: int, num_bits: int = 4, where: str = "") -> np.ndarray:
-    """int32 [r, ceil(k*b/32)] -> int8 [r, k] signed values (offset 2^(b-1) removed), along the last axis."""
+def unpack_int32(packed: np.ndarray, k: int, num_bits: int = 4, where: str = "", *,
+                 impl: str | None = None) -> np.ndarray:
+    """int32 [r, ceil(k*b/32)] -> int8 [r, k] signed values (offset 2^(b-1) removed), along the last axis.
+    impl: None (native C when built, else this numpy code), "numpy", or "scalar" | "avx2" | "avx512"."""
     per_word = 32 // _check_bits(num_bits, where)
     r, words = packed.shape
     if words != packed_cols(k, num_bits):
         raise ShapeError("weight_packed width does not match weight_shape", tensor=where or None,
                          expected=f"{packed_cols(k, num_bits)} int32 per row for {k} values", found=str(words))
+    native = _native(impl)
+    if native is not None and packed.dtype == np.int32 and k > 0:
+        return native.ct_unpack(packed, k, num_bits, name=where or None)
     u = np.ascontiguousarray(packed).view(np.uint32)
     shifts = (np.arange(per_word, dtype=np.uint32) * np.uint32(num_bits))
     fields = (u[:, :, None] >> shifts) & np.uint32((1 << num_bits) - 1)     # [r, words, per_word]
@@ -78,16 +83,30 @@ def _scale_per_column(scale: np.ndarray, n: int, k: int, group_size: int | None,
     return np.repeat(s, group_size, axis=1)
 
 
+def _native(impl: str | None):
+    """ktconvert.native.decode when `impl` selects native decoding (see its route()), else None."""
+    from ktconvert.native.decode import route
+
+    return route(impl)
+
+
 def dequant(q: np.ndarray, scale: np.ndarray, group_size: int | None, zero_point: np.ndarray | None = None, *,
-            product_dtype=np.float32, where: str = "") -> np.ndarray:
+            product_dtype=np.float32, where: str = "", threads: int = 1, impl: str | None = None) -> np.ndarray:
     """Grouped integer weights -> BF16 bits.
 
     q: int8 [n, k]; scale: float32 values [n, k/group] | [n, 1] | [1]; zero_point: int8 of the scale's shape or
     None. returns uint16 [n, k] = RNE_bf16((q - zp) * scale), product in float32 (float16 when product_dtype is
     float16, as torch computes with F16 scales).
+    impl: None (native C when built, else this numpy code), "numpy", or "scalar" | "avx2" | "avx512";
+    threads: native row split. Every choice gives the same bits.
     """
     n, k = q.shape
     s = _scale_per_column(np.asarray(scale, dtype=np.float32), n, k, group_size, where)
+    native = _native(impl)
+    if native is not None and _native_operands(q, zero_point, n, k, group_size, where):
+        return native.ct_dequant(q, np.asarray(scale, dtype=np.float32), group_size, zero_point,
+                                 np.dtype(product_dtype) == np.float16, threads=threads, impl=impl,
+                                 name=where or None)
     x = q.astype(np.float32)
     if zero_point is not None:
         x -= _scale_per_column(np.asarray(zero_point, dtype=np.float32), n, k, group_size, where)
@@ -95,6 +114,38 @@ def dequant(q: np.ndarray, scale: np.ndarray, group_size: int | None, zero_point
     if np.dtype(product_dtype) == np.float16:
         prod = prod.astype(np.float16).astype(np.float32)
     return f32_to_bf16_bits(prod)
+
+
+def _native_operands(q: np.ndarray | None, zero_point, n: int, k: int, group_size: int | None, where: str) -> bool:
+    """True when the native decoder takes these operands as they are: int8 values (or packed), an int8 zero point
+    whose shape passes the same check as the scale's, and a non-empty matrix."""
+    if (q is not None and q.dtype != np.int8) or n == 0 or k == 0:
+        return False
+    if zero_point is None:
+        return True
+    _scale_per_column(np.asarray(zero_point), n, k, group_size, where)
+    return np.asarray(zero_point).dtype == np.int8
+
+
+def dequant_packed(packed: np.ndarray, k: int, num_bits: int, scale: np.ndarray, group_size: int | None,
+                   zero_point: np.ndarray | None = None, *, product_dtype=np.float32, where: str = "",
+                   threads: int = 1, impl: str | None = None) -> np.ndarray:
+    """dequant(unpack_int32(packed, k, num_bits), ...), in one native pass when available (no int8 [n, k] copy).
+
+    packed: int32 [n, ceil(k*b/32)]; other arguments and the result as dequant: uint16 [n, k] BF16 bits."""
+    n = packed.shape[0]
+    native = _native(impl)
+    if native is None or packed.dtype != np.int32 or not _native_operands(None, zero_point, n, k, group_size, where):
+        return dequant(unpack_int32(packed, k, num_bits, where, impl=impl), scale, group_size, zero_point,
+                       product_dtype=product_dtype, where=where, threads=threads, impl=impl)
+    if packed.shape[1] != packed_cols(k, _check_bits(num_bits, where)):
+        raise ShapeError("weight_packed width does not match weight_shape", tensor=where or None,
+                         expected=f"{packed_cols(k, num_bits)} int32 per row for {k} values",
+                         found=str(packed.shape[1]))
+    _scale_per_column(np.asarray(scale), n, k, group_size, where)
+    return native.ct_dequant(None, np.asarray(scale, dtype=np.float32), group_size, zero_point,
+                             np.dtype(product_dtype) == np.float16, threads=threads, impl=impl, name=where or None,
+                             packed=packed, k=k, num_bits=num_bits)
 
 
 def _bf16_round(x: np.ndarray) -> np.ndarray:

@@ -88,17 +88,25 @@ def _round_product(prod_f32: np.ndarray, product_dtype) -> np.ndarray:
 
 
 def dequant_block(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], *,
-                  product_dtype=np.float32, where: str = "") -> np.ndarray:
+                  product_dtype=np.float32, where: str = "", threads: int = 1, impl: str | None = None) -> np.ndarray:
     """Block-scaled FP8 -> BF16 bits.
 
     codes: uint8 [n, k] e4m3fn; scale: float32 [ceil(n/bn), ceil(k/bk)] (values already widened from the
     stored dtype); block: (bn, bk). returns uint16 [n, k]: RNE_bf16(e4m3(q) * s) with the product in float32
     (or rounded to float16 first when product_dtype is float16).
+    impl: None (native C when built, else this numpy code), "numpy", or "scalar" | "avx2" | "avx512" (native);
+    threads: native row split. Every choice gives the same bits.
     """
     n, k = codes.shape
     bn, bk = block
     check_block_scale(n, k, block, np.shape(scale), where)
     scale = np.asarray(scale, dtype=np.float32)
+    from ktconvert.native.decode import route
+
+    native = route(impl)
+    if native is not None and codes.dtype == np.uint8 and codes.size:
+        return native.fp8_block_dequant(codes, scale, block, np.dtype(product_dtype) == np.float16,
+                                        threads=threads, impl=impl, name=where or None)
     col_scale = np.repeat(scale, bk, axis=1)[:, :k]          # [nb, k]
     out = np.empty((n, k), dtype=np.uint16)
     for i in range(scale.shape[0]):

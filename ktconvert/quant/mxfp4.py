@@ -39,9 +39,16 @@ def check_shapes(blocks_shape: tuple[int, ...], scales_shape: tuple[int, ...], w
     return blocks_shape[0], blocks_shape[1] * BLOCK
 
 
-def dequant(blocks: np.ndarray, scales: np.ndarray, where: str = "") -> np.ndarray:
-    """blocks uint8 [n, G, 16] + scales uint8 [n, G] -> uint16 [n, G*32] BF16 bits (exact)."""
+def dequant(blocks: np.ndarray, scales: np.ndarray, where: str = "", *, threads: int = 1,
+            impl: str | None = None) -> np.ndarray:
+    """blocks uint8 [n, G, 16] + scales uint8 [n, G] -> uint16 [n, G*32] BF16 bits (exact).
+    impl: None (native C when built, else this numpy code), "numpy", or "scalar" | "avx2" | "avx512"."""
     n, k = check_shapes(blocks.shape, scales.shape, where)
+    from ktconvert.native.decode import route
+
+    native = route(impl)
+    if native is not None and blocks.dtype == np.uint8 and scales.dtype == np.uint8 and n and k:
+        return native.mxfp4_dequant(blocks, scales, threads=threads, impl=impl, name=where or None)
     nibbles = np.empty((n, blocks.shape[1], BLOCK), dtype=np.uint8)
     nibbles[:, :, 0::2] = blocks & 0x0F
     nibbles[:, :, 1::2] = blocks >> 4
