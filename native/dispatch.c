@@ -168,11 +168,14 @@ void kt_fpenv_leave(const kt_fpenv *env) { _mm_setcsr(env->saved); }
 
 KT_API int kt_fp_flush_mode(void) { return (_mm_getcsr() & (0x8000u | 0x0040u)) != 0; }
 
-KT_API void kt_fp_restore_default(void) { _mm_setcsr(0x1f80u); } /* exceptions masked, RNE, no FTZ/DAZ */
+KT_API void kt_fp_set_flush_mode(int on) {
+    unsigned int csr = _mm_getcsr() & ~(0x8000u | 0x0040u);
+    _mm_setcsr(on ? csr | 0x8000u | 0x0040u : csr);
+}
 #else
 KT_API int kt_fp_flush_mode(void) { return 0; }
 
-KT_API void kt_fp_restore_default(void) { fesetround(FE_TONEAREST); }
+KT_API void kt_fp_set_flush_mode(int on) { (void)on; }
 
 void kt_fpenv_enter(kt_fpenv *env) {
     env->saved = (unsigned int)fegetround();

@@ -88,12 +88,12 @@ KT_API int kt_select_impl(void);                       /* id >= 1, or -KT_E_IMPL
 KT_API int kt_resolve_impl(int impl);                  /* id >= 1, or -KT_E_IMPL / -KT_E_ARG */
 KT_API const char *kt_impl_name(int impl);             /* "scalar" | "avx2" | "avx512"; NULL when unknown */
 
-/* The calling thread's floating-point mode. Some libraries loaded into the same process (kt-kernel does, at import)
- * switch on flush-to-zero / denormals-are-zero for the whole thread; numpy code then silently flushes subnormals.
- * kt_fp_flush_mode() returns 1 when FTZ or DAZ is on; kt_fp_restore_default() switches both off and sets
- * round-to-nearest-even (the C default). ktconvert's own kernels set the mode they need per call either way. */
+/* The calling thread's flush-to-zero / denormals-are-zero mode. kt-kernel switches both on for the process when it
+ * loads (its converter and kernels run that way); numpy code in the same process then silently flushes subnormals.
+ * kt_fp_flush_mode() returns 1 when FTZ or DAZ is on; kt_fp_set_flush_mode(on) switches both on or off, keeping the
+ * rest of the mode. ktconvert's own kernels set the mode they need per call either way. */
 KT_API int kt_fp_flush_mode(void);
-KT_API void kt_fp_restore_default(void);
+KT_API void kt_fp_set_flush_mode(int on);
 
 /* ---- AMXINT4 / AMXINT8 quantize + tile packing (kt-format.md 2.1, 2.2) ----
  *

@@ -52,7 +52,7 @@ def ktkernel_skip_reason(method: str = "AMXINT4") -> str | None:
         import kt_kernel  # noqa: F401
         import kt_kernel_ext.moe as moe
 
-        _restore_fp_mode()
+        _numpy_fp_mode()
     except Exception as exc:  # ImportError, or a broken install raising anything
         return f"kt_kernel not importable ({type(exc).__name__}: {exc}); pip install --no-deps kt-kernel==0.7.2"
     cls = {"AMXINT4": "AMXInt4_MOE", "AMXINT8": "AMXInt8_MOE"}.get(method)
@@ -125,12 +125,24 @@ def _wrapper(torch, *, method, weight_path, num_experts, top_k, hidden, intermed
     )
 
 
-def _restore_fp_mode() -> None:
-    """kt-kernel switches flush-to-zero / denormals-are-zero on for the process when it loads (and its calls may
-    again): switch them off so numpy references computed later in the same test run keep their subnormals."""
+def _numpy_fp_mode() -> None:
+    """kt-kernel switches flush-to-zero / denormals-are-zero on for the whole process when it loads: switch them
+    off again so numpy references computed in the same test run keep their subnormals."""
     from ktconvert import native
 
-    native.restore_fp_mode()
+    native.set_fp_flush_mode(False)
+
+
+@contextlib.contextmanager
+def _ktkernel_fp_mode():
+    """Run kt-kernel as it runs in its own processes: with FTZ/DAZ on (it sets them at import), then off again."""
+    from ktconvert import native
+
+    native.set_fp_flush_mode(True)
+    try:
+        yield
+    finally:
+        native.set_fp_flush_mode(False)
 
 
 def _forget_loaders() -> None:
@@ -156,14 +168,13 @@ def ktkernel_write_kt(out: Path, method: str, gate: np.ndarray, up: np.ndarray, 
     num_experts, intermediate, hidden = gate.shape
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with _no_pin_memory() as torch:
+    with _no_pin_memory() as torch, _ktkernel_fp_mode():
         wrapper = _wrapper(torch, method=method, weight_path=out, num_experts=num_experts, top_k=1,
                            hidden=hidden, intermediate=intermediate, threadpool_count=threadpool_count,
                            layer_idx=layer_idx, threads=threads, cpu_save=True, max_tokens=64)
         wrapper.load_weights_from_tensors(_bf16_tensor(gate), _bf16_tensor(up), _bf16_tensor(down),
                                           torch.arange(num_experts, dtype=torch.int64))
         del wrapper
-    _restore_fp_mode()
     return out / f"_layer_{layer_idx}"
 
 
@@ -185,7 +196,7 @@ def ktkernel_forward(weight_path: Path, method: str, *, num_experts: int, hidden
     tokens, top_k = topk_ids.shape
     saved_env = os.environ.get("KT_FORCE_SYNC_SUBMIT")
     os.environ["KT_FORCE_SYNC_SUBMIT"] = "1"
-    with _no_pin_memory() as torch, _restore_env("KT_FORCE_SYNC_SUBMIT", saved_env):
+    with _no_pin_memory() as torch, _restore_env("KT_FORCE_SYNC_SUBMIT", saved_env), _ktkernel_fp_mode():
         wrapper = _wrapper(torch, method=method, weight_path=weight_path, num_experts=num_experts, top_k=top_k,
                            hidden=hidden, intermediate=intermediate, threadpool_count=threadpool_count,
                            layer_idx=layer_idx, threads=threads, cpu_save=False, max_tokens=max(tokens, 64))
@@ -196,7 +207,6 @@ def ktkernel_forward(weight_path: Path, method: str, *, num_experts: int, hidden
                               torch.from_numpy(np.asarray(topk_weights, np.float32)), None)
         result = out.float().numpy().copy()
         del wrapper
-    _restore_fp_mode()
     return result
 
 

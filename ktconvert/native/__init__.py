@@ -42,7 +42,7 @@ _C_INT = ctypes.c_int
 _SIGNATURES = {
     "kt_abi_version": (_C_INT, []),
     "kt_fp_flush_mode": (_C_INT, []),
-    "kt_fp_restore_default": (None, []),
+    "kt_fp_set_flush_mode": (None, [_C_INT]),
     "kt_cpu_features": (_C_INT, []),
     "kt_cpu_feature_name": (ctypes.c_char_p, [_C_INT]),
     "kt_impl_missing": (_C_INT, [_C_INT]),
@@ -111,15 +111,17 @@ def available() -> bool:
     return lib() is not None and not _numpy_forced()
 
 
-def restore_fp_mode() -> bool:
-    """Switch flush-to-zero / denormals-are-zero off again in this thread if another library turned them on
-    (kt-kernel does at import), so numpy results keep their subnormals. Returns whether they were on."""
+def fp_flush_mode() -> bool:
+    """Whether flush-to-zero / denormals-are-zero is on in this thread (kt-kernel switches it on at import)."""
     handle = lib()
-    if handle is None:
-        return False
-    was_on = bool(handle.kt_fp_flush_mode())
-    handle.kt_fp_restore_default()
-    return was_on
+    return bool(handle.kt_fp_flush_mode()) if handle is not None else False
+
+
+def set_fp_flush_mode(on: bool) -> None:
+    """Switch flush-to-zero / denormals-are-zero on or off in this thread (numpy keeps subnormals only when off)."""
+    handle = lib()
+    if handle is not None:
+        handle.kt_fp_set_flush_mode(int(bool(on)))
 
 
 def cpu_features() -> list[str]:
