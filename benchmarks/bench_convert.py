@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RSS_SNIPPET = "import resource,sys; print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def emit(**fields) -> None:
@@ -56,14 +56,10 @@ def warm_read_seconds(model: Path) -> float:
 
 def run_measured(code: str, env=None) -> tuple[float, int]:
     """Run python code in a fresh process; returns (wall seconds, peak RSS bytes of that process)."""
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code + "\n" + RSS_SNIPPET], capture_output=True, text=True,
-                          env={**os.environ, "KTCONVERT_NO_PROGRESS": "1", **(env or {})})
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-2000:])
-    kb = next(int(line.split()[1]) for line in proc.stderr.splitlines() if line.startswith("PEAK_RSS_KB"))
-    return wall, kb * 1024
+    from peak_rss import run_python
+
+    wall, peak, _ = run_python(code, env={**os.environ, "KTCONVERT_NO_PROGRESS": "1", **(env or {})})
+    return wall, peak
 
 
 def ktconvert_run(model: Path, out: Path, method: str, layout: str, numa: int = 2) -> tuple[float, int]:

@@ -1,6 +1,6 @@
 """Peak RSS and wall time: ktconvert's layer-streaming GPTQ against llmcompressor ``oneshot`` (in RAM).
 
-Each run happens in a fresh subprocess (peak RSS = ru_maxrss of that child). Two tiny Qwen3-MoE sizes that
+Each run happens in a fresh subprocess (peak RSS = that child's VmHWM; ru_maxrss would start from the parent's size). Two tiny Qwen3-MoE sizes that
 differ only in layer count: ours should stay flat, oneshot grows with the model. Prints one JSON line per run.
 
     python benchmarks/bench_gptq.py [--layers 2 8] [--hidden 512] [--intermediate 256] [--experts 16]
@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 CHILD = r"""
-import json, resource, sys, time, torch
+import json, sys, time, torch
 src, which, n, length = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 g = torch.Generator().manual_seed(0)
 samples = [torch.randint(4, 512, (length,), generator=g) for _ in range(n)]
@@ -36,7 +36,8 @@ else:
             recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore, dampening_frac=0.1),
             shuffle_calibration_samples=False)
 print(json.dumps({"wall_s": round(time.perf_counter() - t0, 2),
-                  "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+                  "peak_rss_mb": round(next(int(l.split()[1]) for l in open("/proc/self/status")
+                                            if l.startswith("VmHWM:")) / 1024, 1)}))
 """
 
 

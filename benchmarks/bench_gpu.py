@@ -1,6 +1,6 @@
 """GPU checkpoint benchmarks (JSON lines): peak RSS and wall of `ktconvert gpu` (RTN) against llmcompressor's
 model_free_ptq and oneshot on two model sizes, and the one-pass `convert` against `cpu` + `gpu` run one after the
-other. Each measured command runs in its own process (peak RSS = ru_maxrss of that child).
+other. Each measured command runs in its own process (peak RSS = that child's VmHWM).
 
     python benchmarks/bench_gpu.py [--workdir DIR] [--sizes small,large] [--skip-oneshot]
 """
@@ -14,6 +14,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SIZES = {"small": dict(layers=4, experts=16, hidden=512, intermediate=256),
          "large": dict(layers=8, experts=32, hidden=1024, intermediate=512)}
@@ -37,16 +39,14 @@ model.save_pretrained(sys.argv[2], save_compressed=True)
 
 
 def run_measured(cmd: list[str]) -> dict:
-    """Like run(), with the child's peak RSS from wait4."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env=dict(os.environ, KTCONVERT_NO_PROGRESS="1"))
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    if status != 0:
-        raise SystemExit(f"{cmd[:4]} failed: {err.decode()[-2000:]}")
-    return {"wall_s": round(wall, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+    """Run `[python, "-c", code, *args]`; wall time and the child's own peak RSS (VmHWM — see peak_rss.py for why
+    not wait4's ru_maxrss, which starts from the parent's size)."""
+    from peak_rss import run_python
+
+    code, argv = cmd[2], [str(a) for a in cmd[3:]]
+    wall, peak, _ = run_python(f"import sys; sys.argv = ['-c', *{argv!r}]\n" + code,
+                               env=dict(os.environ, KTCONVERT_NO_PROGRESS="1"))
+    return {"wall_s": round(wall, 2), "peak_rss_mib": round(peak / 2**20, 1)}
 
 
 def ktconvert(*args) -> list[str]:
