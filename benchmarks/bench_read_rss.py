@@ -109,7 +109,7 @@ def make_header_only(root: Path, shards: int = 1000) -> Path:
         return root
     root.mkdir(parents=True, exist_ok=True)
     L, E, H, I, dense = 61, 256, 7168, 2048, 3
-    specs = [(f"model.embed_tokens.weight", "BF16", (129280, H)), ("lm_head.weight", "BF16", (129280, H))]
+    specs = [("model.embed_tokens.weight", "BF16", (129280, H)), ("lm_head.weight", "BF16", (129280, H))]
     for layer in range(L):
         p = f"model.layers.{layer}."
         specs += [(p + n, "BF16", s) for n, s in (("input_layernorm.weight", (H,)),

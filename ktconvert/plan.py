@@ -61,8 +61,8 @@ def alignment_checks(hidden: int, inter: int, numa: int, method: str, group_size
         checks.append(_check(f"I/T % {FP8_BLOCK} == 0 (whole 128-blocks per NUMA part of down)",
                              part % FP8_BLOCK == 0, f"I/T = {part}"))
     elif method == "rawint4":
-        checks.append(_check(f"H % group_size == 0", hidden % group_size == 0, f"H = {hidden}, gs = {group_size}"))
-        checks.append(_check(f"I/T % group_size == 0", part % group_size == 0, f"I/T = {part}, gs = {group_size}"))
+        checks.append(_check("H % group_size == 0", hidden % group_size == 0, f"H = {hidden}, gs = {group_size}"))
+        checks.append(_check("I/T % group_size == 0", part % group_size == 0, f"I/T = {part}, gs = {group_size}"))
         checks.append(_check("group_size % 8 == 0 (int32 packing)", group_size % 8 == 0, f"gs = {group_size}"))
     return checks
 

@@ -228,8 +228,6 @@ class GGUFSource:
 
     def ggml_types(self) -> dict[str, int]:
         """ggml type name -> number of routed-expert tensors of that type."""
-        from ktconvert.quant.ggml import type_name
-
         counts: dict[str, int] = {}
         for layer in self.all_layers():
             for name, _ in self._layer_tensors(layer):
@@ -373,8 +371,6 @@ def describe(path) -> dict:
     """`ktconvert inspect` for a GGUF model: the keys ktconvert.inspect.render reads (headers only)."""
     source = GGUFSource.open(path)
     info = source.info
-    from ktconvert.quant.ggml import type_name
-
     dtypes: dict[str, int] = {}
     components: dict[str, int] = {}
     for ref in source.tensors.values():

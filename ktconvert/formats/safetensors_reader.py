@@ -7,7 +7,6 @@ Why not `safetensors.safe_open`: its numpy framework has no BF16/F8 dtypes, and 
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from dataclasses import dataclass, field

@@ -18,7 +18,7 @@ def numa_slices(intermediate: int, parts: int) -> list[slice]:
     """The T equal slices of range(I); ShapeError unless T >= 1 and I % T == 0."""
     if parts < 1 or intermediate % parts:
         raise ShapeError("intermediate size must split evenly across NUMA parts",
-                         expected=f"I % T == 0 (T >= 1)", found=f"I={intermediate}, T={parts}",
+                         expected="I % T == 0 (T >= 1)", found=f"I={intermediate}, T={parts}",
                          hint=f"T must divide {intermediate}")
     step = intermediate // parts
     return [slice(t * step, (t + 1) * step) for t in range(parts)]

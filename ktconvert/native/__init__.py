@@ -68,6 +68,32 @@ def _library_candidates() -> list[Path]:
     return [p for p in exact if p.is_file()] or sorted(here.glob("_ktnative*.so"))
 
 
+def _set_signatures(handle: ctypes.CDLL, signatures: dict) -> None:
+    """Set restype/argtypes of every {name: (restype, [argtypes])}; AttributeError if a function is missing."""
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(handle, name)
+        fn.restype, fn.argtypes = restype, argtypes
+
+
+_bound_tables: set[int] = set()
+
+
+def bind(signatures: dict) -> ctypes.CDLL | None:
+    """The loaded library with `signatures` (a module's {name: (restype, [argtypes])} table) set, once per table;
+    None when the library is missing, or lacks one of the functions (built before they existed: rebuild)."""
+    handle = lib()
+    if handle is None:
+        return None
+    if id(signatures) not in _bound_tables:
+        with _lock:
+            try:
+                _set_signatures(handle, signatures)
+            except AttributeError:
+                return None
+            _bound_tables.add(id(signatures))
+    return handle
+
+
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("KTCONVERT_NO_NATIVE", "") not in ("", "0"):
         return None, "disabled by KTCONVERT_NO_NATIVE"
@@ -76,9 +102,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, "native library not built (pip install -e . --no-deps, or python setup.py build_ext --inplace)"
     try:
         handle = ctypes.CDLL(str(candidates[0]))
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(handle, name)
-            fn.restype, fn.argtypes = restype, argtypes
+        _set_signatures(handle, _SIGNATURES)
     except (OSError, AttributeError) as exc:
         return None, f"cannot load {candidates[0].name}: {exc} (stale build? rebuild with pip install -e .)"
     if handle.kt_abi_version() != ABI_VERSION:

@@ -24,25 +24,13 @@ _SIGNATURES = {
                                          _I64]),
     "kt_mxfp4_dequant_bf16": (_INT, [_P, _P, _I64, _I64, _INT, _P, _I64, _I64]),
 }
-_bound: dict[int, ctypes.CDLL] = {}
 MIN_ELEMENTS_PER_THREAD = 1 << 18  # below this, threads cost more than they save
 
 
 def decode_lib() -> ctypes.CDLL | None:
     """The native library with the decoder signatures set; None when missing, disabled (KTCONVERT_FORCE_IMPL=numpy,
     KTCONVERT_NO_NATIVE) or built before the decoders existed."""
-    if not native.available():
-        return None
-    handle = native.lib()
-    if id(handle) not in _bound:
-        try:
-            for name, (restype, argtypes) in _SIGNATURES.items():
-                fn = getattr(handle, name)
-                fn.restype, fn.argtypes = restype, argtypes
-        except AttributeError:
-            return None
-        _bound[id(handle)] = handle
-    return handle
+    return native.bind(_SIGNATURES) if native.available() else None
 
 
 def usable() -> bool:

@@ -20,24 +20,12 @@ _SIGNATURES = {
     "kt_gguf_dequant_f32": (_INT, [_INT, _INT, _P, _I64, _P]),
     "kt_gguf_dequant_bf16": (_INT, [_INT, _INT, _P, _I64, _P]),
 }
-_bound: dict[int, ctypes.CDLL] = {}
 MIN_BLOCKS_PER_THREAD = 256  # below this, threads cost more than they save
 
 
 def gguf_lib() -> ctypes.CDLL | None:
     """The native library with the dequant signatures set; None when it is missing, disabled, or predates them."""
-    if not native.available():
-        return None
-    handle = native.lib()
-    if id(handle) not in _bound:
-        try:
-            for name, (restype, argtypes) in _SIGNATURES.items():
-                fn = getattr(handle, name)
-                fn.restype, fn.argtypes = restype, argtypes
-        except AttributeError:
-            return None
-        _bound[id(handle)] = handle
-    return handle
+    return native.bind(_SIGNATURES) if native.available() else None
 
 
 def usable_impls() -> list[str]:

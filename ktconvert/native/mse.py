@@ -7,7 +7,6 @@ Both raise NativeError when the library is missing or lacks these functions (a s
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import TYPE_CHECKING
 
 from ktconvert import native
@@ -21,25 +20,16 @@ _SIGNATURES = {
     "kt_mse_rows": (_C_INT, [_P, _I64, _I64, _C_INT, _C_INT, _P, _P, _I64, _I64, _P]),
     "kt_amx_mse_quantize": (_C_INT, [_P, _I64, _I64, _C_INT, _C_INT, _P, _P, _I64, _I64, _P]),
 }
-_lock = threading.Lock()
-_bound: dict = {}
 
 
 def _lib() -> ctypes.CDLL:
     """The native library with this module's signatures set; NativeError when missing or stale."""
-    handle = native.lib()
-    if handle is None:
+    if native.lib() is None:
         raise NativeError(native.load_error() or "native library not available")
-    with _lock:
-        if "ok" not in _bound:
-            try:
-                for name, (restype, argtypes) in _SIGNATURES.items():
-                    fn = getattr(handle, name)
-                    fn.restype, fn.argtypes = restype, argtypes
-                _bound["ok"] = True
-            except AttributeError as exc:
-                raise NativeError(f"native library lacks the mse search ({exc})",
-                                  hint="rebuild: pip install -e . --no-deps --no-build-isolation") from exc
+    handle = native.bind(_SIGNATURES)
+    if handle is None:
+        raise NativeError("native library lacks the mse search",
+                          hint="rebuild: pip install -e . --no-deps --no-build-isolation")
     return handle
 
 

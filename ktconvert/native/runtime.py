@@ -37,7 +37,6 @@ _SIGNATURES = {
     "kt_rt_resolve_impl": (_INT, [_INT]),
     "kt_rt_variant": (ctypes.c_char_p, [_INT]),
 }
-_bound: dict[int, ctypes.CDLL] = {}
 
 
 def runtime_lib() -> ctypes.CDLL:
@@ -46,14 +45,8 @@ def runtime_lib() -> ctypes.CDLL:
     if handle is None:
         raise NativeError(native.load_error() or "native library not available",
                           hint="the verification runtime needs the native library (pip install -e .)")
-    if id(handle) not in _bound:
-        try:
-            for name, (restype, argtypes) in _SIGNATURES.items():
-                fn = getattr(handle, name)
-                fn.restype, fn.argtypes = restype, argtypes
-        except AttributeError as exc:
-            raise NativeError(f"native library lacks the verification runtime ({exc})", hint="rebuild") from None
-        _bound[id(handle)] = handle
+    if native.bind(_SIGNATURES) is None:
+        raise NativeError("native library lacks the verification runtime", hint="rebuild (pip install -e .)")
     return handle
 
 
