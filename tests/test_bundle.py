@@ -28,7 +28,7 @@ def test_round_trip_and_determinism(tmp_path):
     files = sample_files(7)
     make_out(tmp_path / "out", files)
     a = bundle(tmp_path / "out", tmp_path / "a.tar.zst")
-    b = bundle(tmp_path / "out", tmp_path / "b.tar.zst")
+    bundle(tmp_path / "out", tmp_path / "b.tar.zst")
     assert (tmp_path / "a.tar.zst").read_bytes() == (tmp_path / "b.tar.zst").read_bytes()
     assert a["files"] == len(files) + 1 and a["bytes_out"] == (tmp_path / "a.tar.zst").stat().st_size
     # independent reader: zstandard + tarfile; manifest first, then sorted paths, fixed metadata

@@ -6,7 +6,6 @@ import errno
 import os
 import shutil
 
-import pytest
 from click.testing import CliRunner
 
 from ktconvert.cli import cli
