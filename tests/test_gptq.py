@@ -348,3 +348,26 @@ def test_unrouted_experts_are_the_only_difference(tmp_path, tiny_model):
         rtn = quantize_expert_rtn(getattr(source.read_expert(layer, e), proj), 4, 128)
         np.testing.assert_array_equal(ours[key], rtn[kind])
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,dtype,linears", [("glm4_moe", "bf16", "fp8"), ("minimax_m2", "bf16", "bf16"),
+                                                ("kimi_k2", "bf16", "fp8"), ("mixtral", "bf16", "bf16"),
+                                                ("deepseek_v3", "fp8", "fp8")])
+def test_gptq_gpu_checkpoint_of_every_family_verifies(tiny_model, tmp_path, arch, dtype, linears):
+    """`ktconvert gpu --algo gptq` on families whose on-disk names differ from transformers' in-memory ones
+    (MiniMax / Mixtral `block_sparse_moe.`), whose model_type transformers only knows under another name
+    (Kimi-K2 = DeepSeek-V3), and on an FP8 source; the checkpoint passes `verify --source`."""
+    import json
+
+    from ktconvert.gpu.writer import convert_gpu
+    from ktconvert.verify import verify
+
+    model = tiny_model(arch, dtype=dtype)
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"input_ids": list(range(3 + i, 40 + 3 * i))}) + "\n" for i in range(4)))
+    out = tmp_path / "gpu"
+    convert_gpu(model, out, experts="w4a16", algo="gptq", linears=linears, calibration=calib)
+    result = verify(out, source=str(model), experts="all")
+    assert result["ok"], result["problems"]
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]

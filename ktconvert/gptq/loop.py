@@ -118,6 +118,24 @@ def torch_dtype_of(config: dict):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(name, torch.bfloat16)
 
 
+# model_types whose checkpoints transformers runs with another model_type's classes (same tensors, same forward)
+TRANSFORMERS_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+def _aliased_config(root: Path):
+    """The transformers config of an aliased model_type (Kimi-K2 is DeepSeek-V3 to transformers), or None."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    data = json.loads((Path(root) / "config.json").read_text())
+    alias = TRANSFORMERS_ALIASES.get(data.get("model_type", ""))
+    if alias is None:
+        return None
+    data = {k: v for k, v in data.items() if k not in ("model_type", "auto_map", "architectures")}
+    return CONFIG_MAPPING[alias](**data)
+
+
 def build_skeleton(root: Path, dtype):
     """Meta-device AutoModelForCausalLM from root/config.json (eager attention), experts linearised; rotary
     embeddings rebuilt on CPU (their buffers are computed, not loaded)."""
@@ -130,8 +148,10 @@ def build_skeleton(root: Path, dtype):
     try:
         config = AutoConfig.from_pretrained(str(root), local_files_only=True)
     except (ValueError, OSError, KeyError) as exc:
-        raise InputError(f"transformers cannot build a model from config.json ({exc})", file="config.json",
-                         hint="GPTQ needs a model_type known to the installed transformers") from None
+        config = _aliased_config(root)
+        if config is None:
+            raise InputError(f"transformers cannot build a model from config.json ({exc})", file="config.json",
+                             hint="GPTQ needs a model_type known to the installed transformers") from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     with torch.device("meta"), patch_attr(linear_experts, "offload_module", lambda *a, **k: None):
@@ -225,8 +245,25 @@ class LayerStream:
 
     # -- weights
 
+    def _checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name for transformers' in-memory tensor `name`: the same, or with transformers'
+        renaming for this model_type undone (MiniMax / Mixtral keep `block_sparse_moe.` on disk, `mlp.` in memory)."""
+        if name in self.checkpoint.tensors:
+            return name
+        from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
+
+        for rule in get_checkpoint_conversion_mapping(self.model.config.model_type) or ():
+            if not isinstance(rule, WeightRenaming):
+                continue
+            for on_disk, in_memory in zip(rule.source_patterns, rule.target_patterns):
+                candidate = name.replace(in_memory, on_disk)
+                if candidate != name and candidate in self.checkpoint.tensors:
+                    return candidate
+        return name
+
     def _tensor(self, name: str, like):
         """Checkpoint tensor `name` as a torch tensor with `like`'s shape, in from_pretrained's dtype."""
+        name = self._checkpoint_name(name)
         ref = self.checkpoint.tensors.get(name)
         if ref is None:
             raise InputError("tensor the model needs is missing from the checkpoint", file=self._index_name(),
