@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -99,7 +100,7 @@ def ktkernel_run(model: Path, out: Path, method: str, numa: int = 2) -> tuple[fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", default="/tmp/ktconvert-bench")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "ktconvert-bench"))
     ap.add_argument("--quick", action="store_true", help="smaller models (for a smoke run)")
     ap.add_argument("--no-ktkernel", action="store_true")
     args = ap.parse_args()

@@ -134,7 +134,8 @@ def tiny_model(out, arch, layers, experts, hidden, intermediate, dtype, seed, fo
 @click.option("--layout", type=click.Choice(["safetensors", "kt"]), default="safetensors", show_default=True,
               help="safetensors: one merged shard per MoE layer; kt: the _layer_L/_numa_t/*.kt tree.")
 @click.option("--quant", type=click.Choice(["rtn", "mse", "gptq"]), default="rtn", show_default=True,
-              help="rtn is byte-identical to kt-kernel's converter; mse searches each row's scale.")
+              help="rtn: byte-identical to kt-kernel's converter; mse: each row's scale searched for the least "
+                   "error (same files, kt-kernel runs them unchanged); gptq: calibrated, needs --calibration.")
 @click.option("--group-size", type=int, default=128, show_default=True, help="Group size for --method rawint4.")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
