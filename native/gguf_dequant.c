@@ -35,28 +35,19 @@ KT_INLINE uint32_t rd32(const uint8_t *p) {
     return v;
 }
 
-KT_INLINE float bits_to_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* IEEE half -> float, exact and branch-free (so loops over F16 tensors vectorize). Normal and Inf/NaN halves:
  * shift the exponent and mantissa into place with the exponent biased by +224, then scale by 2^-112 (exact).
  * Subnormal halves: build the float 0.5 + man * 2^-24 and subtract 0.5 (exact). Sign is or-ed back in. */
 KT_INLINE float f16_to_f32(uint16_t h) {
     const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
-    const float normalized = bits_to_f32((two_w >> 4) + (0xE0u << 23)) * 0x1p-112f;
-    const float denormalized = bits_to_f32((two_w >> 17) | (126u << 23)) - 0.5f;
-    uint32_t nb, db;
-    memcpy(&nb, &normalized, sizeof nb);
-    memcpy(&db, &denormalized, sizeof db);
-    return bits_to_f32(sign | (two_w < (1u << 27) ? db : nb));
+    const float normalized = kt_f32_from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1p-112f;
+    const float denormalized = kt_f32_from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+    return kt_f32_from_bits(sign | (two_w < (1u << 27) ? kt_f32_bits(denormalized) : kt_f32_bits(normalized)));
 }
 
 /* ggml_e8m0_to_fp32_half: 2^(e - 128) as float32 (subnormal for e < 2). */
 KT_INLINE float e8m0_half(uint8_t e) {
-    return bits_to_f32(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+    return kt_f32_from_bits(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
 }
 
 static const int8_t KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -64,9 +55,9 @@ static const int8_t KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, 
 
 /* ---------------------------------------------------------------- element formats (block = 1 element) */
 
-KT_INLINE void blk_f32(const uint8_t *b, float *y) { y[0] = bits_to_f32(rd32(b)); }
+KT_INLINE void blk_f32(const uint8_t *b, float *y) { y[0] = kt_f32_from_bits(rd32(b)); }
 KT_INLINE void blk_f16(const uint8_t *b, float *y) { y[0] = f16_to_f32(rd16(b)); }
-KT_INLINE void blk_bf16(const uint8_t *b, float *y) { y[0] = bits_to_f32((uint32_t)rd16(b) << 16); }
+KT_INLINE void blk_bf16(const uint8_t *b, float *y) { y[0] = kt_f32_from_bits((uint32_t)rd16(b) << 16); }
 
 /* ---------------------------------------------------------------- 32-element blocks */
 
@@ -289,13 +280,7 @@ KT_INLINE void blk_tq1_0(const uint8_t *b, float *y) {
 /* ---------------------------------------------------------------- BF16 rounding (quant/bf16.py) */
 
 KT_INLINE void to_bf16(const float *x, int64_t n, uint16_t *out) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &x[i], sizeof u);
-        uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-        uint16_t quiet = (uint16_t)((u >> 16) | 0x0040u);
-        out[i] = (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
-    }
+    for (int64_t i = 0; i < n; i++) out[i] = kt_f32_to_bf16(x[i]);
 }
 
 #ifdef KT_X86

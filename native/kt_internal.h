@@ -43,11 +43,28 @@ typedef struct {
 void kt_fpenv_enter(kt_fpenv *env);
 void kt_fpenv_leave(const kt_fpenv *env);
 
-static inline float kt_bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
+/* Bit-level float helpers shared by every kernel file. */
+static inline float kt_f32_from_bits(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+static inline uint32_t kt_f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float kt_bf16_to_f32(uint16_t b) { return kt_f32_from_bits((uint32_t)b << 16); }
+
+/* float32 -> BF16 bits, round-to-nearest-even; NaN -> (bits >> 16) | 0x0040 (quiet, top payload kept), exactly as
+ * ktconvert/quant/bf16.py. Branch-free so loops over it vectorize. */
+static inline uint16_t kt_f32_to_bf16(float x) {
+    const uint32_t u = kt_f32_bits(x);
+    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const uint16_t quiet = (uint16_t)((u >> 16) | 0x0040u);
+    return (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
 }
 
 #endif /* KT_INTERNAL_H */

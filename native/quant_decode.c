@@ -25,46 +25,29 @@
 #define KT_INLINE static inline __attribute__((always_inline))
 #define BF16_TABLE_NAN 0x7FC0u /* RNE_bf16 of numpy's NaN table entries (+NaN 0x7FC00000: e4m3 0x7F/0xFF, E8M0 255) */
 
-KT_INLINE uint32_t bits_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-KT_INLINE float float_of(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* ---------------------------------------------------------------- scalar element operations (the reference) */
 
-/* float32 -> BF16 bits, RNE; NaN -> (bits >> 16) | 0x0040 (quiet, top payload kept), as quant/bf16.py. */
-KT_INLINE uint16_t bf16_rne(float x) {
-    const uint32_t u = bits_of(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* float32 -> the float32 value of its RNE float16 rounding (numpy astype(float16).astype(float32)). NaN passes
  * through: float16 keeps the top 10 payload bits and BF16 reads only the top 7, so the BF16 result is the same. */
 KT_INLINE float f16_round(float x) {
-    const uint32_t u = bits_of(x), a = u & 0x7fffffffu, sign = u & 0x80000000u;
+    const uint32_t u = kt_f32_bits(x), a = u & 0x7fffffffu, sign = u & 0x80000000u;
     if (a > 0x7f800000u) return x;
-    if (a >= 0x477ff000u) return float_of(sign | 0x7f800000u);   /* |x| >= 65520 rounds to Inf */
+    if (a >= 0x477ff000u) return kt_f32_from_bits(sign | 0x7f800000u);   /* |x| >= 65520 rounds to Inf */
     if (a < 0x38800000u) {                                        /* below 2^-14: float16 subnormal, step 2^-24 */
-        const float steps = (float_of(a) * 0x1p24f + 0x1p23f) - 0x1p23f;   /* RNE to an integer (< 2^10) */
-        return float_of(sign | bits_of(steps * 0x1p-24f));
+        const float steps = (kt_f32_from_bits(a) * 0x1p24f + 0x1p23f) - 0x1p23f;   /* RNE to an integer (< 2^10) */
+        return kt_f32_from_bits(sign | kt_f32_bits(steps * 0x1p-24f));
     }
-    return float_of(sign | ((a + 0xfffu + ((a >> 13) & 1u)) & ~0x1fffu));   /* 10 mantissa bits, RNE */
+    return kt_f32_from_bits(sign | ((a + 0xfffu + ((a >> 13) & 1u)) & ~0x1fffu));   /* 10 mantissa bits, RNE */
 }
 
 KT_INLINE float e4m3_value(uint8_t c) {
-    return float_of(bits_of(float_of((uint32_t)(c & 0x7f) << 20) * 0x1p120f) | ((uint32_t)(c & 0x80) << 24));
+    return kt_f32_from_bits(kt_f32_bits(kt_f32_from_bits((uint32_t)(c & 0x7f) << 20) * 0x1p120f) | ((uint32_t)(c & 0x80) << 24));
 }
 
 KT_INLINE float e8m0_value(uint8_t e) {
-    return float_of(e == 255 ? 0x7fc00000u : e == 0 ? 0x00400000u : (uint32_t)e << 23);
+    return kt_f32_from_bits(e == 255 ? 0x7fc00000u : e == 0 ? 0x00400000u : (uint32_t)e << 23);
 }
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
@@ -83,7 +66,7 @@ static void fp8_run_scalar(const uint8_t *codes, int64_t len, float s, int f16, 
     for (int64_t i = 0; i < len; i++) {
         float p = e4m3_value(codes[i]) * s;
         if (f16) p = f16_round(p);
-        out[i] = (codes[i] & 0x7f) == 0x7f ? (uint16_t)BF16_TABLE_NAN : bf16_rne(p);
+        out[i] = (codes[i] & 0x7f) == 0x7f ? (uint16_t)BF16_TABLE_NAN : kt_f32_to_bf16(p);
     }
 }
 
@@ -91,7 +74,7 @@ static void ct_run_scalar(const int8_t *q, int64_t len, float zp, float s, int f
     for (int64_t i = 0; i < len; i++) {
         float p = ((float)q[i] - zp) * s;
         if (f16) p = f16_round(p);
-        out[i] = bf16_rne(p);
+        out[i] = kt_f32_to_bf16(p);
     }
 }
 
@@ -100,7 +83,7 @@ static void ct_run_scalar(const int8_t *q, int64_t len, float zp, float s, int f
  * half of the table as -(E2M1[i-8] * s), which flips the sign of a NaN. */
 KT_INLINE void mx_table(uint8_t e, uint16_t *table) {
     const float s = e8m0_value(e);
-    for (int i = 0; i < 16; i++) table[i] = e == 255 ? (uint16_t)BF16_TABLE_NAN : bf16_rne(E2M1[i] * s);
+    for (int i = 0; i < 16; i++) table[i] = e == 255 ? (uint16_t)BF16_TABLE_NAN : kt_f32_to_bf16(E2M1[i] * s);
 }
 
 static void mx_row_scalar(const uint8_t *blocks, const uint8_t *scales, int64_t groups, uint16_t *out) {

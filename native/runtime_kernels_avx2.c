@@ -5,6 +5,7 @@
  */
 #define KT_RUNTIME_INTERNAL
 #include "kt_runtime.h"
+#include "kt_internal.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -106,12 +107,7 @@ RT_AVX2 static void bf16_rows_avx2(const uint16_t *w, int64_t rows, int64_t k, c
                 s = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(xt + c), s);
             }
             float tail = 0.0f;
-            for (; c < k; c++) {
-                uint32_t u = (uint32_t)row[c] << 16;
-                float f;
-                __builtin_memcpy(&f, &u, sizeof f);
-                tail += f * xt[c];
-            }
+            for (; c < k; c++) tail += kt_bf16_to_f32(row[c]) * xt[c];
             y[t * ldy + r] = hsum8(s) + tail;
         }
     }

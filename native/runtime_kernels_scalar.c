@@ -7,6 +7,8 @@
 
 #include <string.h>
 
+#include "kt_internal.h"
+
 static void int4_panel_scalar(const uint8_t *panel, int64_t ntiles, const float *x, int64_t ldx, int64_t m,
                               float *acc, int64_t ldacc)
 {
@@ -49,21 +51,13 @@ static void int8_panel_scalar(const uint8_t *panel, int64_t ntiles, const float 
     }
 }
 
-static float bf16_to_f32(uint16_t bits)
-{
-    uint32_t u = (uint32_t)bits << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 static void bf16_rows_scalar(const uint16_t *w, int64_t rows, int64_t k, const float *x, int64_t m, float *y,
                              int64_t ldy)
 {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t t = 0; t < m; t++) {
             float sum = 0.0f;
-            for (int64_t c = 0; c < k; c++) sum += bf16_to_f32(w[r * k + c]) * x[t * k + c];
+            for (int64_t c = 0; c < k; c++) sum += kt_bf16_to_f32(w[r * k + c]) * x[t * k + c];
             y[t * ldy + r] = sum;
         }
 }
