@@ -192,27 +192,15 @@ def _expert_tensor_set(source, layer: int) -> set[str]:
 
 # ---------------------------------------------------------------------------------------------- entry point
 
-def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetensors", quant: str = "rtn",
-                group_size: int = 128, threads: int | None = None, resume: bool = False, force: bool = False,
-                include_dense: bool = False, include_mtp: bool = False, allow_drop_bias: bool = False,
-                calibration=None, progress=None, extra_outputs=()) -> str:
-    """Convert the routed experts of checkpoint `src` for kt-kernel into directory `out`. Returns a summary line.
-
-    extra_outputs: more outputs fed from the same source read (e.g. ktconvert.gpu's GpuOutput for `convert`), each
-    with `layers` (must equal this conversion's), `journal`, begin_layer / layer_finished / finalize; the CPU
-    output's bytes do not depend on them."""
+def open_cpu_output(src, out, *, method: str, numa: int, layout: str, quant: str, group_size: int,
+                    include_dense: bool, include_mtp: bool, allow_drop_bias: bool, resume: bool, force: bool):
+    """Everything before the first byte is converted: resolve and plan the source (no weights read), check
+    biases, prepare OUT, start (or reopen) the journal. Returns (CpuOutput, source), or None when `resume` finds
+    OUT already complete."""
     from ktconvert.formats.base import open_source
     from ktconvert.plan import plan
     from ktconvert.quant.methods import METHODS
 
-    progress = progress or _NullProgress()
-    if quant == "gptq":
-        if extra_outputs:
-            raise InputError("--quant gptq writes the CPU output on its own", hint="convert the GPU side separately")
-        return _convert_cpu_gptq(src, out, method, numa, layout, calibration, resume, force, include_dense,
-                                 include_mtp, progress)
-    if calibration is not None:
-        raise InputError("--calibration is only used with --quant gptq", found=f"--quant {quant}")
     src_path, src_extra = resolve_source(str(src))
     the_plan = plan(str(src_path), method=method, numa=numa, layout=layout, group_size=group_size,
                     include_mtp=include_mtp, out=str(out))
@@ -225,8 +213,7 @@ def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetens
     out_dir = Path(out)
     prepare_output(out_dir, src_path, resume, force)
     if resume and (out_dir / MANIFEST_NAME).exists() and not (out_dir / JOURNAL_NAME).exists():
-        return f"{out_dir}: already complete (ktconvert.json present); nothing to do"
-
+        return None
     layers = list(the_plan["layers"])
     options = {"method": qmethod.name, "numa": numa, "layout": layout, "quant": quant, "group_size": group_size,
                "include_dense": include_dense, "include_mtp": include_mtp, "layers": layers,
@@ -234,6 +221,33 @@ def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetens
     journal = Journal.start(out_dir, options, resume)
     output = CpuOutput(out_dir, qmethod, the_plan, source, numa=numa, layout=layout, quant=quant,
                        group_size=group_size, include_dense=include_dense, journal=journal, src_extra=src_extra)
+    return output, source
+
+
+def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetensors", quant: str = "rtn",
+                group_size: int = 128, threads: int | None = None, resume: bool = False, force: bool = False,
+                include_dense: bool = False, include_mtp: bool = False, allow_drop_bias: bool = False,
+                calibration=None, progress=None, extra_outputs=()) -> str:
+    """Convert the routed experts of checkpoint `src` for kt-kernel into directory `out`. Returns a summary line.
+
+    extra_outputs: more outputs fed from the same source read (e.g. ktconvert.gpu's GpuOutput for `convert`), each
+    with `layers` (must equal this conversion's), `journal`, begin_layer / layer_finished / finalize; the CPU
+    output's bytes do not depend on them."""
+    progress = progress or _NullProgress()
+    if quant == "gptq":
+        if extra_outputs:
+            raise InputError("--quant gptq writes the CPU output on its own", hint="convert the GPU side separately")
+        return _convert_cpu_gptq(src, out, method, numa, layout, calibration, resume, force, include_dense,
+                                 include_mtp, allow_drop_bias, progress)
+    if calibration is not None:
+        raise InputError("--calibration is only used with --quant gptq", found=f"--quant {quant}")
+    opened = open_cpu_output(src, out, method=method, numa=numa, layout=layout, quant=quant, group_size=group_size,
+                             include_dense=include_dense, include_mtp=include_mtp, allow_drop_bias=allow_drop_bias,
+                             resume=resume, force=force)
+    if opened is None:
+        return f"{out}: already complete (ktconvert.json present); nothing to do"
+    output, source = opened
+    journal, layers, out_dir, qmethod = output.journal, output.layers, output.out_dir, output.method
     jobs = source.matrix_jobs(layers)
     todo_bytes = sum(j.nbytes for j in jobs if not journal.layer_done(j.layer))
     if journal.layers:
@@ -256,7 +270,7 @@ def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetens
 
 
 def _convert_cpu_gptq(src, out, method, numa, layout, calibration, resume, force, include_dense, include_mtp,
-                      progress) -> str:
+                      allow_drop_bias, progress) -> str:
     """--quant gptq: calibrated, one decoder layer at a time (ktconvert.gptq); no resume, no MTP, no dense shard."""
     if calibration is None:
         raise InputError("--quant gptq needs calibration data", expected="--calibration FILE (JSON lines)")
@@ -267,7 +281,7 @@ def _convert_cpu_gptq(src, out, method, numa, layout, calibration, resume, force
     from ktconvert.gptq.amx import convert_cpu_gptq
 
     result = convert_cpu_gptq(src, out, method=method, numa=numa, calibration=calibration, layout=layout,
-                              force=force, progress=progress)
+                              force=force, allow_drop_bias=allow_drop_bias, progress=progress)
     fallback = sum(len(v) for v in result["fallback"].values())
     manifest = result["manifest"]
     return (f"wrote {out} (GPTQ; {fallback} experts without calibration tokens used {result['fallback_quant']}, "

@@ -191,32 +191,23 @@ def write_layer(writer, method, result: LayerResult) -> None:
 
 def convert_cpu_gptq(src, out, *, method: str, numa: int, calibration, layout: str = "safetensors",
                      max_length: int = 2048, num_samples: int | None = None,
-                     options: GptqOptions = GptqOptions(), force: bool = False, progress=None) -> dict:
+                     options: GptqOptions = GptqOptions(), force: bool = False, allow_drop_bias: bool = False,
+                     progress=None) -> dict:
     """``ktconvert cpu SRC OUT --method amxint4|amxint8 --quant gptq --calibration FILE``: the same output as
     pipeline.convert_cpu (KtSink files, journal, ktconvert.json with quant "gptq"), layers produced by
     gptq_amx_codes. Returns {"manifest", "tokens" {layer: [per expert]}, "fallback" {layer: [experts]},
     "fallback_quant", "clamped"}."""
-    from ktconvert.formats.base import open_source
     from ktconvert.formats.out_manifest import hash_file
-    from ktconvert.journal import Journal
-    from ktconvert.pipeline import CpuOutput, prepare_output, resolve_source
-    from ktconvert.plan import plan
+    from ktconvert.pipeline import open_cpu_output
     from ktconvert.quant.methods import METHODS
 
     qmethod = METHODS.get(method)
     if not hasattr(qmethod, "bits"):
         raise InputError("--quant gptq needs an AMX method", expected="amxint4 or amxint8", found=method)
-    src_path, src_extra = resolve_source(str(src))
-    the_plan = plan(str(src_path), method=method, numa=numa, layout=layout, group_size=128, include_mtp=False,
-                    out=str(out))
-    source = open_source(src_path)
-    out_dir = Path(out)
-    prepare_output(out_dir, src_path, False, force)
-    options_record = {"method": qmethod.name, "numa": numa, "layout": layout, "quant": "gptq",
-                      "layers": list(the_plan["layers"]), "source": src_extra}
-    journal = Journal.start(out_dir, options_record, False)
-    output = CpuOutput(out_dir, qmethod, the_plan, source, numa=numa, layout=layout, quant="gptq",
-                       group_size=128, include_dense=False, journal=journal, src_extra=src_extra)
+    output, source = open_cpu_output(src, out, method=method, numa=numa, layout=layout, quant="gptq", group_size=128,
+                                     include_dense=False, include_mtp=False, allow_drop_bias=allow_drop_bias,
+                                     resume=False, force=force)
+    journal = output.journal
     summary = {"tokens": {}, "fallback": {}, "fallback_quant": None, "clamped": 0}
     for result in gptq_amx_codes(source, calibration, qmethod.bits, numa, max_length=max_length,
                                  num_samples=num_samples, options=options):
