@@ -8,7 +8,7 @@ import glob
 import os
 import sys
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 
@@ -42,4 +42,9 @@ if sources:
         )
     )
 
-setup(ext_modules=ext_modules, cmdclass={"build_ext": OptionalBuildExt})
+# Every package under ktconvert/ (found, never listed by hand) plus the top-level manifests/ folder, which ships as
+# the package ktconvert.manifests.
+packages = find_packages(include=["ktconvert", "ktconvert.*"]) + ["ktconvert.manifests"]
+
+setup(packages=packages, package_dir={"ktconvert.manifests": "manifests"}, ext_modules=ext_modules,
+      cmdclass={"build_ext": OptionalBuildExt})

@@ -65,7 +65,7 @@ def run_measured(code: str, env=None) -> tuple[float, int]:
 
 def ktconvert_run(model: Path, out: Path, method: str, layout: str, numa: int = 2) -> tuple[float, int]:
     shutil.rmtree(out, ignore_errors=True)
-    code = (f"from ktconvert.pipeline import convert_cpu; convert_cpu({str(model)!r}, {str(out)!r}, "
+    code = (f"from ktconvert.cpu.convert import convert_cpu; convert_cpu({str(model)!r}, {str(out)!r}, "
             f"method={method!r}, numa={numa}, layout={layout!r}, force=True)")
     return run_measured(code)
 

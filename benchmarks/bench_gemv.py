@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ktconvert.native import runtime as rt  # noqa: E402
+from ktconvert.native import forward as rt  # noqa: E402
 
 SHAPES = ((7168, 2048), (2048, 7168))  # [n, k]: a DeepSeek-V3 down / gate projection
 

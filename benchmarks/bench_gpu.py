@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="small,large")
     ap.add_argument("--skip-oneshot", action="store_true")
     args = ap.parse_args()
-    from ktconvert.tiny import make_tiny_model
+    from ktconvert.testing.tiny import make_tiny_model
 
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_gpu_"))
     for size in args.sizes.split(","):

@@ -1,7 +1,7 @@
 """AMXINT4/AMXINT8 quantize + tile packing throughput: native implementations vs the numpy reference.
 
 Prints one JSON line per (bits, impl, shape, threads) with the GB/s of BF16 input consumed (2 bytes per weight),
-best of --repeat runs. impl "numpy" is ktconvert.quant.amx + ktconvert.layouts.tiles (single-threaded).
+best of --repeat runs. impl "numpy" is ktconvert.quant.amx_rows + ktconvert.layouts.tiles (single-threaded).
 
     python benchmarks/bench_quant.py                # DeepSeek-V3 NUMA-part shapes, threads 1 and 2
     python benchmarks/bench_quant.py --quick        # small shapes, three repeats (while developing)
@@ -40,7 +40,7 @@ def numpy_reference(bits: int):
     """The numpy path as a callable w -> (blob, scale), or None when the modules are missing."""
     try:
         from ktconvert.layouts import tiles
-        from ktconvert.quant import amx
+        from ktconvert.quant import amx_rows as amx
     except ImportError:
         return None
     quant, pack = (amx.quantize_int4_rows, tiles.pack_int4) if bits == 4 else (amx.quantize_int8_rows,

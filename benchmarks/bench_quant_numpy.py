@@ -18,7 +18,7 @@ import numpy as np
 os.environ["KTCONVERT_FORCE_IMPL"] = "numpy"
 
 from ktconvert.layouts import tiles  # noqa: E402
-from ktconvert.quant import amx  # noqa: E402
+from ktconvert.quant import amx_rows as amx  # noqa: E402
 from ktconvert.quant.methods import AmxInt4, AmxInt8  # noqa: E402
 
 

@@ -69,7 +69,7 @@ def roundtrip(w: np.ndarray, method: str, quant: str) -> np.ndarray:
 
 def dense_optimum(w: np.ndarray) -> np.ndarray:
     """float64 [n, k]: per-row INT4 (-7..7) with the best of 400 clip levels (7 .. 70 levels), least-squares step."""
-    from ktconvert.quant.amx import bf16_rows_ftz
+    from ktconvert.quant.amx_rows import bf16_rows_ftz
 
     x = bf16_rows_ftz(w).astype(np.float64)
     amax = np.maximum(np.abs(x).max(1), 1e-30)
@@ -85,7 +85,7 @@ def dense_optimum(w: np.ndarray) -> np.ndarray:
 
 
 def rel_error(mats: list[np.ndarray], fn) -> float:
-    from ktconvert.quant.amx import bf16_rows_ftz
+    from ktconvert.quant.amx_rows import bf16_rows_ftz
 
     num = den = 0.0
     for w in mats:
@@ -198,7 +198,7 @@ def ktkernel_factors(name: str, experts_bf16: list[tuple], tmp: Path) -> None:
 
 def tiny_experts(arch: str, workdir: Path, count: int) -> list[tuple]:
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.tiny import make_tiny_model
+    from ktconvert.testing.tiny import make_tiny_model
 
     path = workdir / f"tiny-{arch}"
     if not (path / "config.json").exists():
@@ -210,9 +210,9 @@ def tiny_experts(arch: str, workdir: Path, count: int) -> list[tuple]:
 
 
 def convert_times(workdir: Path, quick: bool) -> None:
-    from ktconvert.pipeline import convert_cpu
+    from ktconvert.cpu.convert import convert_cpu
     from ktconvert.quant.methods import quantize_impl
-    from ktconvert.tiny import make_tiny_model
+    from ktconvert.testing.tiny import make_tiny_model
 
     src = workdir / "qwen3-moe-convert"
     if not (src / "config.json").exists():

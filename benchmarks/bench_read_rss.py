@@ -144,7 +144,7 @@ _TIMING_CHILD = """
 import json, sys, time
 t = time.perf_counter()
 from ktconvert.inspect import inspect
-from ktconvert.plan import plan
+from ktconvert.cpu.plan import plan
 first_import = time.perf_counter() - t
 runs = {"inspect": [], "plan": []}
 for _ in range(3):

@@ -7,7 +7,7 @@ their implementation on first use::
     ktconvert.convert_cpu("/models/Qwen3-30B-A3B", "out", method="amxint4", numa=2)
     ktconvert.convert_gpu("/models/Qwen3-30B-A3B", "out-gpu", experts="w4a16")
 
-`ktconvert.plan.plan`, `ktconvert.inspect.inspect` and `ktconvert.verify.verify` are the no-weights analysis and
+`ktconvert.cpu.plan.plan`, `ktconvert.inspect.inspect` and `ktconvert.verify.verify` are the no-weights analysis and
 the verifier (modules of the same names).
 """
 from ktconvert.errors import KtConvertError
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 __all__ = ["KtConvertError", "__version__", "convert_cpu", "convert_gpu"]
 
 _LAZY = {
-    "convert_cpu": ("ktconvert.pipeline", "convert_cpu"),
+    "convert_cpu": ("ktconvert.cpu.convert", "convert_cpu"),
     "convert_gpu": ("ktconvert.gpu.writer", "convert_gpu"),
 }
 

@@ -88,7 +88,7 @@ def plan(src, method, numa, layout, group_size, include_mtp, gpu_experts, linear
         raise click.UsageError("give --method (CPU output), --gpu (GPU checkpoint), or both")
     results, renders = {}, {}
     if method is not None:
-        from ktconvert.plan import plan as run, render
+        from ktconvert.cpu.plan import plan as run, render
 
         results["cpu"], renders["cpu"] = run(src, method=method, numa=numa, layout=layout, group_size=group_size,
                                              include_mtp=include_mtp, out=out), render
@@ -117,7 +117,7 @@ def tiny_model(out, arch, layers, experts, hidden, intermediate, dtype, seed, fo
 
     Weights are heavy-tailed like trained checkpoints. Defaults satisfy kt-kernel's alignment for T=1 and T=2.
     """
-    from ktconvert.tiny import make_tiny_model
+    from ktconvert.testing.tiny import make_tiny_model
 
     path = make_tiny_model(out, arch=arch, layers=layers, experts=experts, hidden=hidden,
                            intermediate=intermediate, dtype=dtype, seed=seed, force=force)
@@ -150,7 +150,7 @@ def tiny_model(out, arch, layers, experts, hidden, intermediate, dtype, seed, fo
 def cpu(src, out, method, numa, layout, quant, group_size, calibration, threads, resume, force, include_dense,
         include_mtp, allow_drop_bias, quiet, json_progress) -> None:
     """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable)."""
-    from ktconvert.pipeline import convert_cpu
+    from ktconvert.cpu.convert import convert_cpu
     from ktconvert.progress import make_progress
 
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
@@ -195,9 +195,9 @@ def demo(workdir, arch, method, numa) -> None:
     WORKDIR/out, and verify the output against the model (hashes and numerics)."""
     from pathlib import Path
 
-    from ktconvert.pipeline import convert_cpu
+    from ktconvert.cpu.convert import convert_cpu
     from ktconvert.progress import make_progress
-    from ktconvert.tiny import make_tiny_model
+    from ktconvert.testing.tiny import make_tiny_model
     from ktconvert.verify import render, verify as run_verify
 
     root = Path(workdir)
@@ -248,7 +248,7 @@ def publish(out, repo, hub, revision, private, endpoint, as_json, quiet, json_pr
     same command again after an interruption and only what the hub lacks is sent. A README.md model card states the
     kt-kernel / SGLang flags. Token: HF_TOKEN / MODELSCOPE_API_TOKEN (or a stored login); never printed.
     """
-    from ktconvert.hub import publish as run, render_remote
+    from ktconvert.ops.hub import publish as run, render_remote
     from ktconvert.progress import make_progress
 
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
@@ -269,7 +269,7 @@ def batch(jobs, keep_going, dry_run, summary_path, as_json, quiet, json_progress
 
     Exits non-zero if any job failed (with the first failed job's exit code).
     """
-    from ktconvert import batch as mod
+    from ktconvert.ops import batch as mod
     from ktconvert.progress import make_progress
 
     job_list = mod.load_jobs(jobs)
@@ -295,7 +295,7 @@ def batch(jobs, keep_going, dry_run, summary_path, as_json, quiet, json_progress
 @_progress_options
 def bundle(out, dest, level, as_json, quiet, json_progress) -> None:
     """Pack output folder OUT into one deterministic zstd tar DEST (.tar.zst), ktconvert.json first."""
-    from ktconvert.bundle import bundle as run
+    from ktconvert.ops.bundle import bundle as run
     from ktconvert.progress import make_progress
 
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
@@ -311,7 +311,7 @@ def bundle(out, dest, level, as_json, quiet, json_progress) -> None:
 @_progress_options
 def unbundle(src, dest, as_json, quiet, json_progress) -> None:
     """Restore bundle SRC into new folder DEST, verifying every file (nothing is left behind on failure)."""
-    from ktconvert.bundle import unbundle as run
+    from ktconvert.ops.bundle import unbundle as run
     from ktconvert.progress import make_progress
 
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
@@ -329,7 +329,7 @@ def hub_server(port, root) -> None:
     HF:         HF_ENDPOINT=http://127.0.0.1:PORT HF_TOKEN=x ktconvert publish OUT me/repo
     ModelScope: ktconvert publish OUT me/repo --hub modelscope --endpoint http://127.0.0.1:PORT
     """
-    from ktconvert.hubserver import HubServer
+    from ktconvert.testing.hubserver import HubServer
 
     server = HubServer(root, port)
     click.echo(f"hub stand-in on {server.url} (root {root}); Ctrl-C to stop", err=True)

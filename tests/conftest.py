@@ -1,5 +1,5 @@
 """Shared fixtures. `tiny_model(arch, **kw) -> Path` builds a seeded tiny checkpoint once per session and argument
-set (ktconvert.tiny.make_tiny_model keywords: layers, experts, hidden, intermediate, dtype, seed). Treat the returned
+set (ktconvert.testing.tiny.make_tiny_model keywords: layers, experts, hidden, intermediate, dtype, seed). Treat the returned
 directory as read-only: other tests get the same one."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from ktconvert.tiny import make_tiny_model
+    from ktconvert.testing.tiny import make_tiny_model
 
     cache: dict[tuple, Path] = {}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ktconvert.batch import load_jobs, run_jobs
+from ktconvert.ops.batch import load_jobs, run_jobs
 from ktconvert.errors import InputError
 from test_hub import hub_env, make_out, sample_files, server  # noqa: F401  (fixtures)
 
@@ -38,7 +38,7 @@ source = "model"
 
 @pytest.fixture
 def fake_pipeline(monkeypatch):
-    """Stand-in for ktconvert.pipeline.convert_cpu: writes a synthetic output, or fails like the real one on a
+    """Stand-in for ktconvert.cpu.convert.convert_cpu: writes a synthetic output, or fails like the real one on a
     missing source. Records its calls."""
     calls = []
 
@@ -50,7 +50,7 @@ def fake_pipeline(monkeypatch):
             make_out(out, sample_files(12), numa=options["numa"])
         return f"{out}: done"
 
-    monkeypatch.setitem(sys.modules, "ktconvert.pipeline", types.SimpleNamespace(convert_cpu=convert_cpu))
+    monkeypatch.setitem(sys.modules, "ktconvert.cpu.convert", types.SimpleNamespace(convert_cpu=convert_cpu))
     return calls
 
 

@@ -8,13 +8,13 @@ import tarfile
 import pytest
 import zstandard
 
-from ktconvert.bundle import bundle, unbundle, verify_bundle
+from ktconvert.ops.bundle import bundle, unbundle, verify_bundle
 from ktconvert.errors import InputError, OutputError, VerifyError
 from test_hub import make_out, sample_files
 
 
 def _zst_tar(path, members: list[tuple[str, bytes]]) -> None:
-    """Write a .tar.zst by hand (independent of ktconvert.bundle) from (name, bytes) members."""
+    """Write a .tar.zst by hand (independent of ktconvert.ops.bundle) from (name, bytes) members."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for name, data in members:

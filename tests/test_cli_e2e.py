@@ -27,7 +27,7 @@ def _expected_expert_bytes(model, layer: int, expert: int, proj: str, t: int, nu
     from ktconvert.formats.hf_source import HFSource
     from ktconvert.layouts import tiles
     from ktconvert.layouts.numa import numa_slices
-    from ktconvert.quant import amx
+    from ktconvert.quant import amx_rows as amx
 
     ew = HFSource.open(model).read_expert(layer, expert)
     w = getattr(ew, proj)

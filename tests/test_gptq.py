@@ -128,9 +128,9 @@ def _moe_out(w, x):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_amx_codes_range_scales_and_error(small_qwen, bits):
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.gptq.amx import gptq_amx_codes
+    from ktconvert.gptq.cpu import gptq_amx_codes
     from ktconvert.gptq.loop import GptqOptions
-    from ktconvert.quant import amx
+    from ktconvert.quant import amx_rows as amx
     from ktconvert.quant.bf16 import bf16_bits_to_f32
 
     numa, limit = 2, (7 if bits == 4 else 127)
@@ -176,7 +176,7 @@ def test_amx_codes_range_scales_and_error(small_qwen, bits):
 def test_amx_output_verifies(tmp_path, tiny_model):
     """convert_cpu_gptq writes a kt output that `ktconvert verify OUT --source SRC` accepts."""
     small_qwen = tiny_model("qwen3_moe", layers=1, experts=4, hidden=128, intermediate=256)
-    from ktconvert.gptq.amx import convert_cpu_gptq
+    from ktconvert.gptq.cpu import convert_cpu_gptq
     from ktconvert.gptq.loop import GptqOptions
     from ktconvert.verify import verify
 

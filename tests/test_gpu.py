@@ -126,7 +126,7 @@ def test_experts_bit_identical_to_model_free_ptq(gpu_out, tiny_model, tmp_path, 
 def test_one_pass_equals_separate_commands(tiny_model, tmp_path):
     from ktconvert.gpu.convert import convert_both
     from ktconvert.gpu.writer import convert_gpu
-    from ktconvert.pipeline import convert_cpu
+    from ktconvert.cpu.convert import convert_cpu
 
     src = tiny_model("deepseek_v3", dtype="fp8")
     convert_both(src, tmp_path / "cpu1", tmp_path / "gpu1", method="amxint4", numa=2, experts="w4a16", threads=2)

@@ -1,4 +1,4 @@
-"""Publish / remote verify / hub sources against the local stand-in (ktconvert.hubserver) with the real clients:
+"""Publish / remote verify / hub sources against the local stand-in (ktconvert.testing.hubserver) with the real clients:
 huggingface_hub (Xet and LFS transports) and modelscope-hub. Everything runs on 127.0.0.1."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from ktconvert.errors import RemoteError, VerifyError
 from ktconvert.formats.out_manifest import build_manifest, record_for, write_manifest
-from ktconvert.hubserver import HubServer
+from ktconvert.testing.hubserver import HubServer
 
 TOKEN = "hf_test_secret_token_123"
 
@@ -75,7 +75,7 @@ def git_sha1(data: bytes) -> str:
 
 @pytest.mark.parametrize("hub,transport", [("hf", "xet"), ("hf", "lfs"), ("modelscope", "lfs")])
 def test_publish_then_verify(hub, transport, server, hub_env, request):
-    from ktconvert.hub import client_for, publish
+    from ktconvert.ops.hub import client_for, publish
 
     if transport == "lfs" and hub == "hf":
         request.getfixturevalue("lfs_transport")
@@ -100,7 +100,7 @@ def test_publish_then_verify(hub, transport, server, hub_env, request):
 
 
 def test_hf_resume_uploads_only_missing(server, hub_env, lfs_transport):
-    from ktconvert.hub import publish
+    from ktconvert.ops.hub import publish
 
     files = sample_files(1)
     make_out(hub_env / "out", files)
@@ -118,7 +118,7 @@ def test_hf_resume_uploads_only_missing(server, hub_env, lfs_transport):
 
 
 def test_modelscope_resume_after_failed_put(server, hub_env):
-    from ktconvert.hub import publish
+    from ktconvert.ops.hub import publish
 
     make_out(hub_env / "out", sample_files(2))
     server.fail("PUT", r"^/_lfs/", 403, times=50)  # every retry of one object is refused
@@ -133,7 +133,7 @@ def test_modelscope_resume_after_failed_put(server, hub_env):
 
 @pytest.mark.parametrize("hub", ["hf", "modelscope"])
 def test_verify_remote_catches_changes(hub, server, hub_env):
-    from ktconvert.hub import publish, verify_remote
+    from ktconvert.ops.hub import publish, verify_remote
 
     files = sample_files(3)
     manifest = make_out(hub_env / "out", files)
@@ -154,7 +154,7 @@ def test_verify_remote_catches_changes(hub, server, hub_env):
 
 
 def test_changed_remote_manifest_is_a_mismatch(server, hub_env):
-    from ktconvert.hub import publish, verify_remote
+    from ktconvert.ops.hub import publish, verify_remote
 
     manifest = make_out(hub_env / "out", sample_files(4))
     publish(hub_env / "out", "org/man", endpoint=server.url)
@@ -163,7 +163,7 @@ def test_changed_remote_manifest_is_a_mismatch(server, hub_env):
 
 
 def test_publish_refuses_corrupted_folder(server, hub_env):
-    from ktconvert.hub import publish
+    from ktconvert.ops.hub import publish
 
     make_out(hub_env / "out", sample_files(5))
     shard = hub_env / "out" / "_layer_0/_numa_0/INT4_down_0_Weight.kt"
@@ -194,7 +194,7 @@ def test_cli_publish_exit_codes_and_token_never_printed(server, hub_env):
 
 @pytest.mark.parametrize("hub,scheme", [("hf", "hf"), ("ms", "ms")])
 def test_hub_source_download_and_verify(hub, scheme, server, hub_env, monkeypatch):
-    from ktconvert.hub import resolve_source
+    from ktconvert.ops.hub import resolve_source
 
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     monkeypatch.setenv("MODELSCOPE_ENDPOINT", server.url)
@@ -226,9 +226,9 @@ def test_hub_source_download_and_verify(hub, scheme, server, hub_env, monkeypatc
 
 
 def test_hub_source_then_convert(server, hub_env, monkeypatch):
-    pipeline = pytest.importorskip("ktconvert.pipeline", reason="pipeline not importable yet")
+    pipeline = pytest.importorskip("ktconvert.cpu.convert", reason="pipeline not importable yet")
     from ktconvert.formats.out_manifest import load_manifest, verify_hashes
-    from ktconvert.tiny import make_tiny_model
+    from ktconvert.testing.tiny import make_tiny_model
 
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     make_tiny_model(hub_env / "tiny", arch="qwen3_moe")
@@ -242,7 +242,7 @@ def test_hub_source_then_convert(server, hub_env, monkeypatch):
 
 def test_parse_source_rejects_garbage():
     from ktconvert.errors import InputError
-    from ktconvert.hub import parse_source
+    from ktconvert.ops.hub import parse_source
 
     assert parse_source("hf://org/name@abc123") == ("hf", "org/name", "abc123")
     assert parse_source("ms://org/name") == ("modelscope", "org/name", None)

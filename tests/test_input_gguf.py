@@ -310,7 +310,7 @@ def test_bad_inputs_name_file_and_tensor(tmp_path):
     _write_custom(tmp_path / "q81.gguf", "qwen3moe", base, q81, {"blk.0.ffn_up_exps.weight": T.Q8_1})
     with pytest.raises(InputError, match=r"q81\.gguf: blk\.0\.ffn_up_exps\.weight: .*found Q8_1"):
         GGUFSource.open(tmp_path / "q81.gguf").validate()
-    from ktconvert.pipeline import convert_cpu
+    from ktconvert.cpu.convert import convert_cpu
 
     with pytest.raises(InputError, match="Q8_1"):
         convert_cpu(tmp_path / "q81.gguf", tmp_path / "out", method="amxint4", numa=1)
@@ -367,7 +367,7 @@ def _fixture_with(type_name: str) -> Path:
 
 def test_inspect_and_plan_show_gguf(tmp_path):
     from ktconvert.inspect import inspect, render
-    from ktconvert.plan import plan
+    from ktconvert.cpu.plan import plan
 
     path = _fixture_with("Q4_K")
     info = inspect(path)
@@ -408,7 +408,7 @@ def _reference_conversion(path: Path, numa: int) -> dict[str, bytes]:
 def test_convert_cpu_end_to_end(tmp_path, numa):
     from safetensors.numpy import load_file
 
-    from ktconvert.pipeline import convert_cpu
+    from ktconvert.cpu.convert import convert_cpu
 
     path = _fixture_with("Q4_K")
     out = tmp_path / "out"

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 from ktconvert.errors import EXIT_INPUT, OutputError, ShapeError
 from ktconvert.inspect import inspect, render as render_inspect
-from ktconvert.plan import plan, render as render_plan
+from ktconvert.cpu.plan import plan, render as render_plan
 
 HIDDEN, INTER, EXPERTS = 128, 128, 4
 EXPERT_RE = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?:(\d+)\.|gate_up_proj|down_proj)")
@@ -34,7 +34,7 @@ def _families() -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from ktconvert.tiny import make_tiny_model
+    from ktconvert.testing.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
     return {mt: make_tiny_model(root / mt, arch=mt, experts=EXPERTS, hidden=HIDDEN, intermediate=INTER)
@@ -182,7 +182,7 @@ def test_plan_disk_check(tiny_models, tmp_path, monkeypatch):
     out = tmp_path / "not" / "yet"
     p = plan(tiny_models["qwen3_moe"], method="amxint8", numa=1, out=str(out))
     assert p["disk_path"] == str(tmp_path) and p["disk_free_bytes"] == shutil.disk_usage(tmp_path).free
-    monkeypatch.setattr("ktconvert.plan.shutil.disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 10))
+    monkeypatch.setattr("ktconvert.cpu.plan.shutil.disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 10))
     with pytest.raises(OutputError, match="not enough free disk"):
         plan(tiny_models["qwen3_moe"], method="amxint8", numa=1, out=str(out))
 
@@ -214,7 +214,7 @@ def test_cli_import_does_not_load_numpy():
 
 
 def test_index_size_multi_digit_experts():
-    from ktconvert.plan import _index_bytes
+    from ktconvert.cpu.plan import _index_bytes
 
     layers, E, T = [5, 12, 100], 12, 3
     shards = [{"path": f"model-{i:05d}-of-00003.safetensors"} for i in range(1, 4)]

@@ -37,7 +37,7 @@ def _layer_experts(model, layer: int):
 
 
 def _convert(model, out, method, numa, layout):
-    from ktconvert.pipeline import convert_cpu
+    from ktconvert.cpu.convert import convert_cpu
 
     convert_cpu(model, out, method=method, numa=numa, layout=layout, allow_drop_bias=True)
 
@@ -144,7 +144,7 @@ def test_ktkernel_rawint4_runs_ours_exactly_like_llmcompressors(tiny_model, tmp_
     from llmcompressor import model_free_ptq
 
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.pipeline import convert_cpu
+    from ktconvert.cpu.convert import convert_cpu
 
     model = tiny_model("deepseek_v3")
     info = HFSource.open(model).info
@@ -166,7 +166,7 @@ def test_ktkernel_native_methods_run_our_outputs(tiny_model, tmp_path, method, k
     from ktconvert.formats.hf_source import HFSource
     from ktconvert.formats.quantized import decode_matrix, detect_scheme
     from ktconvert.formats.safetensors_reader import Checkpoint
-    from ktconvert.pipeline import convert_cpu
+    from ktconvert.cpu.convert import convert_cpu
     from ktconvert.quant.bf16 import bf16_bits_to_f32
 
     if kt_method == "RAWINT4" and "amx_tile" not in _cpu_flags():

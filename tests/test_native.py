@@ -1,5 +1,5 @@
 """Native AMXINT4/AMXINT8 quantizer: every implementation this CPU runs is byte-identical to a per-element
-reference written here from kt-format.md 2.1/2.2 (and to ktconvert.quant.amx + layouts.tiles), on random and
+reference written here from kt-format.md 2.1/2.2 (and to ktconvert.quant.amx_rows + layouts.tiles), on random and
 adversarial matrices, for 1, 2 and 3 threads; plus errors, dispatch and the KTCONVERT_FORCE_IMPL contract.
 
 Set KTCONVERT_REQUIRE_NATIVE=1 (CI) to fail instead of skip when the library is not built.
@@ -206,8 +206,8 @@ def test_reference_is_not_trivial(matrices, references):
 
 
 def test_matches_numpy_reference_module(matrices, references):
-    """The same bytes as ktconvert.quant.amx + ktconvert.layouts.tiles (derived independently from the spec)."""
-    amx = pytest.importorskip("ktconvert.quant.amx")
+    """The same bytes as ktconvert.quant.amx_rows + ktconvert.layouts.tiles (derived independently from the spec)."""
+    amx = pytest.importorskip("ktconvert.quant.amx_rows")
     tiles = pytest.importorskip("ktconvert.layouts.tiles")
     for case in ("heavy_tailed", "adversarial"):
         w = matrices[case]

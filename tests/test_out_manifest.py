@@ -241,15 +241,15 @@ def test_structure_catches_missing_expert_and_bad_index(tmp_path):
 
 
 def test_numerics_and_remote_results_are_reported(tmp_path, monkeypatch):
-    import ktconvert.hub
-    import ktconvert.verify_numeric
+    import ktconvert.ops.hub
+    import ktconvert.verify.numeric_amx
 
     out = tmp_path / "out"
     make_output(out, layers=(1,), experts=1)
     calls = []
-    monkeypatch.setattr(ktconvert.verify_numeric, "check_numerics",
+    monkeypatch.setattr(ktconvert.verify.numeric_amx, "check_numerics",
                         lambda *args: calls.append(args) or {"ok": False, "problems": ["blk.1: error 0.5"]})
-    monkeypatch.setattr(ktconvert.hub, "verify_remote",
+    monkeypatch.setattr(ktconvert.ops.hub, "verify_remote",
                         lambda *args: calls.append(args) or {"ok": True, "problems": [], "summary": "remote fine"})
     result = verify(out, source="SRC", tokens=3, layers="1", experts="all", threshold=0.1, remote="me/repo")
     assert not result["ok"] and result["problems"] == ["blk.1: error 0.5"]

@@ -1,7 +1,7 @@
 """AMXINT4/AMXINT8 per-row quantization against a slow per-element reference written here from kt-format.md §2.1/§2.2.
 
 The reference uses only Python floats and ``struct`` (fp32 rounding = pack/unpack of a C float, both round to
-nearest even), never numpy arithmetic, so it shares no code path with ktconvert.quant.amx.
+nearest even), never numpy arithmetic, so it shares no code path with ktconvert.quant.amx_rows.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from ktconvert.errors import NumericError, ShapeError, UnknownNameError
 from ktconvert.layouts import tiles
-from ktconvert.quant import amx
+from ktconvert.quant import amx_rows as amx
 from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from ktconvert.quant.methods import METHODS, AmxInt4, AmxInt8
 from ktkernel_util import ADVERSARIAL_KINDS, adversarial_bf16, heavy_tailed_bf16

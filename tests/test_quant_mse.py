@@ -15,7 +15,7 @@ import pytest
 from ktconvert import native
 from ktconvert.errors import NumericError, ShapeError
 from ktconvert.layouts import tiles
-from ktconvert.quant import amx, mse
+from ktconvert.quant import amx_rows as amx, mse
 from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from ktconvert.quant.methods import METHODS, AmxMethod
 from ktkernel_util import (adversarial_bf16, dequantized_experts, heavy_tailed_bf16, ktkernel_forward,
@@ -180,7 +180,7 @@ def _nibbles(blob: np.ndarray) -> np.ndarray:
 def test_end_to_end_no_minus_eight_and_verify(tiny_model, tmp_path):
     from safetensors.numpy import load_file
 
-    from ktconvert.pipeline import convert_cpu
+    from ktconvert.cpu.convert import convert_cpu
     from ktconvert.verify import verify
 
     src = tiny_model("deepseek_v3")

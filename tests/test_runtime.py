@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ktconvert.errors import InputError, ShapeError, VerifyError
-from ktconvert.native import runtime as rt
+from ktconvert.native import forward as rt
 from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from ktconvert.quant.methods import METHODS
 
@@ -137,7 +137,7 @@ def test_avx512_fma_path_without_vnni():
         pytest.skip("CPU lacks AVX-512")
     script = (
         "import numpy as np\n"
-        "from ktconvert.native import runtime as rt\n"
+        "from ktconvert.native import forward as rt\n"
         "from ktconvert.quant.methods import METHODS\n"
         "from ktconvert.quant.bf16 import f32_to_bf16_bits\n"
         "print(rt.variant('avx512'))\n"
@@ -185,7 +185,7 @@ def _layer(rng, experts, hidden, inter):
 def test_moe_forward_from_kt_tree_matches_reference(tmp_path, method, inter, numa):
     from ktkernel_util import dequantized_experts, numpy_kt_files, reference_moe_forward, write_kt_files
 
-    from ktconvert.runtime import KtOutput
+    from ktconvert.verify.reader import KtOutput
 
     experts, hidden, tokens = 4, 256, 6
     rng = np.random.default_rng(numa * 7 + inter)
@@ -290,7 +290,7 @@ def tiny_src(tmp_path_factory):
 
 def _open(out, **changes):
     from ktconvert.formats.out_manifest import load_manifest
-    from ktconvert.runtime import KtOutput
+    from ktconvert.verify.reader import KtOutput
 
     manifest = load_manifest(out)
     manifest.update(changes)
@@ -387,7 +387,7 @@ def test_missing_expert(tiny_src, tmp_path):
 def test_agrees_with_ktkernel_forward(tmp_path, method, numa):
     from ktkernel_util import ktkernel_forward, ktkernel_skip_reason, numpy_kt_files, write_kt_files
 
-    from ktconvert.runtime import KtOutput
+    from ktconvert.verify.reader import KtOutput
 
     reason = ktkernel_skip_reason(method)
     if reason:

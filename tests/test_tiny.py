@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ktconvert.errors import OutputError, UnknownNameError
-from ktconvert.tiny import make_tiny_model
+from ktconvert.testing.tiny import make_tiny_model
 
 
 def read_header(path: Path) -> tuple[dict, int]:

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from ktconvert.pipeline import convert_cpu
+from ktconvert.cpu.convert import convert_cpu
 from ktconvert.verify import verify
 
 

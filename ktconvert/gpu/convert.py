@@ -25,7 +25,7 @@ def convert_both(src, cpu_out, gpu_out, *, method: str, numa: int = 1, layout: s
     """Write the CPU output `cpu_out` and the GPU output `gpu_out` of `src` reading it once (RTN experts).
     Returns (CPU summary, GPU summary)."""
     from ktconvert.gpu.writer import GpuOptions, convert_gpu, open_gpu_output, summary
-    from ktconvert.pipeline import convert_cpu, prepare_output, resolve_source
+    from ktconvert.cpu.convert import convert_cpu, prepare_output, resolve_source
 
     cpu_out, gpu_out = Path(cpu_out), Path(gpu_out)
     if cpu_out.resolve() == gpu_out.resolve():

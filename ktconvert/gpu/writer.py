@@ -270,7 +270,7 @@ def convert_gpu(src, out, *, experts: str = "w4a16", algo: str = "rtn", group_si
                 force: bool = False, calibration=None, progress=None) -> str:
     """Write the SGLang-KT GPU checkpoint of `src` into `out`. Returns a summary line."""
     from ktconvert.formats.out_manifest import JOURNAL_NAME, MANIFEST_NAME
-    from ktconvert.pipeline import _NullProgress, prepare_output, resolve_source, run_jobs
+    from ktconvert.cpu.convert import _NullProgress, prepare_output, resolve_source, run_jobs
 
     progress = progress or _NullProgress()
     options = GpuOptions(experts.lower(), group_size, algo, linears, include_mtp,

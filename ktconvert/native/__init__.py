@@ -247,7 +247,7 @@ def amx_quantize(w_bf16: np.ndarray, bits: int, threads: int = 1, impl: str | No
     impl: None (automatic, KTCONVERT_FORCE_IMPL honoured) or "scalar" | "avx2" | "avx512".
     name: tensor name used in error messages.
     returns: (blob uint8 [n*k/2] or [n*k] in kt-kernel's tile order, scale float32 [n] = d per row);
-    byte-identical to ktconvert.quant.amx + ktconvert.layouts.tiles.
+    byte-identical to ktconvert.quant.amx_rows + ktconvert.layouts.tiles.
     Raises ShapeError, NumericError (NaN/Inf: names the first row and column), NativeError (library missing,
     unsupported impl).
     """

@@ -18,7 +18,7 @@ import numpy as np
 
 from ktconvert.errors import KtConvertError, NativeError, NumericError, ShapeError
 from ktconvert.layouts import tiles
-from ktconvert.quant import amx
+from ktconvert.quant import amx_rows as amx
 from ktconvert.registry import Registry
 
 METHODS: Registry = Registry("CPU method")

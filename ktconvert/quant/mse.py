@@ -39,8 +39,8 @@ from __future__ import annotations
 import numpy as np
 
 from ktconvert.errors import ShapeError
-from ktconvert.quant import amx
-from ktconvert.quant.amx import bf16_rows_ftz
+from ktconvert.quant import amx_rows as amx
+from ktconvert.quant.amx_rows import bf16_rows_ftz
 
 GRID = {4: (7, 0.5, 16), 8: (127, 0.25, 16)}   # bits -> (qmax, step, grid points)
 ZERO_ROW_AMAX = np.float32(2.0 ** -118)         # rows with a smaller amax quantize to d = 0, codes 0

@@ -9,7 +9,7 @@ heavy tails (0.75 % of entries at 6-15 sigma, a few rows x4 and columns x2), gen
 tensor name), independent of generation order. Memory: one shard (<= SHARD_BYTES or one layer) at a time.
 
 Output dtypes are writers in ``DTYPE_WRITERS`` (bf16, fp16, fp32 here). More (fp8 with weight_scale_inv, ct-int4,
-mxfp4) register from ``ktconvert.tiny_quantized`` (imported on first use if present):
+mxfp4) register from ``ktconvert.testing.tiny_quantized`` (imported on first use if present):
 ``DTYPE_WRITERS.register("fp8")(writer)``. A writer gets float32 values (``encode``); one that defines
 ``encode_bits`` gets the BF16 bits instead (the fast path the plain bf16 writer uses).
 """
@@ -35,7 +35,7 @@ SHARD_BYTES = 256 << 20          # a layer bigger than this is split over severa
 WEIGHT_STD = 0.02
 TAIL_FRACTION = 0.0075
 PLAIN_ROLES = ("norm", "bias", "expert_bias", "other")   # no heavy tails
-WRITER_PLUGIN_MODULE = "ktconvert.tiny_quantized"
+WRITER_PLUGIN_MODULE = "ktconvert.testing.tiny_quantized"
 NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "U8": np.uint8,
                 "I16": np.int16, "U16": np.uint16, "I32": np.int32, "I64": np.int64}
 TORCH_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}

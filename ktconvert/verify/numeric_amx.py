@@ -3,7 +3,7 @@
 For each sampled layer (default: first, middle and last converted MoE layer) and sampled experts (default 4, or
 "all"), seeded random activations (``tokens`` of them, routed top-k among the sampled experts) go through:
 
-* the native runtime reading the files in place (``ktconvert.native.runtime``; tile layout decoded by the kernel),
+* the native runtime reading the files in place (``ktconvert.native.forward``; tile layout decoded by the kernel),
 * (a) numpy: ``METHOD.dequantize(blob, scale)`` of the same bytes, from the layout spec. Kernel and numpy must agree
   to ``KERNEL_TOL`` relative L2 per projection and for the MoE output; more means a kernel or layout bug.
 * (b) with ``source``: the original BF16 weights (the source's ``read_expert``: safetensors or GGUF). Reports per layer the relative L2 and
@@ -46,8 +46,8 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
     returns:   {"ok", "problems": [str], "summary", "thresholds", "variant", "layers": [row per layer],
                 "verification": compact dict for the manifest}
     """
-    from ktconvert.native import runtime as native_rt
-    from ktconvert.runtime import KtOutput
+    from ktconvert.native import forward as native_rt
+    from ktconvert.verify.reader import KtOutput
 
     report = {"ok": False, "problems": [], "layers": [], "summary": ""}
     try:
@@ -186,7 +186,7 @@ def _check_layer(rt, src, layer: int, tokens: int, experts, thresholds: dict, im
 
 def _check_expert(rt, src, layer: int, e: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, acc: _Layer,
                   impl, threads: int) -> None:
-    from ktconvert.native import runtime as native_rt
+    from ktconvert.native import forward as native_rt
 
     blobs = rt.read_expert(layer, e)
     _check_hashes(rt.manifest, blobs.sha256, acc)
@@ -239,7 +239,7 @@ def _expert_ref(deq_parts, x64: np.ndarray) -> np.ndarray:
 
 def _kernel_check(rt, parts, deq, x: np.ndarray, impl, threads: int) -> float:
     """Largest relative L2 between the native GEMMs and numpy's dequantized weights, over every projection."""
-    from ktconvert.native import runtime as native_rt
+    from ktconvert.native import forward as native_rt
 
     worst = 0.0
     for part, (gate, up, down) in zip(parts, deq):

@@ -6,7 +6,7 @@ that map 1:1 onto them:
 * gate / up [I, H]: one scale per row (group = the whole row); a NUMA part is a block of rows.
 * down [H, I]: group size I/T, so each row has T scales — exactly one per NUMA part (part t = columns t*I/T..).
 
-Scales come from kt-kernel's own per-row rule on the (part of the) row (``ktconvert.quant.amx``): INT4 stored
+Scales come from kt-kernel's own per-row rule on the (part of the) row (``ktconvert.quant.amx_rows``): INT4 stored
 d = amax/112 and the step 16·d = amax/7, codes -7..7 (never -8: nibble 0x8 breaks kt-kernel's forward,
 kt-format.md §2.1); INT8 d = amax·fp32(1/127), codes -127..127. llmcompressor's ``quantize_weight`` runs with
 those scales (actorder "weight", so every column uses its own part's scale); GPTQ's error feedback can push a
@@ -30,7 +30,7 @@ PROJS = ("gate", "up", "down")
 
 
 def _row_quantizer(bits: int):
-    from ktconvert.quant import amx
+    from ktconvert.quant import amx_rows as amx
 
     return amx.quantize_int4_rows if bits == 4 else amx.quantize_int8_rows
 
@@ -198,7 +198,7 @@ def convert_cpu_gptq(src, out, *, method: str, numa: int, calibration, layout: s
     gptq_amx_codes. Returns {"manifest", "tokens" {layer: [per expert]}, "fallback" {layer: [experts]},
     "fallback_quant", "clamped"}."""
     from ktconvert.formats.out_manifest import hash_file
-    from ktconvert.pipeline import open_cpu_output
+    from ktconvert.cpu.convert import open_cpu_output
     from ktconvert.quant.methods import METHODS
 
     qmethod = METHODS.get(method)

@@ -114,7 +114,7 @@ class CpuOutput:
         self.layers = list(the_plan["layers"])
         self.inplace = not getattr(method, "needs_conversion", True)
         if self.inplace:
-            from ktconvert.formats.hf_sink import InplaceSink
+            from ktconvert.formats.inplace_sink import InplaceSink
 
             if hasattr(method, "with_group_size"):
                 method = method.with_group_size(group_size)
@@ -198,7 +198,7 @@ def open_cpu_output(src, out, *, method: str, numa: int, layout: str, quant: str
     biases, prepare OUT, start (or reopen) the journal. Returns (CpuOutput, source), or None when `resume` finds
     OUT already complete."""
     from ktconvert.formats.base import open_source
-    from ktconvert.plan import plan
+    from ktconvert.cpu.plan import plan
     from ktconvert.quant.methods import METHODS
 
     src_path, src_extra = resolve_source(str(src))
@@ -278,7 +278,7 @@ def _convert_cpu_gptq(src, out, method, numa, layout, calibration, resume, force
                                          ("--include-mtp", include_mtp)) if on]
     if unsupported:
         raise InputError("not available with --quant gptq", found=", ".join(unsupported))
-    from ktconvert.gptq.amx import convert_cpu_gptq
+    from ktconvert.gptq.cpu import convert_cpu_gptq
 
     result = convert_cpu_gptq(src, out, method=method, numa=numa, calibration=calibration, layout=layout,
                               force=force, allow_drop_bias=allow_drop_bias, progress=progress)
@@ -474,7 +474,7 @@ def _check_biases(source, the_plan: dict, allow_drop_bias: bool) -> None:
 def resolve_source(src: str) -> tuple[Path, dict]:
     """A local path, or hf://ORG/NAME[@REV] / ms://ORG/NAME downloaded and verified first."""
     if src.startswith(("hf://", "ms://")):
-        from ktconvert.hub import resolve_source as hub_resolve
+        from ktconvert.ops.hub import resolve_source as hub_resolve
 
         path, extra = hub_resolve(src)
         return Path(path), extra

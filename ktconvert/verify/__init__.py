@@ -3,8 +3,8 @@
 Checks, in order: manifest (``ktconvert.json`` present and parseable), structure (every expected expert tensor or
 .kt file present with the byte count that the recorded method, NUMA count and model dims give, probed the way
 kt-kernel's loader probes, nothing extra), hashes (``--hashes``: every file and tensor re-hashed against the
-manifest), numerics (``--source``: ``ktconvert.verify_numeric.check_numerics`` when installed) and remote
-(``--remote``: ``ktconvert.hub.verify_remote`` when installed). Returns a dict; ``render`` makes the table.
+manifest), numerics (``--source``: ``ktconvert.verify.numeric_amx.check_numerics`` when installed) and remote
+(``--remote``: ``ktconvert.ops.hub.verify_remote`` when installed). Returns a dict; ``render`` makes the table.
 """
 from __future__ import annotations
 
@@ -50,14 +50,14 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
 
     result = {"ok": True, "out": str(out), "problems": [], "checks": []}
     if str(out).endswith(".tar.zst"):
-        from ktconvert.bundle import verify_bundle
+        from ktconvert.ops.bundle import verify_bundle
 
         report = verify_bundle(out)
         result["bundle"] = report
         _add_check(result, "bundle", report["problems"], f"{report['checked']} members hashed while streaming")
         return result
     if remote == "":  # `verify REPO --remote`: OUT names a hub repo; its own ktconvert.json is the reference
-        from ktconvert.hub import verify_remote
+        from ktconvert.ops.hub import verify_remote
 
         _add_report(result, "remote", verify_remote(None, str(out), hub, revision, endpoint))
         return result
@@ -87,12 +87,12 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
         _skip(result, "hashes", "skipped", "use --hashes")
     if manifest.get("kind", "cpu") == "cpu" and _known_method(manifest):
         if expected_sizes(manifest) is None:
-            from ktconvert.verify_inplace import check_inplace_numerics as check
+            from ktconvert.verify.numeric_inplace import check_inplace_numerics as check
         else:
-            from ktconvert.verify_numeric import check_numerics as check
+            from ktconvert.verify.numeric_amx import check_numerics as check
         _add_report(result, "numerics", check(out, manifest, source, tokens, layers, experts, threshold))
     if remote is not None:
-        from ktconvert.hub import verify_remote
+        from ktconvert.ops.hub import verify_remote
 
         _add_report(result, "remote", verify_remote(manifest, remote, hub, revision, endpoint))
     else:
@@ -197,7 +197,7 @@ def _merged_entries(root: Path, problems: _Problems) -> dict[str, tuple[str, str
 
 def _check_inplace(root: Path, manifest: dict, layers: list[int], experts: int, problems: _Problems) -> str:
     """In-place outputs (bf16 / rawint4 / fp8): every expert tensor present with the method's dtype and shape."""
-    from ktconvert.formats.hf_sink import InplaceSink
+    from ktconvert.formats.inplace_sink import InplaceSink
     from ktconvert.formats.safetensors_reader import DTYPES
     from ktconvert.quant.methods import METHODS
 

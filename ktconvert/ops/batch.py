@@ -94,8 +94,8 @@ def _normalise(job: dict, index: int, defaults: dict, path: Path) -> dict:
 
 
 def plan_jobs(jobs: list[dict]) -> list[dict]:
-    """--dry-run: ktconvert.plan.plan(...) for every output of every job (headers only, no weights read)."""
-    from ktconvert.plan import plan
+    """--dry-run: ktconvert.cpu.plan.plan(...) for every output of every job (headers only, no weights read)."""
+    from ktconvert.cpu.plan import plan
 
     plans = []
     for job in jobs:
@@ -153,8 +153,8 @@ def run_job(job: dict, progress) -> dict:
 
 def _run_output(source: str, output: dict, progress) -> dict:
     from ktconvert.formats.out_manifest import load_manifest
-    from ktconvert.hub import files_digest, publish
-    from ktconvert.pipeline import convert_cpu
+    from ktconvert.ops.hub import files_digest, publish
+    from ktconvert.cpu.convert import convert_cpu
 
     cpu = dict(output["cpu"])
     summary = convert_cpu(source, output["out"], resume=True, force=False, progress=progress, **cpu)
@@ -163,7 +163,7 @@ def _run_output(source: str, output: dict, progress) -> dict:
               "numa": manifest.get("numa"), "bytes": sum(int(e["bytes"]) for e in manifest["files"].values()),
               "files_root": files_digest(manifest["files"]), "remotes": [], "bundle": None}
     if output["bundle"]:
-        from ktconvert.bundle import bundle
+        from ktconvert.ops.bundle import bundle
 
         Path(output["bundle"]).parent.mkdir(parents=True, exist_ok=True)
         record["bundle"] = bundle(output["out"], output["bundle"], progress=progress)
@@ -194,7 +194,7 @@ def render_summary(summary: dict) -> str:
 
 
 def render_plans(plans: list[dict]) -> str:
-    from ktconvert.plan import render
+    from ktconvert.cpu.plan import render
 
     lines = []
     for entry in plans:

@@ -181,7 +181,7 @@ def _walk(path: Path, on_member, progress=None) -> dict:
 
 
 def _files_root(files: dict) -> str:
-    from ktconvert.hub import files_digest
+    from ktconvert.ops.hub import files_digest
 
     return files_digest(files)
 

@@ -13,7 +13,7 @@ import hashlib
 import numpy as np
 
 from ktconvert.errors import KtConvertError
-from ktconvert.verify_numeric import choose_experts, choose_layers, rel_l2, silu_mul
+from ktconvert.verify.numeric_amx import choose_experts, choose_layers, rel_l2, silu_mul
 
 # MoE-output relative L2 limits against the source. bf16 copies the source, fp8 block and group-wise int4 are far
 # more accurate than per-row AMXINT4 (measured on the tiny heavy-tailed models: fp8 0.045, rawint4 g64 0.34;

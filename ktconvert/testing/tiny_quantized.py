@@ -1,6 +1,6 @@
 """Quantized dtypes for tiny checkpoints (``make_tiny_model(..., dtype="fp8" | "ct-int4" | "mxfp4")``).
 
-Importing this module registers the writers in ``ktconvert.tiny.DTYPE_WRITERS``:
+Importing this module registers the writers in ``ktconvert.testing.tiny.DTYPE_WRITERS``:
 
 * ``fp8``: DeepSeek convention — every linear and expert weight F8_E4M3 + ``weight_scale_inv`` F32 in 128x128
   blocks (partial edge blocks when a dim is not a multiple of 128), ``quant_method: fp8``. Routers, norms,
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ktconvert.formats.hf_sink import ct_int4_config
+from ktconvert.formats.inplace_sink import ct_int4_config
 from ktconvert.quant import ct_int4, fp8, mxfp4
 from ktconvert.quant.bf16 import f32_to_bf16_bits
-from ktconvert.tiny import DTYPE_WRITERS, TensorSpec
+from ktconvert.testing.tiny import DTYPE_WRITERS, TensorSpec
 
 FP8_BLOCK = (128, 128)
 CT_GROUP = 32

@@ -1,0 +1,1 @@
+"""The CPU (kt-kernel) output: options, plan, conversion."""

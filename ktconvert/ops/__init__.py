@@ -1,0 +1,1 @@
+"""Operations around conversions: hub publishing and sources, batch jobs, bundles."""

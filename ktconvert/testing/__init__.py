@@ -1,0 +1,1 @@
+"""Test fixtures that ship with the package: seeded tiny checkpoints and a local hub stand-in."""
