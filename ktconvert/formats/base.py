@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Protocol
 
 from ktconvert.registry import Registry
+from ktconvert.safe_read import check_regular
 
 if TYPE_CHECKING:
     import numpy as np
@@ -67,8 +68,12 @@ def open_source(path) -> ExpertSource:
     """Open checkpoint `path` with the first registered source whose sniff(path) accepts it."""
     import importlib
 
+    import os
+
     from ktconvert.errors import InputError
 
+    if os.path.exists(path) and not os.path.isdir(path):
+        check_regular(path, "input")      # a FIFO or device named *.safetensors / *.gguf would block or never end
     for module in SOURCE_MODULES:
         importlib.import_module(module)
     for _name, cls in SOURCES.items():

@@ -22,6 +22,7 @@ import numpy as np
 
 from ktconvert.errors import InputError, ManifestError, ShapeError
 from ktconvert.formats.base import SOURCES, ExpertWeights, TensorRef
+from ktconvert.safe_read import check_regular
 
 GGUF_MAGIC = b"GGUF"
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -54,6 +55,7 @@ def read_header(path: Path) -> tuple[dict, dict[str, TensorRef]]:
 
     from ktconvert.quant.ggml import type_name
 
+    check_regular(path, "GGUF file")
     try:
         reader = GGUFReader(path, "r")
     except (ValueError, OSError, KeyError, IndexError) as exc:
@@ -170,6 +172,8 @@ class GGUFSource:
         if p.is_dir():
             return any(p.glob("*.gguf")) and not any(p.glob("*.safetensors"))
         try:
+            if not p.is_file():   # a FIFO would block open() until a writer comes
+                return False
             with open(p, "rb") as f:
                 return f.read(4) == GGUF_MAGIC
         except OSError:

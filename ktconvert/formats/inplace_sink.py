@@ -26,6 +26,7 @@ from ktconvert.errors import OutputError, ShapeError
 from ktconvert.formats.kt_sink import LayerResult, copy_sources, shard_name
 from ktconvert.formats.out_manifest import FileRecord, record_for, write_atomic
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter, build_header
+from ktconvert.safe_read import parse_json
 
 INDEX_NAME = "model.safetensors.index.json"
 PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -86,7 +87,8 @@ class InplaceSink:
         for name, path in copy_sources(copy_from).items():
             files[name] = path.read_bytes()
         if "config.json" in files or fallback_config is not None:
-            config = json.loads(files["config.json"]) if "config.json" in files else fallback_config
+            config = parse_json(files["config.json"], what="config.json") if "config.json" in files \
+                else fallback_config
             files["config.json"] = _json_bytes(output_config(config, self.method))
         for name, data in sorted(files.items()):
             write_atomic(self.out_dir / name, data)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ktconvert.errors import InputError, OutputError
+from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
 
 MANIFEST_NAME = "ktconvert.json"
 JOURNAL_NAME = ".ktconvert-journal.json"
@@ -237,13 +238,13 @@ def write_manifest(out_dir, manifest: dict) -> Path:
 def load_manifest(out_dir) -> dict:
     """Parse and sanity-check ``out_dir/ktconvert.json``; InputError naming the file on any problem."""
     path = Path(out_dir) / MANIFEST_NAME
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise InputError("no ktconvert manifest (not a ktconvert output, or the conversion did not finish)",
-                         file=str(path)) from None
-    except (OSError, ValueError) as exc:
-        raise InputError(f"manifest unreadable ({exc})", file=str(path)) from None
+                         file=str(path))
+    try:
+        manifest = read_json(path, what="manifest", max_bytes=MAX_MANIFEST_BYTES)
+    except InputError as exc:
+        raise InputError(f"manifest unreadable ({exc.detail})", file=str(path)) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise InputError("not a ktconvert manifest", file=str(path), expected=f'"format": "{FORMAT}"',
                          found=repr(manifest.get("format") if isinstance(manifest, dict) else manifest)[:60])

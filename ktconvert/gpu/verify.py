@@ -17,6 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ktconvert.errors import InputError
+from ktconvert.safe_read import read_json
+
 MAX_LINES = 10
 ACTORDERS = (None, "static", "weight")
 REL_ERR_LIMIT = {4: 0.35, 8: 0.03}     # relative L2 error per matrix, generous for heavy-tailed weights
@@ -66,8 +69,8 @@ def check_gpu_checkpoint(out, source=None, experts="all") -> dict:
 def _check_config(out: Path, state: dict) -> _Check:
     check = _Check("config")
     try:
-        config = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        config = read_json(out / "config.json")
+    except InputError as exc:
         check.add(f"config.json: unreadable ({exc})")
         return check
     qc = config.get("quantization_config")
@@ -161,8 +164,8 @@ def _check_index(out: Path, state: dict, checks: list) -> dict:
         for tname, ref in header.tensors.items():
             tensors[tname] = (name, ref)
     try:
-        weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        weight_map = read_json(out / "model.safetensors.index.json")["weight_map"]
+    except (InputError, KeyError, TypeError) as exc:
         check.add(f"model.safetensors.index.json: missing or unreadable ({exc})")
         weight_map = {}
     else:

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from ktconvert.errors import InputError, UnknownNameError
+from ktconvert.safe_read import read_json
 
 MAX_LINES_PER_KIND = 10
 _EXPERT_KEY = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_exps\.")
@@ -273,8 +274,6 @@ def _check_entry(key: str, entry, dtypes: tuple[str, ...], nbytes: int, problems
 
 
 def _check_index(root: Path, entries: dict, problems: _Problems) -> None:
-    import json
-
     from ktconvert.formats.kt_sink import INDEX_NAME
 
     path = root / INDEX_NAME
@@ -282,9 +281,9 @@ def _check_index(root: Path, entries: dict, problems: _Problems) -> None:
         problems.add("index", f"{INDEX_NAME}: missing")
         return
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
+        index = read_json(path)
         weight_map, total = index["weight_map"], index["metadata"]["total_size"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (InputError, KeyError, TypeError) as exc:
         problems.add("index", f"{INDEX_NAME}: unreadable ({exc})")
         return
     want_map = {key: Path(rel).name for key, (rel, _, _) in entries.items()}
