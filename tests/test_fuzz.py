@@ -196,6 +196,15 @@ TOML_VALUE = st.recursive(TOML_LEAF, lambda inner: st.lists(inner, max_size=3) |
                           st.dictionaries(KEYS, inner, max_size=5), max_leaves=12)
 
 
+@st.composite
+def near_valid_jobs(draw):
+    """A loadable job with up to three keys set to arbitrary TOML values (the values the schema must check)."""
+    job = {"name": draw(st.sampled_from(["a", "b", "c"])), "source": "model", "out": "o", "method": "amxint4"}
+    for _ in range(draw(st.integers(0, 3))):
+        job[draw(KEYS)] = draw(TOML_VALUE)
+    return job
+
+
 @pytest.mark.parametrize("examples", BUDGETS)
 def test_fuzz_batch_loader(examples):
     from ktconvert.ops.batch import load_jobs
@@ -207,6 +216,7 @@ def test_fuzz_batch_loader(examples):
         @given(st.dictionaries(st.sampled_from(["jobs", "defaults", "x"]),
                                st.lists(st.dictionaries(KEYS, TOML_VALUE, max_size=6), max_size=3) |
                                st.dictionaries(KEYS, TOML_VALUE, max_size=4) | TOML_LEAF, max_size=3)
+               | st.builds(lambda jobs: {"jobs": jobs}, st.lists(near_valid_jobs() | TOML_LEAF, min_size=1, max_size=3))
                | st.text(max_size=120))
         def run(doc):
             text = doc if isinstance(doc, str) else "".join(f"{k} = {_toml_value(v)}\n" for k, v in doc.items())
