@@ -26,9 +26,11 @@ from test_bundle import _zst_tar  # noqa: E402  (a .tar.zst written by hand: tar
 BUDGETS = [pytest.param(200, id="quick"), pytest.param(2000, id="deep", marks=pytest.mark.slow)]
 
 
-def _settings(examples: int):
-    return settings(max_examples=examples, deadline=None, database=None, derandomize=examples <= 200,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def _fuzz(examples: int, strategy, check) -> None:
+    """check(example) for `examples` examples of `strategy` (derandomized in the quick budget, no database)."""
+    budget = settings(max_examples=examples, deadline=None, database=None, derandomize=examples <= 200,
+                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    budget(given(strategy)(check))()
 
 
 def _ours(fn) -> tuple[str, object]:
@@ -89,14 +91,13 @@ def test_fuzz_safetensors_header_bytes(examples):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.safetensors"
 
-        @_settings(examples)
-        @given(st.binary(max_size=300) | st.builds(lambda n, body: struct.pack("<Q", n) + body,
-                                                   st.integers(0, 2**64 - 1), st.binary(max_size=200)))
-        def run(data):
+        def check(data):
             path.write_bytes(data)
             _ours(lambda: parse_header(path))
 
-        run()
+        _fuzz(examples, st.binary(max_size=300) | st.builds(lambda n, body: struct.pack("<Q", n) + body,
+                                                            st.integers(0, 2**64 - 1), st.binary(max_size=200)),
+              check)
 
 
 @pytest.mark.parametrize("examples", BUDGETS)
@@ -108,10 +109,8 @@ def test_fuzz_safetensors_header_json_is_never_laxer_than_safetensors(examples):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.safetensors"
 
-        @_settings(examples)
-        @given(header_entries() | JSON.map(lambda v: (v, 0)), st.sampled_from(["", " ", "  \n"]))
-        def run(drawn, pad):
-            header, data_len = drawn
+        def check(drawn):
+            (header, data_len), pad = drawn
             text = (json.dumps(header) + pad).encode()
             path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(range(256)) * (data_len // 256)
                              + bytes(data_len % 256))
@@ -119,7 +118,8 @@ def test_fuzz_safetensors_header_json_is_never_laxer_than_safetensors(examples):
             if verdict == "ok":
                 assert _safetensors_accepts(path), header
 
-        run()
+        _fuzz(examples, st.tuples(header_entries() | JSON.map(lambda v: (v, 0)), st.sampled_from(["", " ", "  \n"])),
+              check)
 
 
 # ---------------------------------------------------------------- bundles
@@ -150,9 +150,7 @@ def test_fuzz_bundle_reader(examples):
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
 
-        @_settings(examples)
-        @given(bundles() | st.binary(max_size=200).map(lambda b: b"\x28\xb5\x2f\xfd" + b))
-        def run(drawn):
+        def check(drawn):
             work = Path(tempfile.mkdtemp(dir=root))
             path = work / "b.tar.zst"
             if isinstance(drawn, bytes):
@@ -169,7 +167,7 @@ def test_fuzz_bundle_reader(examples):
                 assert not dest.exists()
             assert {p.name for p in work.iterdir()} <= {"b.tar.zst", "dest"}     # nothing beside DEST
 
-        run()
+        _fuzz(examples, bundles() | st.binary(max_size=200).map(lambda b: b"\x28\xb5\x2f\xfd" + b), check)
 
 
 # ---------------------------------------------------------------- batch job files
@@ -212,13 +210,7 @@ def test_fuzz_batch_loader(examples):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "jobs.toml"
 
-        @_settings(examples)
-        @given(st.dictionaries(st.sampled_from(["jobs", "defaults", "x"]),
-                               st.lists(st.dictionaries(KEYS, TOML_VALUE, max_size=6), max_size=3) |
-                               st.dictionaries(KEYS, TOML_VALUE, max_size=4) | TOML_LEAF, max_size=3)
-               | st.builds(lambda jobs: {"jobs": jobs}, st.lists(near_valid_jobs() | TOML_LEAF, min_size=1, max_size=3))
-               | st.text(max_size=120))
-        def run(doc):
+        def check(doc):
             text = doc if isinstance(doc, str) else "".join(f"{k} = {_toml_value(v)}\n" for k, v in doc.items())
             path.write_text(text, encoding="utf-8")
             verdict, jobs = _ours(lambda: load_jobs(path))
@@ -234,4 +226,9 @@ def test_fuzz_batch_loader(examples):
                             else:
                                 assert type(value) is str
 
-        run()
+        any_doc = st.dictionaries(st.sampled_from(["jobs", "defaults", "x"]),
+                                  st.lists(st.dictionaries(KEYS, TOML_VALUE, max_size=6), max_size=3) |
+                                  st.dictionaries(KEYS, TOML_VALUE, max_size=4) | TOML_LEAF, max_size=3)
+        near_valid = st.builds(lambda jobs: {"jobs": jobs}, st.lists(near_valid_jobs() | TOML_LEAF, min_size=1,
+                                                                    max_size=3))
+        _fuzz(examples, any_doc | near_valid | st.text(max_size=120), check)
