@@ -176,7 +176,7 @@ def cpu(src, out, method, numa, layout, quant, group_size, calibration, threads,
 @click.option("--json", "as_json", is_flag=True)
 def verify(out, source, hashes, tokens, layers, experts, threshold, remote, hub, revision, endpoint, as_json) -> None:
     """Check a converted output OUT: structure, hashes, numerics (native kernels) and error against the source."""
-    from ktconvert.verify import render, verify as run
+    from ktconvert.verify.run import render, verify as run
 
     result = run(out, source=source, hashes=hashes, tokens=tokens, layers=layers, experts=experts,
                  threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint)
@@ -198,7 +198,7 @@ def demo(workdir, arch, method, numa) -> None:
     from ktconvert.cpu.convert import convert_cpu
     from ktconvert.progress import make_progress
     from ktconvert.testing.tiny import make_tiny_model
-    from ktconvert.verify import render, verify as run_verify
+    from ktconvert.verify.run import render, verify as run_verify
 
     root = Path(workdir)
     model = make_tiny_model(root / "model", arch=arch, force=True)

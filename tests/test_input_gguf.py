@@ -381,7 +381,7 @@ def test_inspect_and_plan_show_gguf(tmp_path):
 
 def _reference_conversion(path: Path, numa: int) -> dict[str, bytes]:
     """Output tensor key -> bytes, built from gguf-py's dequantization rounded to BF16 and kt-kernel's AMXINT4."""
-    from ktconvert.formats.kt_sink import merged_key
+    from ktconvert.layouts.naming import merged_key
     from ktconvert.quant.methods import METHODS
 
     method = METHODS.get("amxint4")

@@ -54,7 +54,7 @@ def test_every_file_equals_ktkernels(tiny_model, tmp_path, family, method, numa)
     for shard in ours_st.glob("model-*.safetensors"):
         merged.update(load_file(shard))
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.formats.kt_sink import key_for_kt_path
+    from ktconvert.layouts.naming import key_for_kt_path
 
     theirs = tmp_path / "ktkernel"
     compared = 0

@@ -159,7 +159,8 @@ class CpuOutput:
         self.dense = {"files": [{"path": r.path, **r.entry()} for r in result.files], "tensors": result.tensors}
 
     def _manifest(self, extra) -> dict:
-        from ktconvert.formats.out_manifest import build_manifest, hash_file
+        from ktconvert.formats.fileio import hash_file
+        from ktconvert.formats.out_manifest import build_manifest
 
         files = {rec.path: rec.entry() for rec in extra}
         tensors: dict[str, str] = {}

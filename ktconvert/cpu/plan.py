@@ -16,8 +16,10 @@ import shutil
 from pathlib import Path
 
 from ktconvert.errors import KtConvertError, OutputError, ShapeError
+from ktconvert.formats.kt_sink import copy_sources
+from ktconvert.formats.st_writer import build_header
+from ktconvert.layouts.naming import PROJS, kt_relpath, merged_key, shard_name
 
-PROJS = ("gate", "up", "down")
 AMX_METHODS = ("amxint4", "amxint8")
 IN_PLACE_METHODS = ("bf16", "fp8", "rawint4")
 PROCESS_BASE_BYTES = 160 << 20  # interpreter + numpy + modules, measured order of magnitude
@@ -117,9 +119,6 @@ def _expert_bytes(method: str, hidden: int, inter: int, numa: int, group_size: i
 def _merged_files(layers: list[int], method: str, hidden: int, inter: int, numa: int, experts: int,
                   group_size: int) -> list[dict]:
     """One shard per layer: exact bytes (the writer's own header construction + data)."""
-    from ktconvert.formats.kt_sink import merged_key, shard_name
-    from ktconvert.formats.st_writer import build_header
-
     shapes = _part_shapes(hidden, inter, numa)
     sizes = {p: _matrix_bytes(method, n, k, group_size) for p, (n, k) in shapes.items()}
     files, by_digits = [], {}
@@ -139,8 +138,6 @@ def _index_bytes(layers: list[int], experts: int, numa: int, shard_bytes: list[d
     """Exact size of model.safetensors.index.json as json.dumps(indent=2, sort_keys=True) + "\\n" writes it.
 
     One line per key: 4 spaces, the quoted key, ": ", the quoted shard name, and ",\\n" (the last "\\n")."""
-    from ktconvert.formats.kt_sink import merged_key
-
     digits_e = sum(len(str(e)) for e in range(experts))
     digits_t = sum(len(str(t)) for t in range(numa))
     n_entries, body = 0, 0
@@ -156,12 +153,7 @@ def _index_bytes(layers: list[int], experts: int, numa: int, shard_bytes: list[d
 
 
 def _copy_files(root: Path) -> list[dict]:
-    from ktconvert.formats.kt_sink import COPY_GLOBS, COPY_NAMES
-
-    found = {n: root / n for n in COPY_NAMES if (root / n).is_file()}
-    for pattern in COPY_GLOBS:
-        found.update({p.name: p for p in root.glob(pattern) if p.is_file()})
-    return [{"path": n, "bytes": p.stat().st_size} for n, p in sorted(found.items())]
+    return [{"path": n, "bytes": p.stat().st_size} for n, p in sorted(copy_sources(root).items())]
 
 
 def _manifest_estimate(files: list[dict], n_tensors: int, n_sources: int, tensor_key_len: int) -> int:
@@ -274,7 +266,6 @@ def _add_files(result: dict, source, layers: list[int], method: str, layout: str
 
 def _kt_files(layers, method, H, I, T, E, gs, result) -> list[dict]:
     """The .kt tree: counted, listed only when small (<= 64 files)."""
-    from ktconvert.formats.kt_sink import kt_relpath
     from ktconvert.quant.methods import METHODS
 
     prefix = METHODS.get(method).file_prefix

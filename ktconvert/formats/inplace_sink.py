@@ -11,7 +11,7 @@ Every shard goes through ``StreamingSafetensorsWriter`` (temp name, atomic renam
 Use::
 
     sink = InplaceSink(out_dir, METHODS.get("rawint4").with_group_size(64), layers, n_experts, hidden, inter)
-    w = sink.begin_layer(L); w.put_expert(e, expert_weights) ...; files, tensors = w.finish()
+    w = sink.begin_layer(L); w.put_matrix(proj, e, w_bf16) ...; files, tensors = w.finish()
     records = sink.finalize(copy_from=source_dir)
 
 The interface (begin_layer / finish -> LayerResult / finalize -> FileRecords) is KtSink's, so the pipeline drives
@@ -23,11 +23,11 @@ import json
 from pathlib import Path
 
 from ktconvert.errors import OutputError, ShapeError
-from ktconvert.formats.kt_sink import LayerResult, copy_sources, shard_name
-from ktconvert.formats.out_manifest import FileRecord, record_for, write_atomic
-from ktconvert.formats.st_writer import StreamingSafetensorsWriter, build_header
+from ktconvert.formats.fileio import FileRecord, LayerResult, record_for, write_atomic
+from ktconvert.formats.kt_sink import copy_sources
+from ktconvert.formats.st_writer import StreamingSafetensorsWriter
+from ktconvert.layouts.naming import INDEX_NAME, shard_name
 
-INDEX_NAME = "model.safetensors.index.json"
 PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 EXPERT_PREFIX = "model.layers.{L}.mlp.experts.{E}.{proj}"
 RAWINT4_TARGET = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
@@ -57,14 +57,6 @@ class InplaceSink:
                 base = EXPERT_PREFIX.format(L=layer, E=e, proj=PROJ_NAMES[proj])
                 specs += [(f"{base}.{suffix}", dtype, shape) for suffix, dtype, shape in self.method.tensor_specs(n, k)]
         return specs
-
-    def planned_files(self) -> dict[str, int]:
-        """{shard name: exact bytes} for plan / dry runs (headers included), index and config not counted."""
-        out = {}
-        for layer in self.layers:
-            header, spans = build_header(self.layer_specs(layer), None)
-            out[self.shard_of(layer)] = len(header) + sum(e - b for b, e in spans.values())
-        return out
 
     def begin_layer(self, layer: int) -> "InplaceLayerWriter":
         if layer not in self.layers:
@@ -110,26 +102,6 @@ class InplaceLayerWriter:
                              found=str(list(w_bf16.shape)))
         for suffix, array in self.sink.method.encode(w_bf16, where=base).items():
             self.writer.write(f"{base}.{suffix}", array)
-
-    def put_expert(self, expert: int, ew) -> None:
-        """All three matrices of ExpertWeights `ew` (biases are not part of these formats)."""
-        for proj, w in ew.projections():
-            self.put_matrix(proj, expert, w)
-
-    def put(self, proj: str, expert: int, t: int, blob, scale) -> None:
-        """Pipeline form (``method.quantize`` output): only NUMA part 0 exists for in-place methods."""
-        if t != 0:
-            raise OutputError("in-place methods are written whole; numa parts are sliced by kt-kernel",
-                              found=f"part {t}")
-        base = EXPERT_PREFIX.format(L=self.layer, E=expert, proj=PROJ_NAMES[proj])
-        specs = self.sink.method.tensor_specs(*self.sink.shapes[proj])
-        self.writer.write(f"{base}.{specs[0][0]}", blob)
-        if len(specs) > 1:
-            self.writer.write(f"{base}.{specs[1][0]}", scale)
-        if len(specs) > 2:   # rawint4 weight_shape
-            import numpy as np
-
-            self.writer.write(f"{base}.{specs[2][0]}", np.array(self.sink.shapes[proj], dtype=np.int64))
 
     def finish(self) -> LayerResult:
         self.writer.close()

@@ -25,8 +25,7 @@ import numpy as np
 
 from ktconvert.errors import InputError, ShapeError
 from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream, gptq_module
-
-PROJS = ("gate", "up", "down")
+from ktconvert.layouts.naming import PROJS
 
 
 def _row_quantizer(bits: int):
@@ -197,7 +196,7 @@ def convert_cpu_gptq(src, out, *, method: str, numa: int, calibration, layout: s
     pipeline.convert_cpu (KtSink files, journal, ktconvert.json with quant "gptq"), layers produced by
     gptq_amx_codes. Returns {"manifest", "tokens" {layer: [per expert]}, "fallback" {layer: [experts]},
     "fallback_quant", "clamped"}."""
-    from ktconvert.formats.out_manifest import hash_file
+    from ktconvert.formats.fileio import hash_file
     from ktconvert.cpu.convert import open_cpu_output
     from ktconvert.quant.methods import METHODS
 

@@ -21,7 +21,11 @@ import os
 
 import numpy as np
 
-from ktconvert.errors import InputError, KtConvertError
+from ktconvert.errors import InputError, KtConvertError, VerifyError
+from ktconvert.formats.base import open_source
+from ktconvert.native import forward as native_rt
+from ktconvert.quant.bf16 import bf16_bits_to_f32
+from ktconvert.verify.reader import KtOutput
 
 KERNEL_TOL = 1e-5
 # Default limits on the layer's MoE output against the source weights (relative L2 max / cosine min). Measured
@@ -37,21 +41,19 @@ MAX_PROBLEMS = 20
 
 
 def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=None, experts="4", threshold=None,
-                   *, impl: str | None = None, threads: int | None = None, seed: int = 0) -> dict:
+                   *, impl: str | None = None, threads: int | None = None, seed: int = 0, folder=None) -> dict:
     """Numeric verification of output folder ``out`` described by ``manifest`` (see module doc).
 
     source:    path of the original checkpoint, or None for check (a) and hashes only
     tokens:    activations per layer; layers: None (first/middle/last), "all", "1,3" or a list of ints
     experts:   experts per layer ("4", 4 or "all"); threshold: None (DEFAULT_THRESHOLDS) or the MoE relative L2 limit
+    folder:    the folder's verify.folder.OutputFolder when already walked
     returns:   {"ok", "problems": [str], "summary", "thresholds", "variant", "layers": [row per layer],
                 "verification": compact dict for the manifest}
     """
-    from ktconvert.native import forward as native_rt
-    from ktconvert.verify.reader import KtOutput
-
     report = {"ok": False, "problems": [], "layers": [], "summary": ""}
     try:
-        rt = KtOutput.open(out, manifest)
+        rt = KtOutput.open(out, manifest, folder)
         variant = native_rt.variant(impl)
         thresholds = _thresholds(rt.kt_method, threshold)
         src = _open_source(source)
@@ -83,11 +85,7 @@ def _thresholds(kt_method: str, threshold) -> dict:
 
 
 def _open_source(source):
-    if source is None:
-        return None
-    from ktconvert.formats.base import open_source
-
-    return open_source(source)
+    return None if source is None else open_source(source)
 
 
 def choose_layers(all_layers: list[int], layers) -> list[int]:
@@ -158,8 +156,6 @@ class _Layer:
 
 
 def _check_layer(rt, src, layer: int, tokens: int, experts, thresholds: dict, impl, threads: int, seed: int) -> dict:
-    from ktconvert.errors import VerifyError
-
     rng = np.random.default_rng([seed, layer])
     row = {"layer": layer, "experts": [], "problems": [], "ok": False}
     try:
@@ -186,8 +182,6 @@ def _check_layer(rt, src, layer: int, tokens: int, experts, thresholds: dict, im
 
 def _check_expert(rt, src, layer: int, e: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, acc: _Layer,
                   impl, threads: int) -> None:
-    from ktconvert.native import forward as native_rt
-
     blobs = rt.read_expert(layer, e)
     _check_hashes(rt.manifest, blobs.sha256, acc)
     parts = blobs.parts
@@ -239,8 +233,6 @@ def _expert_ref(deq_parts, x64: np.ndarray) -> np.ndarray:
 
 def _kernel_check(rt, parts, deq, x: np.ndarray, impl, threads: int) -> float:
     """Largest relative L2 between the native GEMMs and numpy's dequantized weights, over every projection."""
-    from ktconvert.native import forward as native_rt
-
     worst = 0.0
     for part, (gate, up, down) in zip(parts, deq):
         ys = []
@@ -257,8 +249,6 @@ def _kernel_check(rt, parts, deq, x: np.ndarray, impl, threads: int) -> float:
 
 
 def _source_weights(ew) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    from ktconvert.quant.bf16 import bf16_bits_to_f32
-
     return bf16_bits_to_f32(ew.gate), bf16_bits_to_f32(ew.up), bf16_bits_to_f32(ew.down)
 
 

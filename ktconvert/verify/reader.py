@@ -15,7 +15,6 @@ silently garbage). Here every blob is checked against the byte formulas of the m
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from ktconvert.errors import InputError, UnknownNameError, VerifyError
+from ktconvert.formats.out_manifest import load_manifest
+from ktconvert.layouts.naming import PROJS, kt_relpath, merged_key, parse_kt_relpath, part_shape
+from ktconvert.quant.methods import METHODS
+from ktconvert.verify.folder import OutputFolder
 
-PROJS = ("gate", "up", "down")
 _NUMA_DIR = re.compile(r"^_numa_(\d+)$")
 
 
@@ -39,17 +41,8 @@ class ExpertBlobs:
     sha256: dict = field(default_factory=dict)
 
 
-def _merged_key(layer: int, proj: str, expert: int, t: int, part: str) -> str:
-    from ktconvert.formats.kt_sink import merged_key
-
-    return merged_key(layer, proj, expert, t, part)
-
-
 def _method_hint(proj: str, nbytes: int, hidden: int, intermediate: int, kind: str) -> str | None:
     """"looks like AMXINT8 with numa 2" when another (method, NUMA count) gives exactly nbytes, else None."""
-    from ktconvert.formats.kt_sink import part_shape
-    from ktconvert.quant.methods import METHODS
-
     guesses = []
     for name in METHODS.names():
         method = METHODS.get(name)
@@ -70,10 +63,7 @@ class KtOutput:
     ("AMXINT4"), numa, layers, experts, hidden, intermediate, inter_part (I / numa), mode ("safetensors" | "kt"),
     shapes {proj: (n, k, quant bytes, scale bytes)} per NUMA part."""
 
-    def __init__(self, root, manifest: dict):
-        from ktconvert.formats.kt_sink import part_shape
-        from ktconvert.quant.methods import METHODS
-
+    def __init__(self, root, manifest: dict, folder: OutputFolder | None = None):
         self.root, self.manifest = Path(root), manifest
         try:
             self.method = METHODS.get(manifest["method"])
@@ -94,34 +84,27 @@ class KtOutput:
             self.shapes[proj] = (n, k, int(self.method.quant_bytes(n, k)), int(self.method.scale_bytes(n)))
         top = [p for p in self.root.iterdir() if p.name.endswith(".safetensors")] if self.root.is_dir() else []
         self.mode = "safetensors" if top else "kt"
-        self._index = self._index_merged() if self.mode == "safetensors" else None
+        self._index = self._index_merged(folder or OutputFolder.scan(self.root)) if self.mode == "safetensors" \
+            else None
 
     @classmethod
-    def open(cls, out, manifest: dict | None = None) -> "KtOutput":
-        """Open folder ``out``; reads ``ktconvert.json`` unless ``manifest`` is given."""
-        if manifest is None:
-            from ktconvert.formats.out_manifest import load_manifest
-
-            manifest = load_manifest(out)
-        return cls(out, manifest)
+    def open(cls, out, manifest: dict | None = None, folder: OutputFolder | None = None) -> "KtOutput":
+        """Open folder ``out``; reads ``ktconvert.json`` unless ``manifest`` is given, walks the folder unless
+        ``folder`` (its verify.folder.OutputFolder) is given."""
+        return cls(out, load_manifest(out) if manifest is None else manifest, folder)
 
     # ---- merged safetensors -------------------------------------------------------------------------------------
 
-    def _index_merged(self) -> dict:
+    def _index_merged(self, folder: OutputFolder) -> dict:
         """{key: TensorRef} of every *.safetensors under root, recursively (kt-kernel keys files by basename)."""
-        from ktconvert.formats.safetensors_reader import parse_header
-
-        index, seen = {}, {}
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames.sort()
-            for name in sorted(f for f in filenames if f.endswith(".safetensors")):
-                path = Path(dirpath) / name
-                if name in seen:
-                    raise VerifyError("two shards share a file name (kt-kernel keys shards by name)",
-                                      file=path.relative_to(self.root).as_posix(), found=f"also {seen[name]}")
-                seen[name] = path.relative_to(self.root).as_posix()
-                index.update(parse_header(path).tensors)
-        return index
+        if folder.duplicate_names:
+            rel, first = folder.duplicate_names[0]
+            raise VerifyError("two shards share a file name (kt-kernel keys shards by name)", file=rel,
+                              found=f"also {first}")
+        if folder.header_errors:
+            rel, message = sorted(folder.header_errors.items())[0]
+            raise InputError(message)
+        return {key: ref for key, (_, ref) in folder.entries.items()}
 
     def _probe(self, fmt: str) -> int:
         i = 0
@@ -151,8 +134,6 @@ class KtOutput:
         return self.root / f"_layer_{layer}" / f"_numa_{t}"
 
     def _read_kt(self, layer: int, t: int, proj: str, expert: int, kind: str) -> np.ndarray:
-        from ktconvert.formats.kt_sink import kt_relpath
-
         part = "quant" if kind == "weight" else "scale"
         want = self.shapes[proj][2] if kind == "weight" else self.shapes[proj][3]
         rel = kt_relpath(layer, t, self.method.file_prefix, proj, expert, want, part)
@@ -167,8 +148,6 @@ class KtOutput:
 
     def _kt_missing(self, layer: int, t: int, proj: str, expert: int, part: str, rel: str, kind: str) -> VerifyError:
         """The error for an absent .kt file, naming what is there instead (another method's prefix or size)."""
-        from ktconvert.formats.kt_sink import parse_kt_relpath
-
         folder = self._kt_dir(layer, t)
         others = []
         if folder.is_dir():
@@ -224,7 +203,7 @@ class KtOutput:
             for proj in PROJS:
                 pair = []
                 for kind in ("weight", "scale"):
-                    key = _merged_key(layer, proj, expert, t, kind)
+                    key = merged_key(layer, proj, expert, t, kind)
                     data = self._read_merged(key, kind, proj) if self.mode == "safetensors" \
                         else self._read_kt(layer, t, proj, expert, kind)
                     blobs.sha256[key] = hashlib.sha256(data).hexdigest()
