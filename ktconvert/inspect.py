@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from ktconvert.errors import ManifestError
+from ktconvert.methods import all_methods
 
 _DIGITS = re.compile(r"\d+")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -79,47 +80,10 @@ def _expert_layout(source) -> dict:
     return out
 
 
-def _per_expert_naming_known(source) -> bool:
-    """Names kt-kernel's native loaders recognise: mlp.experts.E.{gate,up,down}_proj or experts.E.{w1,w3,w2}."""
-    lay = source.info.manifest.experts
-    if lay.form == "fused":
-        return not lay.gate_up_interleaved and lay.gate_up.endswith("mlp.experts.gate_up_proj")
-    projs = (lay.proj.get("gate"), lay.proj.get("up"), lay.proj.get("down"))
-    return (("mlp.experts.{E}" in lay.pattern and projs == ("gate_proj", "up_proj", "down_proj"))
-            or ("experts.{E}" in lay.pattern and projs == ("w1", "w3", "w2")))
-
-
-def _kt_methods(source, quant: dict | None) -> dict[str, str]:
-    """kt-kernel method -> "as is" / "convert: ..." / "no: why" for this checkpoint (kt-format.md §1.1, §2.6-2.8)."""
-    fmt = source.input_format
-    names_ok = _per_expert_naming_known(source) and (source.info.manifest.experts.form == "per_expert"
-                                                     or _fused_standard(source))
-    names_why = ("no: kt-kernel's native loaders read per-expert mlp.experts.E.{gate,up,down}_proj / "
-                 "experts.E.{w1,w3,w2}, or packed gate_up [E, 2I, H]; this checkpoint's experts are stored otherwise")
-    qc = quant or {}
-    w = next(iter((qc.get("config_groups") or {}).values()), {})
-    fp8_ok = (fmt == "fp8-block" and list(qc.get("weight_block_size") or []) == [128, 128]) or \
-             (fmt == "ct-fp8" and list(w.get("block_structure") or []) == [128, 128])
-    raw_ok = fmt == "ct-int4" and w.get("num_bits") == 4 and w.get("type", "int") == "int" \
-        and w.get("symmetric") is True and w.get("strategy") == "group"
-    needs = {"BF16": (fmt == "bf16", "BF16 experts"),
-             "FP8": (fp8_ok, "FP8 e4m3 experts with 128x128 block scales"),
-             "RAWINT4": (raw_ok, "compressed-tensors pack-quantized symmetric int4 (group) experts")}
-    res = {name: ("as is" if ok and names_ok else names_why if ok else f"no: needs {what} (experts are {fmt})")
-           for name, (ok, what) in needs.items()}
-    via = "" if fmt in ("bf16", "fp16", "fp32") else f" (decodes {fmt} to BF16 first)"
-    for method in ("AMXINT4", "AMXINT8"):
-        res[method] = f"convert: ktconvert cpu MODEL OUT --method {method.lower()}{via}"
-    res["LLAMAFILE"] = "no: needs GGUF (llama.cpp's convert_hf_to_gguf.py)"
-    return res
-
-
-def _fused_standard(source) -> bool:
-    try:
-        fl = source.fused_layer(source.all_layers()[0])
-    except Exception:
-        return False
-    return not fl.gate_up_transposed and not fl.down_transposed
+def kt_methods(source) -> dict[str, str]:
+    """kt-kernel method -> "as is (...)" / "convert: ..." / "no: why", for an opened source (the method registry's
+    verdicts, kt-format.md §1.1, §2.6-2.8)."""
+    return {m.kt_method: m.inspect_line(source) for m in all_methods()}
 
 
 def inspect(path) -> dict:
@@ -129,7 +93,8 @@ def inspect(path) -> dict:
     from ktconvert.formats.safetensors_reader import Checkpoint
 
     if GGUFSource.sniff(path):
-        return describe(path)
+        source = GGUFSource.open(path)
+        return {**describe(source), "path": str(Path(path)), "kt_methods": kt_methods(source)}
     checkpoint = Checkpoint.open(path)
     try:
         source = HFSource.open_checkpoint(checkpoint)
@@ -162,7 +127,7 @@ def inspect(path) -> dict:
         "experts": info.n_experts, "experts_per_tok": info.experts_per_tok, "shared_experts": info.n_shared,
         "hidden": info.hidden, "intermediate": info.intermediate,
         "expert_layout": _expert_layout(source),
-        "kt_methods": _kt_methods(source, quant),
+        "kt_methods": kt_methods(source),
     })
     return out
 

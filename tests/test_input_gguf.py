@@ -2,7 +2,7 @@
 end to end on GGUF fixtures.
 
 Golden values: gguf-py's own ``gguf.quants.dequantize`` (numpy) on the same bytes, read with ``gguf.GGUFReader``;
-for the end-to-end test, kt-kernel's AMXINT4 quantizer (ktconvert.quant.methods, checked byte for byte elsewhere)
+for the end-to-end test, kt-kernel's AMXINT4 quantizer (ktconvert.methods, checked byte for byte elsewhere)
 applied to gguf-py's dequantized weights rounded to BF16. K-quant / IQ fixtures in tests/golden/gguf/ were produced
 by llama.cpp's quantizer (see SOURCES.json, make_fixtures.py); the others are written here with gguf-py.
 """
@@ -382,7 +382,7 @@ def test_inspect_and_plan_show_gguf(tmp_path):
 def _reference_conversion(path: Path, numa: int) -> dict[str, bytes]:
     """Output tensor key -> bytes, built from gguf-py's dequantization rounded to BF16 and kt-kernel's AMXINT4."""
     from ktconvert.layouts.naming import merged_key
-    from ktconvert.quant.methods import METHODS
+    from ktconvert.methods import METHODS
 
     method = METHODS.get("amxint4")
     tensors = {t.name: t for t in GGUFReader(path).tensors}

@@ -17,7 +17,8 @@ from ktconvert.errors import NumericError, ShapeError
 from ktconvert.layouts import tiles
 from ktconvert.quant import amx_rows as amx, mse
 from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from ktconvert.quant.methods import METHODS, AmxMethod
+from ktconvert.methods import METHODS
+from ktconvert.methods.amx import AmxMethod
 from ktkernel_util import (adversarial_bf16, dequantized_experts, heavy_tailed_bf16, ktkernel_forward,
                            ktkernel_skip_reason, numpy_kt_files, reference_moe_forward, relative_l2, write_kt_files)
 

@@ -212,6 +212,14 @@ class GGUFSource:
     def present_mtp_layers(self) -> tuple[int, ...]:
         return tuple(L for L in self.info.mtp_layers if _has_experts(self.tensors, L))
 
+    def kt_native_names(self) -> bool:
+        """Whether kt-kernel's HF loaders find the routed experts by name (never: ggml names)."""
+        return False
+
+    def expert_quantization(self):
+        """The quantization of the routed experts as a safetensors config would describe it (none: ggml types)."""
+        return None
+
     def fused(self, layer: int) -> bool:
         return f"blk.{layer}.{FUSED_GATE_UP}.weight" in self.tensors
 
@@ -367,9 +375,8 @@ class GGUFSource:
         return self._decode(name, projs, raw)
 
 
-def describe(path) -> dict:
-    """`ktconvert inspect` for a GGUF model: the keys ktconvert.inspect.render reads (headers only)."""
-    source = GGUFSource.open(path)
+def describe(source: GGUFSource) -> dict:
+    """`ktconvert inspect` for an opened GGUF model: the keys ktconvert.inspect.render reads (headers only)."""
     info = source.info
     dtypes: dict[str, int] = {}
     components: dict[str, int] = {}
@@ -380,9 +387,8 @@ def describe(path) -> dict:
         components[cat] = components.get(cat, 0) + ref.nbytes
     dense = [layer for layer in range(info.n_layers) if layer not in set(info.moe_layers)]
     types = source.ggml_types()
-    llamafile_ok = info.intermediate % 256 == 0
     return {
-        "path": str(Path(path)), "files": len(source.paths),
+        "path": str(source.paths[0] if len(source.paths) == 1 else source.root), "files": len(source.paths),
         "file_bytes": sum(p.stat().st_size for p in source.paths), "tensors": len(source.tensors),
         "dtypes": dict(sorted(dtypes.items(), key=lambda kv: -kv[1])), "quantization": {"gguf_expert_types": types},
         "model_type": info.model_type, "components": dict(sorted(components.items(), key=lambda kv: -kv[1])),
@@ -393,13 +399,6 @@ def describe(path) -> dict:
         "hidden": info.hidden, "intermediate": info.intermediate,
         "expert_layout": {"form": "fused", "gate_up": "ffn_gate_exps + ffn_up_exps [E, I, H]",
                           "down": "ffn_down_exps [E, H, I]", "biases": source.has_expert_biases()},
-        "kt_methods": {
-            "LLAMAFILE": "as is (kt-kernel reads the GGUF)" if llamafile_ok else
-                         f"no: needs I % 256 == 0 (I = {info.intermediate})",
-            "AMXINT4": "convert: ktconvert cpu MODEL OUT --method amxint4 (decodes GGUF to BF16 first)",
-            "AMXINT8": "convert: ktconvert cpu MODEL OUT --method amxint8 (decodes GGUF to BF16 first)",
-            "BF16": "no: needs HF safetensors BF16 experts", "FP8": "no: needs FP8 safetensors experts",
-            "RAWINT4": "no: needs compressed-tensors int4 experts"},
     }
 
 

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from ktconvert.errors import InputError, ShapeError
+from ktconvert.errors import InputError, KtConvertError, ShapeError
 from ktconvert.formats.base import SOURCES, ExpertWeights
 from ktconvert.formats.safetensors_reader import DTYPES, Checkpoint
 from ktconvert.registry import Registry
@@ -424,6 +424,31 @@ class HFSource:
             found += [n for n in names if np.any(self._bias_f32(n) != 0)]
         return found
 
+    def kt_native_names(self) -> bool:
+        """Whether kt-kernel's HF loaders (BF16 / FP8 / RAWINT4) find the routed experts by name: per-expert
+        ``mlp.experts.E.{gate,up,down}_proj`` / ``experts.E.{w1,w3,w2}``, or the packed gate_up [E, 2I, H]."""
+        lay = self.info.manifest.experts
+        if lay.form == "fused":
+            if lay.gate_up_interleaved or not lay.gate_up.endswith("mlp.experts.gate_up_proj"):
+                return False
+            try:
+                fl = self.fused_layer(self.all_layers()[0])
+            except KtConvertError:
+                return False
+            return not fl.gate_up_transposed and not fl.down_transposed
+        projs = (lay.proj.get("gate"), lay.proj.get("up"), lay.proj.get("down"))
+        return (("mlp.experts.{E}" in lay.pattern and projs == ("gate_proj", "up_proj", "down_proj"))
+                or ("experts.{E}" in lay.pattern and projs == ("w1", "w3", "w2")))
+
+    def expert_quantization(self):
+        """The quantization config group (formats.quantized.QuantGroup) of the routed experts, or None."""
+        from ktconvert.formats.quantized import detect_scheme
+
+        scheme = detect_scheme(self.checkpoint.config)
+        if scheme is None:
+            return None
+        return scheme.group_for(_base_of(self._probe_name(self.all_layers()[0])))
+
     def has_expert_biases(self) -> bool:
         layer = self.all_layers()[0]
         if self.fused:
@@ -468,6 +493,10 @@ class HFSource:
             return {"down": self._oriented(decoder, name, index0, fl.down_transposed, raw)}
         gate, up = self._split_gate_up(self._oriented(decoder, name, index0, fl.gate_up_transposed, raw))
         return {"gate": gate, "up": up}
+
+
+def _base_of(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
 def _bias_name(weight_name: str) -> str:

@@ -10,7 +10,7 @@ Every shard goes through ``StreamingSafetensorsWriter`` (temp name, atomic renam
 
 Use::
 
-    sink = InplaceSink(out_dir, METHODS.get("rawint4").with_group_size(64), layers, n_experts, hidden, inter)
+    sink = InplaceSink(out_dir, METHODS.get("rawint4").configured(64), layers, n_experts, hidden, inter)
     w = sink.begin_layer(L); w.put_matrix(proj, e, w_bf16) ...; files, tensors = w.finish()
     records = sink.finalize(copy_from=source_dir)
 
@@ -30,7 +30,6 @@ from ktconvert.layouts.naming import INDEX_NAME, shard_name
 
 PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 EXPERT_PREFIX = "model.layers.{L}.mlp.experts.{E}.{proj}"
-RAWINT4_TARGET = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 
 
 class InplaceSink:
@@ -41,7 +40,7 @@ class InplaceSink:
         self.method = method
         self.layers = list(layers)
         self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
-        method.check_layer(hidden, intermediate, numa)
+        method.check_numa(hidden, intermediate, numa)
         self.shapes = {"gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
         self.files: dict[str, dict] = {}
         self.tensor_sha256: dict[str, str] = {}
@@ -72,7 +71,8 @@ class InplaceSink:
         method's quantization_config) and copies of the tokenizer / generation config from `copy_from`; returns
         their records."""
         weight_map = {name: self.shard_of(layer) for layer in self.layers for name, _, _ in self.layer_specs(layer)}
-        total = sum(self.method.matrix_bytes(n, k) for n, k in self.shapes.values()) * self.n_experts * len(self.layers)
+        total = sum(sum(self.method.matrix_bytes(n, k).values()) for n, k in self.shapes.values()) \
+            * self.n_experts * len(self.layers)
         files = {INDEX_NAME: _json_bytes({"metadata": {"total_size": total},
                                           "weight_map": dict(sorted(weight_map.items()))})}
         for name, path in copy_sources(copy_from).items():
@@ -114,24 +114,12 @@ class InplaceLayerWriter:
 
 
 def output_config(source_config: dict, method) -> dict:
-    """The source config.json with quantization_config describing `method`'s expert tensors."""
+    """The source config.json with quantization_config describing `method`'s expert tensors (none for BF16)."""
     config = {k: v for k, v in source_config.items() if k != "quantization_config"}
-    if method.kt_method == "RAWINT4":
-        config["quantization_config"] = ct_int4_config(method.group_size, [RAWINT4_TARGET], ["lm_head"])
-    elif method.kt_method == "FP8":
-        config["quantization_config"] = method.quantization_config()
+    qc = method.quantization_config()
+    if qc is not None:
+        config["quantization_config"] = qc
     return config
-
-
-def ct_int4_config(group_size: int, targets: list[str], ignore: list[str] | None = None) -> dict:
-    """quantization_config of a symmetric INT4 pack-quantized checkpoint (as llmcompressor 0.14 writes it)."""
-    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
-               "dynamic": False, "actorder": None, "block_structure": None, "observer": None,
-               "observer_kwargs": {}, "scale_dtype": None, "zp_dtype": None}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": targets, "format": "pack-quantized", "weights": weights,
-                                          "input_activations": None, "output_activations": None}},
-            "ignore": list(ignore or ["lm_head"]), "kv_cache_scheme": None, "global_compression_ratio": None}
 
 
 def _json_bytes(value: dict) -> bytes:

@@ -129,9 +129,10 @@ class KtSink:
     def missing_layers(self) -> list[int]:
         return [layer for layer in self.moe_layers if not self.layer_done(layer)]
 
-    def finalize(self, copy_from=None, extra_files: dict | None = None) -> list[FileRecord]:
-        """Check every layer is done, write the index (merged), copy config/tokenizer files from `copy_from` and
-        write `extra_files` ({relative name: bytes or source path}); returns the records of the files it wrote."""
+    def finalize(self, copy_from=None, fallback_config: dict | None = None) -> list[FileRecord]:
+        """Check every layer is done, write the index (merged) and copy config/tokenizer files from `copy_from`;
+        returns the records of the files it wrote. (fallback_config: unused, kt-kernel's converted files need no
+        config.json; the in-place sink's finalize takes it.)"""
         missing = self.missing_layers()
         if missing:
             raise OutputError(f"{len(missing)} MoE layer(s) not written", file=str(self.out_dir),
@@ -140,8 +141,8 @@ class KtSink:
             raise OutputError("non-expert shard not written", file=self.dense_shard())
         self._remove_stale_partials()
         records = [self._write_index()] if self.layout == "safetensors" else []
-        for rel, src in sorted(copy_sources(copy_from).items()) + sorted((extra_files or {}).items()):
-            write_atomic(self.out_dir / rel, src if isinstance(src, (bytes, bytearray)) else Path(src).read_bytes())
+        for rel, src in sorted(copy_sources(copy_from).items()):
+            write_atomic(self.out_dir / rel, src.read_bytes())
             records.append(record_for(self.out_dir, rel))
         return records
 

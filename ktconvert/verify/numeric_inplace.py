@@ -20,16 +20,13 @@ from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verify.folder import OutputFolder
 from ktconvert.verify.numeric_amx import choose_experts, choose_layers, rel_l2, silu_mul
 
-# MoE-output relative L2 limits against the source. bf16 copies the source, fp8 block and group-wise int4 are far
-# more accurate than per-row AMXINT4 (measured on the tiny heavy-tailed models: fp8 0.045, rawint4 g64 0.34;
-# honest per-row AMXINT4 is 0.44-0.63 there).
-DEFAULT_LIMITS = {"BF16": 0.0, "FP8": 0.1, "RAWINT4": 0.6}
 
 
 def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=None, experts="4",
-                           threshold=None, seed: int = 0, folder: OutputFolder | None = None) -> dict:
+                           threshold=None, seed: int = 0, folder: OutputFolder | None = None, *, method) -> dict:
     """{"ok", "problems", "summary", "layers": [...]} for an in-place output folder (see module doc).
-    folder: the folder's verify.folder.OutputFolder when already walked (its shard headers are reused)."""
+    folder: the folder's verify.folder.OutputFolder when already walked (its shard headers are reused);
+    method: the manifest's CPU method (its thresholds["moe_rel_l2"] is the default MoE-output limit)."""
     report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run"}
     try:
         ck = (folder or OutputFolder.scan(out)).checkpoint()
@@ -39,7 +36,7 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     except KtConvertError as exc:
         report["problems"].append(str(exc))
         return report
-    limit = DEFAULT_LIMITS.get(manifest["method"], 0.3) if threshold is None else float(threshold)
+    limit = method.thresholds["moe_rel_l2"] if threshold is None else float(threshold)
     rng = np.random.default_rng(seed)
     for layer in chosen:
         sample = choose_experts(rng, int(manifest["model"]["experts"]), experts)

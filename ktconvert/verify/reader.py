@@ -24,7 +24,6 @@ import numpy as np
 from ktconvert.errors import InputError, UnknownNameError, VerifyError
 from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.layouts.naming import PROJS, kt_relpath, merged_key, parse_kt_relpath, part_shape
-from ktconvert.quant.methods import METHODS
 from ktconvert.verify.folder import OutputFolder
 
 _NUMA_DIR = re.compile(r"^_numa_(\d+)$")
@@ -41,11 +40,10 @@ class ExpertBlobs:
     sha256: dict = field(default_factory=dict)
 
 
-def _method_hint(proj: str, nbytes: int, hidden: int, intermediate: int, kind: str) -> str | None:
-    """"looks like AMXINT8 with numa 2" when another (method, NUMA count) gives exactly nbytes, else None."""
+def _method_hint(methods, proj: str, nbytes: int, hidden: int, intermediate: int, kind: str) -> str | None:
+    """"looks like AMXINT8 with numa 2" when another (method of `methods`, NUMA count) gives exactly nbytes."""
     guesses = []
-    for name in METHODS.names():
-        method = METHODS.get(name)
+    for name, method in methods.items():
         if not hasattr(method, "quant_bytes"):
             continue
         for numa in (1, 2, 3, 4, 6, 8, 16):
@@ -61,12 +59,13 @@ def _method_hint(proj: str, nbytes: int, hidden: int, intermediate: int, kind: s
 class KtOutput:
     """A converted folder plus its manifest. Attributes: root, manifest, method (CpuMethod), kt_method
     ("AMXINT4"), numa, layers, experts, hidden, intermediate, inter_part (I / numa), mode ("safetensors" | "kt"),
-    shapes {proj: (n, k, quant bytes, scale bytes)} per NUMA part."""
+    shapes {proj: (n, k, quant bytes, scale bytes)} per NUMA part. `methods`: the CPU method registry (name ->
+    method class, with .get and .items), for the manifest's method and for hints naming what the sizes fit."""
 
-    def __init__(self, root, manifest: dict, folder: OutputFolder | None = None):
-        self.root, self.manifest = Path(root), manifest
+    def __init__(self, root, manifest: dict, methods, folder: OutputFolder | None = None):
+        self.root, self.manifest, self.methods = Path(root), manifest, methods
         try:
-            self.method = METHODS.get(manifest["method"])
+            self.method = methods.get(manifest["method"])
             model = manifest["model"]
             self.numa, self.experts = int(manifest["numa"]), int(model["experts"])
             self.hidden, self.intermediate = int(model["hidden"]), int(model["intermediate"])
@@ -74,8 +73,9 @@ class KtOutput:
         except (KeyError, TypeError, ValueError, UnknownNameError) as exc:
             raise InputError(f"manifest lacks what the runtime needs ({exc})", file="ktconvert.json") from None
         if not hasattr(self.method, "quant_bytes"):
+            tiles = [m.kt_method for _, m in methods.items() if hasattr(m, "quant_bytes")]
             raise InputError("method is not a converted kt-kernel format", file="ktconvert.json",
-                             found=str(manifest["method"]), expected="AMXINT4 or AMXINT8")
+                             found=str(manifest["method"]), expected=" or ".join(tiles))
         self.kt_method = self.method.kt_method
         self.inter_part = self.intermediate // max(self.numa, 1)
         self.shapes = {}
@@ -88,10 +88,11 @@ class KtOutput:
             else None
 
     @classmethod
-    def open(cls, out, manifest: dict | None = None, folder: OutputFolder | None = None) -> "KtOutput":
+    def open(cls, out, manifest: dict | None = None, folder: OutputFolder | None = None, *,
+             methods) -> "KtOutput":
         """Open folder ``out``; reads ``ktconvert.json`` unless ``manifest`` is given, walks the folder unless
         ``folder`` (its verify.folder.OutputFolder) is given."""
-        return cls(out, load_manifest(out) if manifest is None else manifest, folder)
+        return cls(out, load_manifest(out) if manifest is None else manifest, methods, folder)
 
     # ---- merged safetensors -------------------------------------------------------------------------------------
 
@@ -125,7 +126,7 @@ class KtOutput:
         if ref.nbytes != want:
             raise VerifyError(f"tensor size does not match {self.kt_method} with numa {self.numa}", file=where,
                               tensor=key, expected=f"{want} bytes", found=f"{ref.nbytes} bytes",
-                              hint=_method_hint(proj, ref.nbytes, self.hidden, self.intermediate, kind))
+                              hint=_method_hint(self.methods, proj, ref.nbytes, self.hidden, self.intermediate, kind))
         return _pread(Path(ref.file), ref.offset, ref.nbytes, key)
 
     # ---- .kt tree -----------------------------------------------------------------------------------------------
@@ -158,7 +159,7 @@ class KtOutput:
         if not others:
             return VerifyError("file missing", file=rel, hint=None if folder.is_dir() else f"no folder {folder.name}")
         o = others[0]
-        hint = _method_hint(proj, o["bytes"], self.hidden, self.intermediate, kind)
+        hint = _method_hint(self.methods, proj, o["bytes"], self.hidden, self.intermediate, kind)
         return VerifyError(f"file missing; the folder holds {o['prefix']}_{proj}_{expert}_{o['bytes']}Byte_{part}_.kt",
                            file=rel, expected=f"{self.method.file_prefix} files for {self.kt_method} numa {self.numa}",
                            found=f"{o['prefix']}, {o['bytes']} bytes", hint=hint)

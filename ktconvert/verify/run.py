@@ -13,8 +13,7 @@ from ktconvert.errors import InputError, ShapeError, UnknownNameError
 from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.gpu import verify as gpu_verify
 from ktconvert.ops import bundle as ops_bundle, hub as ops_hub
-from ktconvert.quant.methods import METHODS
-from ktconvert.verify import numeric_amx, numeric_inplace, structure
+from ktconvert.methods import METHODS, CpuMethod
 from ktconvert.verify.folder import OutputFolder
 from ktconvert.verify.hashes import verify_hashes
 
@@ -58,9 +57,9 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
     else:
         _skip(result, "hashes", "skipped", "use --hashes")
     if kind == "cpu" and manifest.get("method", "") in METHODS:
-        check = numeric_inplace.check_inplace_numerics if _in_place(manifest) else numeric_amx.check_numerics
-        _add_report(result, "numerics", check(out, manifest, source, tokens, layers, experts, threshold,
-                                              folder=folder))
+        method = CpuMethod.from_manifest(manifest)
+        _add_report(result, "numerics", method.check_numerics(out, manifest, source, tokens, layers, experts,
+                                                              threshold, folder=folder))
     if remote is not None:
         _add_report(result, "remote", ops_hub.verify_remote(manifest, remote, hub, revision, endpoint))
     else:
@@ -68,20 +67,10 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
     return result
 
 
-def _in_place(manifest: dict) -> bool:
-    return not METHODS.get(manifest["method"]).needs_conversion
-
-
 def check_structure(folder: OutputFolder, manifest: dict) -> tuple[list[str], str]:
     """(problems, detail) of the folder's layout against the manifest's method / NUMA count / model."""
     try:
-        method = METHODS.get(manifest["method"])
-        group = manifest.get("group_size")
-        if group and hasattr(method, "with_group_size"):
-            method = method.with_group_size(int(group))
-        if not method.needs_conversion:
-            return structure.check_hf_tensors(folder, manifest, method)
-        return structure.check_tiles(folder, manifest, method)
+        return CpuMethod.from_manifest(manifest).check_structure(folder, manifest)
     except (KeyError, TypeError, ValueError, UnknownNameError, ShapeError) as exc:
         return [f"ktconvert.json: cannot derive the expected tensors ({exc})"], ""
 
