@@ -11,7 +11,7 @@ import pytest
 from ktconvert.errors import ShapeError, UsageError
 from ktconvert.formats.base import ExpertWeights
 from ktconvert.formats.inplace_sink import INDEX_NAME, InplaceSink
-from ktconvert.formats.quantized import decode_matrix, detect_scheme
+from ktconvert.formats.decoders import decode_matrix, detect_scheme
 from ktconvert.formats.safetensors_reader import Checkpoint
 from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from ktconvert.methods import METHODS

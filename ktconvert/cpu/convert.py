@@ -111,11 +111,7 @@ class CpuOutput:
 
     def _write_dense(self) -> None:
         """Non-expert tensors (kt-kernel's blk. renaming) into the last shard, one tensor at a time."""
-        ck = self.source.checkpoint
-        expert = {n for layer in self.source.info.moe_layers + self.source.info.mtp_layers
-                  for n in _expert_tensor_set(self.source, layer)}
-        specs = [(name, ref.dtype, ref.shape) for name, ref in sorted(ck.tensors.items()) if name not in expert]
-        result = self.sink.write_dense(specs, ck.read)
+        result = self.sink.write_dense(*self.source.dense_tensors())
         self.dense = {"files": [{"path": r.path, **r.entry()} for r in result.files], "tensors": result.tensors}
 
     def _manifest(self, extra) -> dict:
@@ -143,13 +139,6 @@ class CpuOutput:
         return manifest
 
 
-def _expert_tensor_set(source, layer: int) -> set[str]:
-    names: set[str] = set()
-    for e in range(source.info.n_experts):
-        names.update(source.expert_tensor_names(layer, e).values())
-    return names
-
-
 # ---------------------------------------------------------------------------------------------- entry point
 
 def open_cpu_output(src, out, *, method: str, numa: int, layout: str, quant: str, group_size: int | None,
@@ -157,7 +146,7 @@ def open_cpu_output(src, out, *, method: str, numa: int, layout: str, quant: str
     """Everything before the first byte is converted: resolve and plan the source (no weights read), check
     biases, prepare OUT, start (or reopen) the journal. Returns (CpuOutput, source), or None when `resume` finds
     OUT already complete."""
-    from ktconvert.formats.base import open_source
+    from ktconvert.formats.sources import open_source
     from ktconvert.cpu.plan import plan
     from ktconvert.methods import METHODS
 
@@ -166,9 +155,8 @@ def open_cpu_output(src, out, *, method: str, numa: int, layout: str, quant: str
                     include_mtp=include_mtp, out=str(out))
     source = open_source(src_path)
     _check_biases(source, the_plan, allow_drop_bias)
-    if include_dense and not hasattr(source, "checkpoint"):
-        raise InputError(f"--include-dense needs a safetensors checkpoint; this input is {source.input_format}",
-                         file=src_path)
+    if include_dense:
+        source.dense_tensors()   # InputError where the source has no dense tensors to give
     qmethod = METHODS.get(method).configured(group_size)
     out_dir = Path(out)
     prepare_output(out_dir, src_path, resume, force)

@@ -17,7 +17,7 @@ from pathlib import Path
 from ktconvert.errors import OutputError, UsageError
 from ktconvert.formats.kt_sink import copy_sources
 from ktconvert.formats.st_writer import build_header
-from ktconvert.formats.base import open_source
+from ktconvert.formats.sources import open_source
 from ktconvert.envinfo import cpu_flags
 from ktconvert.layouts.naming import INDEX_NAME, PROJS, kt_relpath, merged_key, part_shape, shard_name
 from ktconvert.methods import METHODS

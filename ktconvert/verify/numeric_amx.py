@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from ktconvert.errors import InputError, KtConvertError, VerifyError
-from ktconvert.formats.base import open_source
+from ktconvert.formats.sources import open_source
 from ktconvert.native import forward as native_rt
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verify.reader import KtOutput

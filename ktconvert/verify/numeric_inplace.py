@@ -1,7 +1,7 @@
 """Numeric part of ``ktconvert verify`` for the in-place outputs (bf16, rawint4, fp8).
 
 These files are ordinary HF tensors that kt-kernel's native loaders read and slice themselves, so the check decodes
-each sampled expert matrix with the input decoders (``formats/quantized.py``: compressed-tensors int4 and FP8 block
+each sampled expert matrix with the input decoders (``formats/decoders``: compressed-tensors int4 and FP8 block
 dequantization, the same code that reads such checkpoints as inputs) and compares, with ``source``, against the
 source weights: relative L2 and cosine per projection and of the layer's MoE output on seeded random activations.
 Without a source only decodability, finiteness and the hashes of what was read are checked.
@@ -13,9 +13,9 @@ import hashlib
 import numpy as np
 
 from ktconvert.errors import KtConvertError
-from ktconvert.formats.base import open_source
+from ktconvert.formats.sources import open_source
 from ktconvert.formats.inplace_sink import EXPERT_PREFIX, PROJ_NAMES
-from ktconvert.formats.quantized import decode_matrix, detect_scheme
+from ktconvert.formats.decoders import decode_matrix, detect_scheme
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verify.folder import OutputFolder
 from ktconvert.verify.numeric_amx import choose_experts, choose_layers, rel_l2, silu_mul
