@@ -61,10 +61,14 @@ class ShapeError(InputError, ValueError):
     """A tensor or dimension incompatible with the method, layout or NUMA count."""
 
 
-class UnknownNameError(KtConvertError, LookupError):
-    """Registry miss; the message lists the known names."""
+class UsageError(KtConvertError, ValueError):
+    """An option value that cannot work (the message lists the values that do): exit code 2, like click's own."""
 
     exit_code = EXIT_USAGE
+
+
+class UnknownNameError(UsageError, LookupError):
+    """Registry miss; the message lists the known names."""
 
 
 class NumericError(InputError):

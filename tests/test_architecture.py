@@ -245,7 +245,7 @@ def test_tiny_checkpoint_with_too_few_experts_in_config_fails_on_open(tiny_model
     import shutil
 
     from ktconvert.errors import InputError
-    from ktconvert.formats.base import open_source
+    from ktconvert.formats.sources import open_source
 
     for arch, key in (("qwen3_moe", "num_experts"), ("gpt_oss", "num_local_experts")):
         src = tmp_path / arch

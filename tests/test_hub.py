@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ktconvert.errors import RemoteError, VerifyError
-from ktconvert.formats.out_manifest import build_manifest, record_for, write_manifest
+from ktconvert.formats.fileio import record_for
+from ktconvert.formats.out_manifest import build_manifest, write_manifest
 from ktconvert.testing.hubserver import HubServer
 
 TOKEN = "hf_test_secret_token_123"
@@ -227,7 +228,8 @@ def test_hub_source_download_and_verify(hub, scheme, server, hub_env, monkeypatc
 
 def test_hub_source_then_convert(server, hub_env, monkeypatch):
     pipeline = pytest.importorskip("ktconvert.cpu.convert", reason="pipeline not importable yet")
-    from ktconvert.formats.out_manifest import load_manifest, verify_hashes
+    from ktconvert.formats.out_manifest import load_manifest
+    from ktconvert.verify.hashes import verify_hashes
     from ktconvert.testing.tiny import make_tiny_model
 
     monkeypatch.setenv("HF_ENDPOINT", server.url)

@@ -408,7 +408,7 @@ def test_missing_config_json(tmp_path, test_manifests):
 
 
 def test_open_source_registry(tmp_path, test_manifests):
-    from ktconvert.formats.base import open_source
+    from ktconvert.formats.sources import open_source
 
     root, _, _ = _fused_model(tmp_path / "m", False, True)
     assert isinstance(open_source(root), HFSource)

@@ -83,7 +83,7 @@ def test_fifo_in_a_checkpoint_is_refused(tmp_path, name):
 
 
 def test_fifo_or_device_given_as_the_source(tmp_path):
-    from ktconvert.formats.base import open_source
+    from ktconvert.formats.sources import open_source
 
     for name in ("model.safetensors", "model.gguf"):
         fifo = tmp_path / name

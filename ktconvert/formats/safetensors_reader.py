@@ -18,9 +18,9 @@ import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.formats.base import TensorRef
+from ktconvert.layouts.naming import INDEX_NAME
 from ktconvert.safe_read import check_regular, open_regular, parse_json, read_json, unsafe_name
 
-INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 _PREAD_CHUNK = 1 << 30  # Linux returns at most ~2 GiB per read call

@@ -279,7 +279,7 @@ class LayerStream:
 
     def _decode_quantized(self, name: str):
         """FP8 / packed-int weights of non-expert modules, through ktconvert's decoders, as BF16."""
-        from ktconvert.formats.quantized import decode_matrix, detect_scheme
+        from ktconvert.formats.decoders import decode_matrix, detect_scheme
 
         base = name[: -len(".weight")] if name.endswith(".weight") else name
         return bits_to_torch(decode_matrix(self.checkpoint, base, detect_scheme(self.checkpoint.config)), "BF16")

@@ -201,7 +201,7 @@ def plan_jobs(jobs: list[dict]) -> list[dict]:
             else:
                 cpu = output["cpu"]
                 entry["plan"] = plan(job["source"], method=cpu["method"], numa=cpu.get("numa", 1),
-                                     layout=cpu.get("layout", "safetensors"), group_size=cpu.get("group_size", 128),
+                                     layout=cpu.get("layout", "safetensors"), group_size=cpu.get("group_size"),
                                      include_mtp=cpu.get("include_mtp", False), out=output["out"])
             plans.append(entry)
     return plans

@@ -148,7 +148,8 @@ def publish(out, repo: str, hub: str = "hf", revision: str | None = None, privat
     """Verify folder `out` against its ktconvert.json, create `repo` if needed, upload (resumable: rerunning uploads
     only what the hub lacks), add a model card, then verify the remote. Returns verify_remote's dict + "bytes",
     "files". VerifyError if the local folder or the remote does not match; RemoteError on hub failures."""
-    from ktconvert.formats.out_manifest import load_manifest, verify_hashes
+    from ktconvert.formats.out_manifest import load_manifest
+    from ktconvert.verify.hashes import verify_hashes
     from ktconvert.progress import Progress
 
     progress = progress or Progress()
@@ -181,7 +182,7 @@ def publish(out, repo: str, hub: str = "hf", revision: str | None = None, privat
 
 def _put_card(client: HubClient, repo: str, revision: str, card: bytes) -> None:
     """Upload README.md unless the hub already holds these exact bytes (no empty commit on a rerun)."""
-    from ktconvert.formats.out_manifest import hash_bytes
+    from ktconvert.formats.fileio import hash_bytes
 
     size, sha256, git_sha1 = hash_bytes(card)
     with remote_call(client, f"upload {CARD_NAME}", repo):
@@ -233,7 +234,7 @@ def resolve_source(src: str, revision: str | None = None, endpoint: str | None =
     The repo's listing is read first and every name in it checked (remote_names.check_remote_names): a repo naming
     a file outside the download folder is refused (RemoteError) before any file is requested; then exactly the
     listed *.json / *.safetensors / *.gguf files are downloaded."""
-    from ktconvert.formats.out_manifest import hash_file
+    from ktconvert.formats.fileio import hash_file
     from ktconvert.progress import Progress
 
     progress = progress or Progress()
