@@ -26,7 +26,7 @@ JOURNAL_NAME = ".ktconvert-journal.json"
 FORMAT = "ktconvert-manifest"
 FORMAT_VERSION = 1
 HASH_CHUNK = 8 << 20
-BYTE_PACKAGES = ("ktconvert", "numpy", "safetensors")  # the packages whose version can change output bytes
+BYTE_PACKAGES = ("ktconvert", "numpy")  # the packages whose version can change output bytes (we write the files)
 MODEL_KEYS = ("layers", "experts", "hidden", "intermediate")
 
 
