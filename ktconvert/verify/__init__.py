@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from ktconvert.errors import InputError, UnknownNameError
+from ktconvert.extras import require
 
 MAX_LINES_PER_KIND = 10
 _EXPERT_KEY = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_exps\.")
@@ -71,6 +72,7 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
         problems, detail = check_structure(out, manifest)
         _add_check(result, "structure", problems, detail)
     elif manifest.get("kind") == "gpu":
+        require("gpu", "verify of a GPU checkpoint")
         from ktconvert.gpu.verify import check_gpu_checkpoint
 
         result["gpu"] = check_gpu_checkpoint(out, source=source, experts=experts)
