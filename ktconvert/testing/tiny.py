@@ -166,7 +166,8 @@ def _save_shard(path: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
     """tensors: {name: (array, safetensors dtype)}, BF16 / F8 as uint16 / uint8 bits. Bytes as safetensors'
     save_file writes them (StreamingSafetensorsWriter's contract)."""
     specs = [(name, dtype, array.shape) for name, (array, dtype) in tensors.items()]
-    with StreamingSafetensorsWriter(path, specs, metadata=SHARD_METADATA) as writer:
+    # The model folder is renamed into place when complete: no per-file fsync, no hashes.
+    with StreamingSafetensorsWriter(path, specs, metadata=SHARD_METADATA, fsync_and_hash=False) as writer:
         for name, (array, _) in tensors.items():
             writer.write(name, array)
 
