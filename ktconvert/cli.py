@@ -9,6 +9,7 @@ import sys
 import click
 
 from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
+from ktconvert.extras import require
 
 CPU_METHODS = ["amxint4", "amxint8", "bf16", "rawint4", "fp8"]
 
@@ -150,6 +151,8 @@ def tiny_model(out, arch, layers, experts, hidden, intermediate, dtype, seed, fo
 def cpu(src, out, method, numa, layout, quant, group_size, calibration, threads, resume, force, include_dense,
         include_mtp, allow_drop_bias, quiet, json_progress) -> None:
     """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable)."""
+    if quant == "gptq":
+        require("gpu", "--quant gptq")
     from ktconvert.cpu.convert import convert_cpu
     from ktconvert.progress import make_progress
 
@@ -380,6 +383,7 @@ def gpu(src, out, experts, gpu_group_size, linears, algo, calibration, include_m
 
         _emit(plan_gpu(src, experts, int(gpu_group_size), linears, include_mtp), as_json, render_gpu)
         return
+    require("gpu", "ktconvert gpu")
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
         summary = convert_gpu(src, out, experts=experts, algo=algo, group_size=int(gpu_group_size), linears=linears,
                               include_mtp=include_mtp, threads=threads, resume=resume, force=force,
@@ -406,6 +410,7 @@ def convert(src, cpu_out, method, numa, layout, gpu_out, experts, gpu_group_size
             allow_drop_bias, threads, resume, force, quiet, json_progress) -> None:
     """Write the CPU and the GPU outputs of SRC in one pass (every source expert read once, RTN on both sides).
     Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write."""
+    require("gpu", "ktconvert convert")
     from ktconvert.gpu.convert import convert_both
     from ktconvert.progress import make_progress
 

@@ -93,3 +93,9 @@ class RemoteError(KtConvertError):
     """Hub API / transfer failure."""
 
     exit_code = EXIT_REMOTE
+
+
+class MissingExtraError(KtConvertError):
+    """A feature needs an optional dependency group (extra) that is not installed (ktconvert.extras.require)."""
+
+    exit_code = EXIT_USAGE

@@ -6,27 +6,50 @@ The CLI builds a reporter with `make_progress` and hands it to library code, whi
         progress.start(total_bytes, total_items, "convert")   # a new phase; may be called again for the next phase
         progress.advance(nbytes, items=1, detail="layer 3")    # thread-safe
         progress.message("resuming: 12 of 40 layers done")
-    # close() runs on exit: a final line / event with totals and elapsed time
+    # on exit: a final line / event with totals and elapsed time, saying how the phase ended (done, interrupted
+    # by Ctrl-C, failed by an exception)
 
 Renderers, chosen once:
 * ``quiet=True`` or ``KTCONVERT_NO_PROGRESS=1``: nothing (messages too).
-* ``json_lines=True``: one JSON object per line on stderr: ``{"event": "start"|"progress"|"message"|"done", ...}``
-  with ``label, bytes, total_bytes, items, total_items, elapsed_s`` (+ ``detail`` / ``text``). "progress" events are
-  throttled to one per interval (``KTCONVERT_PROGRESS_INTERVAL`` seconds, default 1).
+* ``json_lines=True``: one JSON object per line on stderr: ``{"event": "start"|"progress"|"message"|"done"|
+  "interrupted"|"failed", ...}`` with ``label, bytes, total_bytes, items, total_items, elapsed_s`` (+ ``eta_s`` on
+  "progress", ``detail`` / ``text``). "progress" events are throttled to one per interval
+  (``KTCONVERT_PROGRESS_INTERVAL`` seconds, default 1). A phase ends with exactly one of done / interrupted / failed.
 * stderr is a terminal: a tqdm bar in bytes, items and the last detail in the postfix.
-* otherwise (CI logs): a plain line per interval (default 10 s): ``label: 45.0% 1.20 GiB/2.67 GiB, 3/10 items, ...``.
+* otherwise (CI logs): a plain line per interval (default 10 s): ``label: 45.0% 1.20 GiB/2.67 GiB, 3/10 items, ...``;
+  the last line of a phase ends in ``done``, ``interrupted`` or ``failed``.
+
+Rate and ETA count from the first bytes reported (``advance``), not from ``start``: what runs before the first piece
+of work (imports of torch / compressed-tensors, opening the source) does not skew them.
+
+Third-party output: inside `make_progress`, quiet and JSON-lines runs are exact (stderr holds our JSON lines or
+nothing): progress bars (tqdm, huggingface_hub, transformers), log lines (``logging``, llmcompressor's and
+compressed-tensors' loguru loggers, which write to stdout) and Python warnings are switched off. Plain-line runs switch
+off the bars and the loguru loggers; a terminal run leaves third-party output alone.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import threading
 import time
+import warnings
 
 ENV_DISABLE = "KTCONVERT_NO_PROGRESS"
 ENV_INTERVAL = "KTCONVERT_PROGRESS_INTERVAL"
+DONE, INTERRUPTED, FAILED = "done", "interrupted", "failed"   # how a phase ended
+
+# Switches third-party libraries read from the environment when they are imported (the CLI imports them inside
+# make_progress). "bars": progress bars; "loguru": llmcompressor's / compressed-tensors' loggers; "logs": the rest.
+_SILENCING_ENV = {
+    "bars": {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"},
+    "loguru": {"LLM_COMPRESSOR_LOG_DISABLED": "true", "COMPRESSED_TENSORS_LOG_DISABLED": "true"},
+    "logs": {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"},
+}
+_LOGURU_LIBRARIES = ("llmcompressor", "compressed_tensors")
 
 
 def human_bytes(n: float) -> str:
@@ -43,9 +66,13 @@ class Progress:
 
     `draws_bars`: True only for the terminal renderer; callers running third-party clients (hub uploads) switch
     those clients' own bars off when it is False so CI logs and JSON-lines output stay clean.
+    `silences`: which third-party output make_progress switches off while this reporter is in use (see
+    quiet_third_party).
     """
 
     draws_bars = False
+    silences = frozenset({"bars", "loguru", "logs"})
+    clock = staticmethod(time.monotonic)   # seconds; tests put a fake clock on an instance
 
     def __init__(self, stream=None, interval: float = 1.0):
         self.stream = stream if stream is not None else sys.stderr
@@ -56,7 +83,9 @@ class Progress:
         self.bytes_done = 0
         self.items_done = 0
         self.detail = ""
-        self._t0 = time.monotonic()
+        self._t0 = self.clock()
+        self._work_t0: float | None = None    # when the first bytes were reported (the rate clock)
+        self._work_bytes0 = 0
         self._last_emit = 0.0
         self._lock = threading.Lock()
         self._active = False
@@ -73,7 +102,8 @@ class Progress:
             self.bytes_done = 0
             self.items_done = 0
             self.detail = ""
-            self._t0 = time.monotonic()
+            self._t0 = self.clock()
+            self._work_t0 = None
             self._last_emit = self._t0
             self._active = True
             self._on_start()
@@ -83,14 +113,18 @@ class Progress:
         with self._lock:
             if not self._active:
                 self._active = True
-                self._t0 = time.monotonic()
+                self._t0 = self.clock()
+                self._work_t0 = None
                 self._last_emit = self._t0
                 self._on_start()
+            if self._work_t0 is None and nbytes:
+                self._work_t0, self._work_bytes0 = self.clock(), self.bytes_done + int(nbytes)
+                self._on_work_started()
             self.bytes_done += int(nbytes)
             self.items_done += int(items)
             if detail:
                 self.detail = detail
-            now = time.monotonic()
+            now = self.clock()
             due = now - self._last_emit >= self.interval
             if due:
                 self._last_emit = now
@@ -101,21 +135,40 @@ class Progress:
         with self._lock:
             self._on_message(str(text))
 
-    def close(self) -> None:
-        """End the current phase (final line / event); safe to call twice."""
+    def close(self, status: str = DONE) -> None:
+        """End the current phase with a final line / event saying `status` (DONE, INTERRUPTED, FAILED); safe to
+        call twice."""
         with self._lock:
             if self._active:
-                self._finish_phase()
+                self._finish_phase(status)
 
     def __enter__(self) -> "Progress":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Close the phase as done, or as interrupted (KeyboardInterrupt) / failed (any other exception)."""
+        if exc_type is None:
+            self.close(DONE)
+        else:
+            self.close(INTERRUPTED if issubclass(exc_type, KeyboardInterrupt) else FAILED)
 
     # helpers for renderers -------------------------------------------------------------------------------
     def elapsed(self) -> float:
-        return time.monotonic() - self._t0
+        return self.clock() - self._t0
+
+    def rate(self) -> float | None:
+        """Bytes per second since the first bytes were reported (None before a second report)."""
+        if self._work_t0 is None:
+            return None
+        seconds, nbytes = self.clock() - self._work_t0, self.bytes_done - self._work_bytes0
+        return nbytes / seconds if seconds > 0 and nbytes > 0 else None
+
+    def eta(self) -> float | None:
+        """Seconds left at rate() (None when unknown)."""
+        rate = self.rate()
+        if rate is None or not self.total_bytes or self.bytes_done >= self.total_bytes:
+            return None
+        return (self.total_bytes - self.bytes_done) / rate
 
     def snapshot(self) -> dict:
         """The counters as a plain dict (what the JSON events carry)."""
@@ -123,11 +176,14 @@ class Progress:
                 "items": self.items_done, "total_items": self.total_items,
                 "elapsed_s": round(self.elapsed(), 3)}
 
-    def _finish_phase(self) -> None:
+    def _finish_phase(self, status: str = DONE) -> None:
         self._active = False
-        self._on_done()
+        self._on_done(status)
 
     def _on_start(self) -> None:
+        pass
+
+    def _on_work_started(self) -> None:
         pass
 
     def _on_advance(self, nbytes: int, due: bool) -> None:
@@ -136,7 +192,7 @@ class Progress:
     def _on_message(self, text: str) -> None:
         pass
 
-    def _on_done(self) -> None:
+    def _on_done(self, status: str) -> None:
         pass
 
 
@@ -153,18 +209,21 @@ class JsonLinesProgress(Progress):
 
     def _on_advance(self, nbytes: int, due: bool) -> None:
         if due:
-            self._emit("progress", detail=self.detail)
+            eta = self.eta()
+            self._emit("progress", detail=self.detail, eta_s=None if eta is None else round(eta, 1))
 
     def _on_message(self, text: str) -> None:
         self.stream.write(json.dumps({"event": "message", "label": self.label, "text": text}, sort_keys=True) + "\n")
         self.stream.flush()
 
-    def _on_done(self) -> None:
-        self._emit("done")
+    def _on_done(self, status: str) -> None:
+        self._emit(status)
 
 
 class PlainProgress(Progress):
     """Periodic plain lines for logs that are not a terminal (CI)."""
+
+    silences = frozenset({"bars", "loguru"})
 
     def _line(self) -> str:
         parts = []
@@ -176,13 +235,12 @@ class PlainProgress(Progress):
         if self.total_items or self.items_done:
             total = f"/{self.total_items}" if self.total_items else ""
             parts.append(f"{self.items_done}{total} items")
-        elapsed = self.elapsed()
-        if elapsed > 0 and self.bytes_done:
-            rate = self.bytes_done / elapsed
+        rate, eta = self.rate(), self.eta()
+        if rate is not None:
             parts.append(f"{human_bytes(rate)}/s")
-            if self.total_bytes > self.bytes_done and rate > 0:
-                parts.append(f"eta {int((self.total_bytes - self.bytes_done) / rate)}s")
-        parts.append(f"{elapsed:.1f}s")
+        if eta is not None:
+            parts.append(f"eta {int(eta)}s")
+        parts.append(f"{self.elapsed():.1f}s")
         text = ", ".join(parts)
         if self.detail:
             text += f" [{self.detail}]"
@@ -204,14 +262,15 @@ class PlainProgress(Progress):
     def _on_message(self, text: str) -> None:
         self._write(f"{self.label}: {text}" if self.label else text)
 
-    def _on_done(self) -> None:
-        self._write(self._line() + " done")
+    def _on_done(self, status: str) -> None:
+        self._write(f"{self._line()} {status}")
 
 
 class TqdmProgress(Progress):
     """A tqdm bar in bytes on a terminal; items and the last detail in the postfix."""
 
     draws_bars = True
+    silences = frozenset()
 
     def __init__(self, stream=None, interval: float = 0.2):
         super().__init__(stream, interval)
@@ -242,9 +301,14 @@ class TqdmProgress(Progress):
         else:
             self.stream.write(text + "\n")
 
-    def _on_done(self) -> None:
+    def _on_work_started(self) -> None:
         if self._bar is not None:
-            self._bar.set_postfix_str(self._postfix(), refresh=False)
+            self._bar.unpause()   # tqdm's rate clock starts now, not when the bar was drawn
+
+    def _on_done(self, status: str) -> None:
+        if self._bar is not None:
+            postfix = self._postfix() if status == DONE else " ".join(p for p in (self._postfix(), status) if p)
+            self._bar.set_postfix_str(postfix, refresh=False)
             self._bar.close()
             self._bar = None
 
@@ -274,9 +338,70 @@ def choose_progress(quiet: bool = False, json_lines: bool = False, stream=None) 
 
 @contextlib.contextmanager
 def make_progress(quiet: bool = False, json_lines: bool = False, stream=None):
-    """Context manager yielding a `Progress` (see module docstring); closes it on exit, also on error."""
+    """Context manager yielding a `Progress` (see module docstring). On exit the phase is closed as done, or as
+    interrupted (KeyboardInterrupt) / failed (any other exception), which then propagates. Third-party output is
+    switched off as the reporter's `silences` say for the duration."""
     progress = choose_progress(quiet=quiet, json_lines=json_lines, stream=stream)
-    try:
+    with quiet_third_party(progress.silences), progress:
         yield progress
+
+
+@contextlib.contextmanager
+def quiet_third_party(kinds=frozenset({"bars", "loguru", "logs"})):
+    """Switch third-party output off while the block runs. kinds: "bars" (tqdm, huggingface_hub and transformers
+    progress bars), "loguru" (llmcompressor's and compressed-tensors' loggers, which write to stdout), "logs"
+    (every `logging` record and every Python warning).
+
+    Libraries imported inside the block read the environment switches; those already imported are switched through
+    their own APIs. Everything but the loguru loggers is restored on exit (those stay off for the process: loguru
+    cannot say whether a library was enabled before).
+    """
+    kinds = frozenset(kinds)
+    env = {key: value for kind in sorted(kinds) for key, value in _SILENCING_ENV.get(kind, {}).items()}
+    saved_env = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    saved_logging = logging.root.manager.disable
+    with contextlib.ExitStack() as stack:
+        if "bars" in kinds:
+            stack.enter_context(_loaded_library_bars_off())
+        if "loguru" in kinds and "loguru" in sys.modules:
+            from loguru import logger
+
+            for library in _LOGURU_LIBRARIES:
+                logger.disable(library)
+        if "logs" in kinds:
+            stack.enter_context(warnings.catch_warnings())
+            warnings.simplefilter("ignore")
+            logging.disable(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            logging.disable(saved_logging)
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _loaded_library_bars_off():
+    """huggingface_hub's and transformers' own bar switches, for whichever of them is already imported."""
+    restore = []
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+        if not are_progress_bars_disabled():
+            disable_progress_bars()
+            restore.append(enable_progress_bars)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        if hf_logging.is_progress_bar_enabled():
+            hf_logging.disable_progress_bar()
+            restore.append(hf_logging.enable_progress_bar)
+    try:
+        yield
     finally:
-        progress.close()
+        for switch_back in restore:
+            switch_back()

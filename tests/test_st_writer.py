@@ -106,6 +106,23 @@ def test_hashes_after_close(tmp_path):
     assert writer.tensor_sha256 == {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in loaded.items()}
 
 
+def test_scratch_mode_same_bytes_no_hashes(tmp_path, monkeypatch):
+    """fsync_and_hash=False (tiny models): the library's bytes, nothing fsynced, no hashes."""
+    import ktconvert.formats.st_writer as st_writer
+
+    rng = np.random.default_rng(5)
+    tensors = {"w": rng.integers(-9, 9, size=(300, 7), dtype=np.int8), "s": rng.standard_normal(9).astype(np.float32)}
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    fsynced = []
+    monkeypatch.setattr(st_writer.os, "fsync", fsynced.append)
+    specs = [(name, NUMPY_TO_ST[a.dtype], a.shape) for name, a in tensors.items()]
+    with StreamingSafetensorsWriter(tmp_path / "out.safetensors", specs, {"format": "pt"}, fsync_and_hash=False) as w:
+        for name, array in tensors.items():
+            w.write(name, array)
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert (w.sha256, w.git_sha1, w.tensor_sha256, fsynced) == (None, None, {"w": "", "s": ""}, [])
+
+
 def test_temp_file_never_matches_shard_glob(tmp_path):
     path = tmp_path / "model-00001-of-00002.safetensors"
     writer = StreamingSafetensorsWriter(path, [("w", "I8", (4,))])

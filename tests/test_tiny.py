@@ -130,6 +130,25 @@ def test_dtypes_share_values(tiny_model):
     assert json.loads((fp16 / "config.json").read_text())["torch_dtype"] == "float16"
 
 
+@pytest.mark.parametrize("arch, dtype", [("deepseek_v3", "bf16"), ("deepseek_v3", "fp8"), ("kimi_k2", "ct-int4"),
+                                         ("gpt_oss", "mxfp4"), ("mixtral", "fp32"), ("qwen3_moe", "fp16")])
+def test_shards_are_what_safetensors_writes(tiny_model, tmp_path, arch, dtype):
+    """The shards are written by ktconvert's own writer (no torch); reference: safetensors itself, loading every
+    shard and saving the same tensors and metadata again gives the same bytes."""
+    pytest.importorskip("torch")
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tiny_model(arch, dtype=dtype)
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        assert metadata == {"format": "pt"}
+        again = tmp_path / shard.name
+        save_file(tensors, str(again), metadata=metadata)
+        assert again.read_bytes() == shard.read_bytes(), shard.name
+
+
 def test_overrides_and_layer_types(tiny_model):
     path = tiny_model("qwen3_next", layers=5, experts=4, hidden=128, intermediate=384)
     cfg = json.loads((path / "config.json").read_text())

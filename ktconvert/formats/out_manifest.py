@@ -25,7 +25,7 @@ MANIFEST_NAME = "ktconvert.json"
 JOURNAL_NAME = ".ktconvert-journal.json"
 FORMAT = "ktconvert-manifest"
 FORMAT_VERSION = 1
-BYTE_PACKAGES = ("ktconvert", "numpy", "safetensors")  # the packages whose version can change output bytes
+BYTE_PACKAGES = ("ktconvert", "numpy")  # the packages whose version can change output bytes (we write the files)
 MODEL_KEYS = ("layers", "experts", "hidden", "intermediate")
 
 

@@ -93,12 +93,16 @@ class StreamingSafetensorsWriter:
     specs:    [(name, dtype, shape)], dtype a safetensors name ("I8", "F32", "BF16", ...); every tensor must be
               written exactly once with ``write(name, array)``.
     metadata: the ``__metadata__`` map (str -> str) or None (no ``__metadata__`` entry).
+    fsync_and_hash: False for scratch files in a folder that is renamed into place as a whole when complete (tiny
+              models): no fsync and no hashing, same bytes; ``sha256`` / ``git_sha1`` stay None and
+              ``tensor_sha256`` maps each written name to "".
 
     After ``close()``: ``size``, ``sha256``, ``git_sha1`` (of the whole file) and ``tensor_sha256`` ({name: hex}).
     """
 
-    def __init__(self, path, specs, metadata: dict[str, str] | None = None):
+    def __init__(self, path, specs, metadata: dict[str, str] | None = None, fsync_and_hash: bool = True):
         self.path = Path(path)
+        self.fsync_and_hash = fsync_and_hash
         self.temp_path = temp_path_for(self.path)
         specs = [(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in specs]
         names = [n for n, _, _ in specs]
@@ -140,7 +144,7 @@ class StreamingSafetensorsWriter:
             _pwrite_all(self._fd, data, begin)
         except OSError as exc:
             raise OutputError(f"write failed ({exc.strerror})", file=str(self.temp_path), tensor=name) from None
-        digest = hashlib.sha256(data).hexdigest()
+        digest = hashlib.sha256(data).hexdigest() if self.fsync_and_hash else ""
         self.tensor_sha256[name] = digest
         return digest
 
@@ -168,7 +172,8 @@ class StreamingSafetensorsWriter:
         return sorted(set(self._spans) - set(self.tensor_sha256))
 
     def close(self) -> None:
-        """Check completeness, fsync, hash the file (one sequential read), rename into place, fsync the dir."""
+        """Check completeness, fsync, hash the file (one sequential read), rename into place, fsync the dir (no fsync
+        and no hashing without fsync_and_hash)."""
         if self._fd is None:
             raise OutputError("writer already closed or aborted", file=self.path.name)
         missing = self.missing()
@@ -177,10 +182,14 @@ class StreamingSafetensorsWriter:
             raise OutputError(f"shard incomplete: {len(missing)} tensor(s) never written", file=self.path.name,
                               tensor=missing[0], found=", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""))
         try:
-            os.fsync(self._fd)
+            if self.fsync_and_hash:
+                os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
-            size, self.sha256, self.git_sha1 = hash_file(self.temp_path)
+            if self.fsync_and_hash:
+                size, self.sha256, self.git_sha1 = hash_file(self.temp_path)
+            else:
+                size = os.stat(self.temp_path).st_size
             if size != self.size:
                 raise OutputError("file size changed while writing", file=str(self.temp_path),
                                   expected=str(self.size), found=str(size))
@@ -188,7 +197,8 @@ class StreamingSafetensorsWriter:
         except OSError as exc:
             self.abort()
             raise OutputError(f"cannot finish output file ({exc.strerror})", file=str(self.path)) from None
-        fsync_dir(self.path.parent)
+        if self.fsync_and_hash:
+            fsync_dir(self.path.parent)
 
     def abort(self) -> None:
         """Close and delete the temporary file (the final name is never touched)."""

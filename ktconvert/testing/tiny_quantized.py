@@ -18,7 +18,8 @@ import numpy as np
 from ktconvert.quant.ct_int4 import pack_quantized_config as ct_int4_config
 from ktconvert.quant import ct_int4, fp8, mxfp4
 from ktconvert.quant.bf16 import f32_to_bf16_bits
-from ktconvert.testing.tiny import DTYPE_WRITERS, TensorSpec
+from ktconvert.testing.tiny import DTYPE_WRITERS
+from ktconvert.testing.tiny_layout import TensorSpec
 
 FP8_BLOCK = (128, 128)
 CT_GROUP = 32

@@ -16,6 +16,7 @@ from ktconvert.ops import bundle as ops_bundle, hub as ops_hub
 from ktconvert.methods import METHODS, CpuMethod
 from ktconvert.verify.folder import OutputFolder
 from ktconvert.verify.hashes import verify_hashes
+from ktconvert.extras import require
 
 
 def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None, experts="4", threshold=None,
@@ -44,6 +45,7 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
         problems, detail = check_structure(folder, manifest)
         _add_check(result, "structure", problems, detail)
     elif kind == "gpu":
+        require("gpu", "verify of a GPU checkpoint")
         result["gpu"] = gpu_verify.check_gpu_checkpoint(out, source=source, experts=experts, folder=folder)
         for check in result["gpu"]["checks"]:
             _add_check(result, check["name"], check["problems"], check["detail"])
