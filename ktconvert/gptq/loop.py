@@ -28,6 +28,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from ktconvert.gpu.experts import quantize_expert_rtn, scheme
+from ktconvert.gptq.calibration import oneshot_order
 from ktconvert.gptq.hessians import StopForward, expert_hessians, gptq_module, routes, shared_gate_up
 from ktconvert.gptq.skeleton import experts_module
 from ktconvert.gptq.stream import DecoderStream
@@ -66,8 +68,6 @@ class LayerStream(DecoderStream):
     and GptqOptions."""
 
     def __init__(self, src, samples: list, quantizer, options: GptqOptions = GptqOptions()):
-        from ktconvert.gptq.calibration import oneshot_order
-
         self.quantizer, self.options = quantizer, options
         super().__init__(src, oneshot_order(samples) if samples else samples, device=options.device,
                          causal_mask=options.causal_mask)
@@ -155,8 +155,6 @@ class GpuQuantizer:
     "weight_shape": int64 [2]} — the same dict as ktconvert.gpu.experts.quantize_expert_rtn."""
 
     def __init__(self, bits: int, group_size: int, actorder: str | None = "static"):
-        from ktconvert.gpu.experts import scheme
-
         self.bits, self.group_size = bits, group_size
         self.scheme = scheme(bits, group_size, actorder)
         self.rtn_fallback: list[str] = []   # modules where llmcompressor itself fell back (not positive definite)
@@ -196,8 +194,6 @@ class GpuQuantizer:
         """RTN exactly as model_free_ptq (ktconvert.gpu.experts.quantize_expert_rtn)."""
         import numpy as np
         import torch
-
-        from ktconvert.gpu.experts import quantize_expert_rtn
 
         out = {}
         for proj in ("gate", "up", "down"):

@@ -19,6 +19,9 @@ import contextlib
 import re
 
 from ktconvert.errors import InputError
+from ktconvert.formats.hf_source import HFSource
+from ktconvert.formats.quantized import decode_matrix, detect_scheme
+from ktconvert.gptq.inputs import record_inputs
 from ktconvert.gptq.skeleton import (bits_to_torch, build_skeleton, malloc_trim, pick_device, to_device,
                                      torch_dtype_of)
 
@@ -33,9 +36,6 @@ class DecoderStream:
     "cuda" / None (CUDA when torch sees one); causal_mask False: attention_mask=None (tests only)."""
 
     def __init__(self, src, samples: list, *, dtype=None, device: str | None = None, causal_mask: bool = True):
-        from ktconvert.formats.hf_source import HFSource
-        from ktconvert.gptq.inputs import record_inputs
-
         if not samples:
             raise InputError("no calibration samples", hint="--calibration FILE must hold at least one sample")
         self.source = src if isinstance(src, HFSource) else HFSource.open(src)
@@ -87,8 +87,6 @@ class DecoderStream:
 
     def _decode_quantized(self, name: str):
         """FP8 / packed-int weights of non-expert modules, through ktconvert's decoders, as BF16."""
-        from ktconvert.formats.quantized import decode_matrix, detect_scheme
-
         base = name[: -len(".weight")] if name.endswith(".weight") else name
         return bits_to_torch(decode_matrix(self.checkpoint, base, detect_scheme(self.checkpoint.config)), "BF16")
 
