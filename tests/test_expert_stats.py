@@ -34,8 +34,8 @@ def _calibration(tmp_path, samples) -> str:
     return str(path)
 
 
-def _transformers_model(src):
-    """The full transformers model, float32, eager attention; Kimi-K2 through DeepSeek-V3's classes (the
+def _transformers_model(src, dtype):
+    """The full transformers model in `dtype`, eager attention; Kimi-K2 through DeepSeek-V3's classes (the
     checkpoint ships no transformers class of its own)."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -43,15 +43,14 @@ def _transformers_model(src):
     if config["model_type"] == "kimi_k2":
         cfg = DeepseekV3Config(**{k: v for k, v in config.items() if k not in ("model_type", "auto_map",
                                                                               "architectures")})
-        return DeepseekV3ForCausalLM.from_pretrained(str(src), config=cfg, dtype=torch.float32,
-                                                     attn_implementation="eager")
-    return AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, attn_implementation="eager")
+        return DeepseekV3ForCausalLM.from_pretrained(str(src), config=cfg, dtype=dtype, attn_implementation="eager")
+    return AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype, attn_implementation="eager")
 
 
-def _transformers_counts(src, samples) -> np.ndarray:
+def _transformers_counts(src, samples, dtype=torch.float32) -> np.ndarray:
     """int64 [num_hidden_layers, E]: per layer, the expert ids transformers' MoE blocks pass to their (fused)
     experts module, counted over `samples`."""
-    model = _transformers_model(src)
+    model = _transformers_model(src, dtype)
     text = model.config.get_text_config()
     n_experts = next(getattr(text, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
                      if getattr(text, k, None))
@@ -279,3 +278,57 @@ def test_load_refuses_what_sglang_refuses(tmp_path):
             load_activation(tmp_path / name, 3, 8)
     torch.save(torch.ones(2, 3, 8, dtype=torch.int64), tmp_path / "bare.pt")   # bare tensor, buffer of 2
     assert load_activation(tmp_path / "bare.pt", 3, 8).counts.tolist() == [[2.0] * 8] * 3
+
+
+# ---------------------------------------------------------------------------------------------- by-product
+
+def _by_product_checks(out, src, calib, samples):
+    """OUT/expert_activation.pt: recorded in ktconvert.json (sha256), named in its SGLang flags, loadable by
+    SGLang-KT's rules, holding the GPTQ stream's routed-token counts. `src` has one (MoE) layer, whose input no
+    quantized layer has touched: its routing is transformers' own bf16 forward's."""
+    from ktconvert.formats.out_manifest import hash_file
+
+    manifest = json.loads((out / "ktconvert.json").read_text())
+    path = out / "expert_activation.pt"
+    assert manifest["expert_activation"] == "expert_activation.pt"
+    assert manifest["files"]["expert_activation.pt"]["sha256"] == hash_file(path)[1]
+    assert "--init-expert-location ./expert_activation.pt --kt-expert-placement-strategy frequency" in \
+        manifest["sglang_args"]
+    config = json.loads((src / "config.json").read_text())
+    freq = _sglang_load(path, config).numpy()
+    np.testing.assert_array_equal(freq, _transformers_counts(src, samples, torch.bfloat16))
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    assert data["calibration_sha256"] == hashlib.sha256(open(calib, "rb").read()).hexdigest()
+    assert data["tokens"] == sum(len(s) for s in samples) and "GPTQ" in data["routing"]["hidden_states"]
+    return manifest
+
+
+def test_cpu_gptq_conversion_leaves_activation_file(tiny_model, tmp_path):
+    from ktconvert.gptq.cpu import convert_cpu_gptq
+    from ktconvert.gptq.loop import GptqOptions
+    from ktconvert.verify import verify
+
+    src = tiny_model("qwen3_moe", layers=1, experts=4, hidden=128, intermediate=256)
+    samples = _samples((12, 9))
+    calib = _calibration(tmp_path, samples)
+    out = tmp_path / "out"
+    summary = convert_cpu_gptq(src, out, method="amxint4", numa=2, calibration=calib,
+                               options=GptqOptions(calibrate_all=False))
+    _by_product_checks(out, src, calib, samples)
+    assert summary["manifest"]["expert_activation"] == "expert_activation.pt"
+    report = verify(str(out), source=str(src), hashes=True, tokens=4, layers=None, experts="all", threshold=None,
+                    remote=None, hub="hf", revision=None, endpoint=None)
+    assert report["ok"], report["problems"]
+
+
+def test_gpu_gptq_conversion_leaves_activation_file(tiny_model, tmp_path):
+    from ktconvert.gpu.writer import convert_gpu
+
+    src = tiny_model("qwen3_moe", layers=1, experts=4, hidden=128, intermediate=128)
+    samples = _samples((12, 9))
+    calib = _calibration(tmp_path, samples)
+    out = tmp_path / "gpu"
+    line = convert_gpu(src, out, experts="w4a16", algo="gptq", linears="bf16", calibration=calib)
+    assert f"--init-expert-location {out}/expert_activation.pt --kt-expert-placement-strategy frequency" in line
+    manifest = _by_product_checks(out, src, calib, samples)
+    assert manifest["sglang_args"].startswith("--model . ")

@@ -12,15 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from ktconvert import __version__
-from ktconvert.activation.counts import (FORMAT, FORMAT_VERSION, ExpertActivation, activation_from_layers,
-                                         file_sha256, source_identity, tokens_sha256, write_activation)
+from ktconvert.activation.counts import (FILE_NAME, FORMAT, FORMAT_VERSION, ExpertActivation,
+                                         activation_from_layers, file_sha256, source_identity, tokens_sha256,
+                                         write_activation)
+from ktconvert.formats.out_manifest import record_for
 from ktconvert.activation.placement import coverage, sglang_moe_layers
 from ktconvert.activation.report import write_report
 from ktconvert.activation.routing import counting
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.hf_source import HFSource
 from ktconvert.gptq.calibration import load_samples
-from ktconvert.gptq.skeleton import experts_module, torch_dtype
+from ktconvert.gptq.skeleton import experts_module, torch_dtype, torch_dtype_of
 from ktconvert.gptq.stream import DecoderStream
 
 DTYPES = ("float32", "bfloat16")
@@ -105,6 +107,30 @@ def expert_stats(src, out, calibration, *, max_length: int = 2048, num_samples: 
         write_report(report, activation, title=f"Expert activation: {source.root.name}",
                      layers=sglang_moe_layers(source.checkpoint.config))
     return summary(activation, out, report, source.checkpoint.config)
+
+
+def write_gptq_activation(out_dir, source, tokens_by_layer: dict, calibration, *, max_length: int = 2048,
+                          num_samples: int | None = None):
+    """The by-product of a calibrated conversion: OUT/expert_activation.pt from the GPTQ stream's routed-token
+    counts ({layer: per expert}, e.g. LayerResult.tokens), the same file expert-stats writes. Its hidden states are
+    the GPTQ stream's (each layer's input from the quantized layers before it, the model's dtype): the routing of
+    the quantized model; ``routing`` in the file says so. `calibration`: the jsonl path (re-read for the metadata)
+    or the list of 1-D token tensors the conversion used. Returns the file's FileRecord for the manifest."""
+    samples, calibration_file = calibration, None
+    if not isinstance(calibration, list):
+        calibration_file = calibration
+        samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
+                               vocab_size=source.info.config.get("vocab_size"))
+    dtype = str(torch_dtype_of(source.checkpoint.config)).replace("torch.", "")
+    meta = activation_meta(source, samples, None, calibration_file,
+                           {"hidden_states": "GPTQ stream (inputs from the quantized layers before)", "dtype": dtype})
+    activation = activation_from_layers(tokens_by_layer, source.info.n_layers, source.info.n_experts, meta)
+    routed = activation.counts[list(tokens_by_layer)].sum(axis=1)
+    if (routed != meta["tokens"] * meta["top_k"]).any():
+        raise ValueError(f"routed-token counts {routed.tolist()} do not match {meta['tokens']} tokens x top-"
+                         f"{meta['top_k']}")
+    write_activation(Path(out_dir) / FILE_NAME, activation)
+    return record_for(out_dir, FILE_NAME)
 
 
 def _check_targets(out: Path, targets: list[Path], force: bool) -> None:
