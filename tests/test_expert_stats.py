@@ -34,7 +34,7 @@ def _calibration(tmp_path, samples) -> str:
     return str(path)
 
 
-def _transformers_model(src, dtype):
+def _transformers_model(src, dtype, **kwargs):
     """The full transformers model in `dtype`, eager attention; Kimi-K2 through DeepSeek-V3's classes (the
     checkpoint ships no transformers class of its own)."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
@@ -43,14 +43,18 @@ def _transformers_model(src, dtype):
     if config["model_type"] == "kimi_k2":
         cfg = DeepseekV3Config(**{k: v for k, v in config.items() if k not in ("model_type", "auto_map",
                                                                               "architectures")})
-        return DeepseekV3ForCausalLM.from_pretrained(str(src), config=cfg, dtype=dtype, attn_implementation="eager")
-    return AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype, attn_implementation="eager")
+        return DeepseekV3ForCausalLM.from_pretrained(str(src), config=cfg, dtype=dtype, attn_implementation="eager",
+                                                     **kwargs)
+    return AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype, attn_implementation="eager", **kwargs)
 
 
 def _transformers_counts(src, samples, dtype=torch.float32) -> np.ndarray:
     """int64 [num_hidden_layers, E]: per layer, the expert ids transformers' MoE blocks pass to their (fused)
     experts module, counted over `samples`."""
-    model = _transformers_model(src, dtype)
+    return _count_routes(_transformers_model(src, dtype), samples)
+
+
+def _count_routes(model, samples) -> np.ndarray:
     text = model.config.get_text_config()
     n_experts = next(getattr(text, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
                      if getattr(text, k, None))
@@ -332,3 +336,29 @@ def test_gpu_gptq_conversion_leaves_activation_file(tiny_model, tmp_path):
     assert f"--init-expert-location {out}/expert_activation.pt --kt-expert-placement-strategy frequency" in line
     manifest = _by_product_checks(out, src, calib, samples)
     assert manifest["sglang_args"].startswith("--model . ")
+
+
+def test_fp8_source_counts_equal_transformers(tiny_model):
+    """An FP8-block DeepSeek-V3 source: the counts equal transformers' float32 forward of the dequantized model,
+    with every FP8 weight set to DeepSeek's rule (w * scale_inv of its 128 x 128 block, partial edge blocks
+    included) rounded to BF16 as ktconvert decodes every source. (transformers' own dequantization splits a
+    partial edge into equal blocks instead: 192 rows as 96 + 96, not 128 + 64.)"""
+    from safetensors import safe_open
+    from transformers import FineGrainedFP8Config
+
+    from ktconvert.activation.stats import collect_activation
+
+    src = tiny_model("deepseek_v3", dtype="fp8")
+    samples = _samples()
+    model = _transformers_model(src, torch.float32, quantization_config=FineGrainedFP8Config(dequantize=True))
+    params = dict(model.named_parameters())
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    with torch.no_grad():
+        for name, file in index.items():
+            if not name.endswith("_scale_inv") or name[: -len("_scale_inv")] not in params:
+                continue
+            with safe_open(str(src / file), "pt") as f:
+                w, s = f.get_tensor(name[: -len("_scale_inv")]).float(), f.get_tensor(name)
+            blocks = s.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+            params[name[: -len("_scale_inv")]].copy_((w * blocks).to(torch.bfloat16).float())
+    np.testing.assert_array_equal(collect_activation(src, samples).counts, _count_routes(model, samples))

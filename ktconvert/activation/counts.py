@@ -53,10 +53,6 @@ class ExpertActivation:
     def n_experts(self) -> int:
         return int(self.counts.shape[1])
 
-    @property
-    def moe_layers(self) -> list[int]:
-        return list(self.meta.get("moe_layers", [L for L in range(self.n_layers) if self.counts[L].any()]))
-
 
 def activation_from_layers(per_layer: dict, n_layers: int, n_experts: int, meta: dict) -> ExpertActivation:
     """ExpertActivation from {layer: counts per expert (sequence of n_experts ints)}; layers not given are zero."""

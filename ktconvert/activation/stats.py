@@ -15,12 +15,12 @@ from ktconvert import __version__
 from ktconvert.activation.counts import (FILE_NAME, FORMAT, FORMAT_VERSION, ExpertActivation,
                                          activation_from_layers, file_sha256, source_identity, tokens_sha256,
                                          write_activation)
-from ktconvert.formats.out_manifest import record_for
 from ktconvert.activation.placement import coverage, sglang_moe_layers
 from ktconvert.activation.report import write_report
 from ktconvert.activation.routing import counting
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.hf_source import HFSource
+from ktconvert.formats.out_manifest import placement_flags, record_for
 from ktconvert.gptq.calibration import load_samples
 from ktconvert.gptq.skeleton import experts_module, torch_dtype, torch_dtype_of
 from ktconvert.gptq.stream import DecoderStream
@@ -78,12 +78,6 @@ def activation_meta(source, samples: list, top_k: int | None, calibration_file, 
             "tokens": int(sum(len(s) for s in samples)), "samples": len(samples),
             "calibration_sha256": None if calibration_file is None else file_sha256(calibration_file),
             "tokens_sha256": tokens_sha256(samples), "source": source_identity(source), "routing": dict(routing)}
-
-
-def sglang_args(path) -> str:
-    """The SGLang-KT flags that make the server place GPU experts by these counts (a GPU expert budget,
-    --kt-num-gpu-experts N per layer or --kt-gpu-experts-ratio R, is given as well)."""
-    return f"--init-expert-location {path} --kt-expert-placement-strategy frequency"
 
 
 def expert_stats(src, out, calibration, *, max_length: int = 2048, num_samples: int | None = None,
@@ -151,7 +145,7 @@ def summary(activation: ExpertActivation, path, report, config: dict) -> dict:
     return {"path": str(path), "report": None if report is None else str(report),
             "model_type": meta.get("model_type"), "layers": activation.n_layers, "moe_layers": meta["moe_layers"],
             "experts": activation.n_experts, "top_k": meta["top_k"], "tokens": meta["tokens"],
-            "samples": meta["samples"], "sglang_args": sglang_args(path),
+            "samples": meta["samples"], "sglang_args": placement_flags(path),
             "coverage": [coverage(layers, activation.counts, ratio) for ratio in COVERAGE_RATIOS]}
 
 
@@ -164,5 +158,5 @@ def render(result: dict) -> str:
     lines.append("routed (token, expert) pairs the GPU would serve with SGLang-KT's frequency placement:")
     lines += [f"  --kt-gpu-experts-ratio {c['ratio']:<4} ({c['gpu_experts']} experts): {100 * c['routed_share']:.1f}%"
               for c in result["coverage"]]
-    lines.append("SGLang-KT flags: " + result["sglang_args"] + " --kt-gpu-experts-ratio R (or --kt-num-gpu-experts N)")
+    lines.append(f"SGLang-KT flags: {result['sglang_args']} --kt-gpu-experts-ratio R (or --kt-num-gpu-experts N)")
     return "\n".join(lines)

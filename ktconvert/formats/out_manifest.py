@@ -168,7 +168,13 @@ def placement_args(manifest: dict, folder) -> str:
     """`` --init-expert-location FOLDER/FILE --kt-expert-placement-strategy frequency`` for an output whose
     manifest records expert activation counts, else ""."""
     name = manifest.get("expert_activation")
-    return f" --init-expert-location {folder}/{name} --kt-expert-placement-strategy frequency" if name else ""
+    return " " + placement_flags(f"{folder}/{name}") if name else ""
+
+
+def placement_flags(counts_path) -> str:
+    """SGLang-KT's flags for GPU expert placement by the activation counts in `counts_path` (a .pt file); the
+    GPU expert budget (--kt-gpu-experts-ratio R or --kt-num-gpu-experts N) is given besides."""
+    return f"--init-expert-location {counts_path} --kt-expert-placement-strategy frequency"
 
 
 def package_versions(names: Iterable[str] = BYTE_PACKAGES) -> dict[str, str]:
