@@ -153,9 +153,10 @@ def plan_placement(src, *, ratio: float | None = None, per_layer: int | None = N
     source = HFSource.open(src)
     layers = sglang_moe_layers(source.checkpoint.config)
     budget = gpu_expert_budget(layers, ratio, per_layer)
-    freq = None
+    freq, made_from = None, None
     if stats is not None:
-        freq = load_activation(stats, layers.num_layers, layers.num_experts).counts
+        activation = load_activation(stats, layers.num_layers, layers.num_experts)
+        freq, made_from = activation.counts, (activation.meta.get("source") or {}).get("config_sha256")
     chosen, mask = placement(layers, budget, freq)
     per_expert = plan_gpu(src, gpu_experts, group_size)["vram_per_expert_bytes"]
     rows = [{"layer": L, "gpu_experts": np.flatnonzero(mask[L]).tolist(), "count": int(mask[L].sum()),
@@ -166,6 +167,8 @@ def plan_placement(src, *, ratio: float | None = None, per_layer: int | None = N
               "gpu_experts_total": sum(r["count"] for r in rows), "vram_per_expert_bytes": per_expert,
               "vram_bytes": sum(r["vram_bytes"] for r in rows), "gpu_scheme": gpu_experts.lower(),
               "notes": _notes(source.info, layers, budget, rows)}
+    if made_from and made_from != source.config_sha256():
+        result["notes"].append("the counts were made from another config.json (sha256 differs): another model?")
     if freq is not None:
         for row, share in zip(rows, routed_share(freq, mask, layers.moe_layers)):
             row["routed_share"] = share
@@ -181,8 +184,8 @@ def _notes(info, layers: SglangMoeLayers, budget: int, rows: list) -> list[str]:
                      f"moe_layer_freq), the checkpoint has routed experts in {list(info.moe_layers)}")
     placed = sum(r["count"] for r in rows)
     if placed < budget:
-        notes.append(f"{budget - placed} of the {budget} GPU slots fall on dense layers' zero rows (budget larger "
-                     f"than the experts calibration reached): they place no expert")
+        notes.append(f"{budget - placed} of the {budget} GPU slots place no expert (kt-kernel's top-k reached dense "
+                     f"layers' zero rows, or the budget exceeds the routed experts)")
     return notes
 
 
