@@ -292,7 +292,7 @@ def _by_product_checks(out, src, calib, samples):
     """OUT/expert_activation.pt: recorded in ktconvert.json (sha256), named in its SGLang flags, loadable by
     SGLang-KT's rules, holding the GPTQ stream's routed-token counts. `src` has one (MoE) layer, whose input no
     quantized layer has touched: its routing is transformers' own bf16 forward's."""
-    from ktconvert.formats.out_manifest import hash_file
+    from ktconvert.formats.fileio import hash_file
 
     manifest = json.loads((out / "ktconvert.json").read_text())
     path = out / "expert_activation.pt"
@@ -312,7 +312,7 @@ def _by_product_checks(out, src, calib, samples):
 def test_cpu_gptq_conversion_leaves_activation_file(tiny_model, tmp_path):
     from ktconvert.gptq.cpu import convert_cpu_gptq
     from ktconvert.gptq.loop import GptqOptions
-    from ktconvert.verify import verify
+    from ktconvert.verify.run import verify
 
     src = tiny_model("qwen3_moe", layers=1, experts=4, hidden=128, intermediate=256)
     samples = _samples((12, 9))

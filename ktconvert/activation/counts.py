@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ktconvert.errors import InputError
-from ktconvert.formats.out_manifest import write_atomic
+from ktconvert.formats.fileio import write_atomic
 
 FILE_NAME = "expert_activation.pt"
 FORMAT = "ktconvert-expert-activation"

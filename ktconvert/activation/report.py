@@ -15,7 +15,7 @@ from pathlib import Path
 from ktconvert import report as html
 from ktconvert.activation.counts import ExpertActivation
 from ktconvert.activation.placement import SglangMoeLayers, gpu_expert_budget, placement, routed_share
-from ktconvert.formats.out_manifest import write_atomic
+from ktconvert.formats.fileio import write_atomic
 
 RATIOS = (0.1, 0.2, 0.5)
 

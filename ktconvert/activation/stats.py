@@ -19,8 +19,9 @@ from ktconvert.activation.placement import coverage, sglang_moe_layers
 from ktconvert.activation.report import write_report
 from ktconvert.activation.routing import counting
 from ktconvert.errors import InputError, OutputError
+from ktconvert.formats.fileio import record_for
 from ktconvert.formats.hf_source import HFSource
-from ktconvert.formats.out_manifest import placement_flags, record_for
+from ktconvert.formats.out_manifest import placement_flags
 from ktconvert.gptq.calibration import load_samples
 from ktconvert.gptq.skeleton import experts_module, torch_dtype, torch_dtype_of
 from ktconvert.gptq.stream import DecoderStream

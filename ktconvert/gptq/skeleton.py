@@ -12,6 +12,7 @@ import gc
 from pathlib import Path
 
 from ktconvert.errors import InputError
+from ktconvert.safe_read import read_json
 
 # model_types whose checkpoints transformers runs with another model_type's classes (same tensors, same forward)
 TRANSFORMERS_ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -81,11 +82,9 @@ def torch_dtype_of(config: dict):
 
 def _aliased_config(root: Path):
     """The transformers config of an aliased model_type (Kimi-K2 is DeepSeek-V3 to transformers), or None."""
-    import json
-
     from transformers import CONFIG_MAPPING
 
-    data = json.loads((Path(root) / "config.json").read_text())
+    data = read_json(Path(root) / "config.json")
     alias = TRANSFORMERS_ALIASES.get(data.get("model_type", ""))
     if alias is None:
         return None

@@ -20,7 +20,7 @@ import re
 
 from ktconvert.errors import InputError
 from ktconvert.formats.hf_source import HFSource
-from ktconvert.formats.quantized import decode_matrix, detect_scheme
+from ktconvert.formats.decoders import decode_matrix, detect_scheme
 from ktconvert.gptq.inputs import record_inputs
 from ktconvert.gptq.skeleton import (bits_to_torch, build_skeleton, malloc_trim, pick_device, to_device,
                                      torch_dtype_of)
