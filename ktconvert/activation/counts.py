@@ -27,6 +27,7 @@ import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.formats.fileio import write_atomic
+from ktconvert.safe_read import check_regular
 
 FILE_NAME = "expert_activation.pt"
 FORMAT = "ktconvert-expert-activation"
@@ -126,6 +127,7 @@ def load_activation(path, n_layers: int | None = None, n_experts: int | None = N
     if path.suffix != ".pt":
         raise InputError("SGLang-KT reads activation counts only from a file whose name ends in .pt",
                          file=str(path), found=path.suffix or "no suffix")
+    check_regular(path, "activation counts file")
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
