@@ -144,10 +144,10 @@ def test_amx_codes_range_scales_and_error(small_qwen, bits):
     from ktconvert.gptq.loop import GpuQuantizer, LayerStream
 
     probe = LayerStream(src, samples, GpuQuantizer(4, 128))
-    layer = probe._load_layer(0)
-    from ktconvert.gptq.loop import _experts_module
+    layer = probe.load_layer(0)
+    from ktconvert.gptq.skeleton import experts_module
 
-    x = torch.cat([h for h, _, _ in probe._capture_moe_inputs(0, layer, _experts_module(layer))]).float()
+    x = torch.cat([h for h, _, _ in probe._capture_moe_inputs(0, layer, experts_module(layer))]).float()
     err_gptq = err_rtn = 0.0
     for e in range(4):
         ew = src.read_expert(0, e)

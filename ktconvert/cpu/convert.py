@@ -19,7 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ktconvert.errors import InputError, OutputError
-from ktconvert.formats.out_manifest import JOURNAL_NAME, MANIFEST_NAME
+from ktconvert.formats.out_manifest import JOURNAL_NAME, MANIFEST_NAME, sglang_args
 from ktconvert.formats.stream import HashingFileReader, MatrixJob, jobs_by_file
 from ktconvert.journal import Journal
 
@@ -97,14 +97,16 @@ class CpuOutput:
         files = [{"path": rec.path, **rec.entry()} for rec in result.files]
         self.journal.finish_layer(layer, files, result.tensors)
 
-    def finalize(self) -> dict:
-        """Index, copies, dense shard, manifest; returns the manifest."""
+    def finalize(self, expert_activation=None) -> dict:
+        """Index, copies, dense shard, manifest; returns the manifest. expert_activation: the FileRecord of the
+        expert_activation.pt a calibrated conversion wrote into OUT (recorded, and named in the SGLang flags)."""
         from ktconvert.formats.out_manifest import write_manifest
 
         if self.include_dense:
             self._write_dense()
         extra = self.sink.finalize(copy_from=self.source.root, fallback_config=self.source.info.minimal_config())
-        manifest = self._manifest(extra)
+        manifest = self._manifest(extra + ([expert_activation] if expert_activation else []),
+                                  expert_activation.path if expert_activation else None)
         write_manifest(self.out_dir, manifest)
         self.journal.remove()
         return manifest
@@ -114,7 +116,7 @@ class CpuOutput:
         result = self.sink.write_dense(*self.source.dense_tensors())
         self.dense = {"files": [{"path": r.path, **r.entry()} for r in result.files], "tensors": result.tensors}
 
-    def _manifest(self, extra) -> dict:
+    def _manifest(self, extra, expert_activation: str | None = None) -> dict:
         from ktconvert.formats.fileio import hash_file
         from ktconvert.formats.out_manifest import build_manifest
 
@@ -134,7 +136,7 @@ class CpuOutput:
                  "experts": info.n_experts, "hidden": info.hidden, "intermediate": info.intermediate}
         manifest = build_manifest(method=self.method.kt_method, numa=self.numa, layout=self.layout, model=model,
                                   source=src, files=files, tensors=tensors, quant=self.quant,
-                                  include_dense=self.include_dense)
+                                  include_dense=self.include_dense, expert_activation=expert_activation)
         manifest.update(self.method.manifest_fields())
         return manifest
 
@@ -231,10 +233,8 @@ def _convert_cpu_gptq(src, out, method, numa, layout, calibration, resume, force
     result = convert_cpu_gptq(src, out, method=method, numa=numa, calibration=calibration, layout=layout,
                               force=force, allow_drop_bias=allow_drop_bias, progress=progress)
     fallback = sum(len(v) for v in result["fallback"].values())
-    manifest = result["manifest"]
     return (f"wrote {out} (GPTQ; {fallback} experts without calibration tokens used {result['fallback_quant']}, "
-            f"{result['clamped']} codes clamped); run with --kt-method {manifest['method']} --kt-weight-path {out} "
-            f"--kt-threadpool-count {numa}")
+            f"{result['clamped']} codes clamped); run with {sglang_args(result['manifest'], out)}")
 
 
 # ---------------------------------------------------------------------------------------------- the loop

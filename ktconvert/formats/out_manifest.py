@@ -55,11 +55,27 @@ def kt_flags(kt_method: str, numa: int) -> dict:
 
 
 def sglang_args(manifest: dict, weight_path: str | None = None) -> str:
-    """``--kt-method M --kt-weight-path P --kt-threadpool-count T`` (P = weight_path, else the manifest's ".")."""
+    """``--kt-method M --kt-weight-path P --kt-threadpool-count T`` (P = weight_path, else the manifest's "."),
+    and ``--init-expert-location P/FILE --kt-expert-placement-strategy frequency`` when the output holds expert
+    activation counts (manifest key ``expert_activation``)."""
     flags = dict(manifest["flags"])
     if weight_path is not None:
         flags["kt-weight-path"] = str(weight_path)
-    return " ".join(f"--{k} {flags[k]}" for k in ("kt-method", "kt-weight-path", "kt-threadpool-count"))
+    args = " ".join(f"--{k} {flags[k]}" for k in ("kt-method", "kt-weight-path", "kt-threadpool-count"))
+    return args + placement_args(manifest, flags["kt-weight-path"])
+
+
+def placement_args(manifest: dict, folder) -> str:
+    """`` --init-expert-location FOLDER/FILE --kt-expert-placement-strategy frequency`` for an output whose
+    manifest records expert activation counts, else ""."""
+    name = manifest.get("expert_activation")
+    return " " + placement_flags(f"{folder}/{name}") if name else ""
+
+
+def placement_flags(counts_path) -> str:
+    """SGLang-KT's flags for GPU expert placement by the activation counts in `counts_path` (a .pt file); the
+    GPU expert budget (--kt-gpu-experts-ratio R or --kt-num-gpu-experts N) is given besides."""
+    return f"--init-expert-location {counts_path} --kt-expert-placement-strategy frequency"
 
 
 def package_versions(names: Iterable[str] = BYTE_PACKAGES) -> dict[str, str]:
@@ -77,10 +93,11 @@ def package_versions(names: Iterable[str] = BYTE_PACKAGES) -> dict[str, str]:
 
 def build_manifest(*, method: str, numa: int, layout: str, model: dict, source: dict, files, tensors: dict,
                    quant: str = "rtn", kind: str = "cpu", include_dense: bool = False,
-                   packages: dict | None = None) -> dict:
+                   packages: dict | None = None, expert_activation: str | None = None) -> dict:
     """The ktconvert.json dict. method: kt-kernel method name ("AMXINT4"); files: FileRecords or
     {path: {"bytes", "sha256", "git_sha1"}}; tensors: {name: sha256}; model must hold layers, experts, hidden,
-    intermediate (family and model_type recommended)."""
+    intermediate (family and model_type recommended); expert_activation: the output's expert activation counts
+    file (relative path), recorded and added to the SGLang flags."""
     from ktconvert import __version__
 
     missing = [k for k in MODEL_KEYS if k not in model]
@@ -98,6 +115,8 @@ def build_manifest(*, method: str, numa: int, layout: str, model: dict, source: 
         "source": source, "files": file_entries, "tensors": dict(tensors),
         "packages": package_versions() if packages is None else dict(packages),
     }
+    if expert_activation:
+        manifest["expert_activation"] = expert_activation
     manifest["sglang_args"] = sglang_args(manifest)
     return manifest
 

@@ -218,5 +218,9 @@ def convert_cpu_gptq(src, out, *, method: str, numa: int, calibration, layout: s
     for path in source.files():
         size, sha256, _ = hash_file(path)
         journal.finish_source(source.relative_name(path), {"bytes": size, "sha256": sha256})
-    summary["manifest"] = output.finalize()
+    from ktconvert.activation.stats import write_gptq_activation
+
+    activation = write_gptq_activation(out, source, summary["tokens"], calibration, max_length=max_length,
+                                       num_samples=num_samples)
+    summary["manifest"] = output.finalize(expert_activation=activation)
     return summary

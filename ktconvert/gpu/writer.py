@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ktconvert.errors import KtConvertError, OutputError
 from ktconvert.formats.fileio import FileRecord, LayerResult
+from ktconvert.formats.out_manifest import placement_args
 from ktconvert.layouts.naming import INDEX_NAME
 
 NO_COPY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
@@ -117,8 +118,9 @@ class GpuOutput:
         with self._lock:
             self.journal.finish_layer(layer, files, result.tensors)
 
-    def finalize(self) -> dict:
-        """Non-MoE shard, index, config.json, copied files and ktconvert.json (last). Returns the manifest."""
+    def finalize(self, expert_activation: FileRecord | None = None) -> dict:
+        """Non-MoE shard, index, config.json, copied files and ktconvert.json (last). Returns the manifest.
+        expert_activation: the expert_activation.pt a GPTQ run wrote into OUT (recorded, named in the flags)."""
         from ktconvert.formats.fileio import record_for, write_atomic
         from ktconvert.formats.out_manifest import write_manifest
         from ktconvert.formats.st_writer import StreamingSafetensorsWriter
@@ -138,7 +140,11 @@ class GpuOutput:
         for rel, src in self._copies():
             write_atomic(self.out_dir / rel, src.read_bytes())
             extra.append(rel)
-        manifest = self._manifest(records, [record_for(self.out_dir, rel) for rel in extra])
+        manifest = self._manifest(records, [record_for(self.out_dir, rel) for rel in extra]
+                                  + ([expert_activation] if expert_activation else []))
+        if expert_activation:
+            manifest["expert_activation"] = expert_activation.path
+            manifest["sglang_args"] += placement_args(manifest, ".")
         write_manifest(self.out_dir, manifest)
         self.journal.remove()
         return manifest
@@ -282,24 +288,31 @@ def convert_gpu(src, out, *, experts: str = "w4a16", algo: str = "rtn", group_si
     layers = output.layers
     if journal.layers:
         progress.message(f"resuming: {len(journal.layers)} of {len(layers)} layers already done")
+    activation = None
     if options.algo == "gptq":
-        _run_gptq(source, output, journal, progress)
+        state = _run_gptq(source, output, journal, progress)
+        if state is not None and state.tokens:
+            from ktconvert.activation.stats import write_gptq_activation
+
+            activation = write_gptq_activation(out_dir, source, state.tokens, options.calibration)
     else:
         jobs = source.matrix_jobs(layers)
         progress.start(sum(j.nbytes for j in jobs if not journal.layer_done(j.layer)),
                        len(layers) - len(journal.layers), f"gpu {options.experts.upper()} linears={linears}")
         run_jobs(jobs, source, [output], journal, threads or os.cpu_count() or 1, progress)
-    manifest = output.finalize()
+    manifest = output.finalize(expert_activation=activation)
     return summary(out_dir, manifest)
 
 
 def summary(out_dir, manifest: dict) -> str:
     total = sum(f["bytes"] for f in manifest["files"].values())
-    return (f"wrote {out_dir}: {len(manifest['files'])} files, {total} bytes; run SGLang with --model {out_dir}")
+    return (f"wrote {out_dir}: {len(manifest['files'])} files, {total} bytes; run SGLang with --model {out_dir}"
+            + placement_args(manifest, out_dir))
 
 
-def _run_gptq(source, output: GpuOutput, journal, progress) -> None:
-    """Layers in order through the GPTQ hook (not file order: each layer needs the previous layer's outputs)."""
+def _run_gptq(source, output: GpuOutput, journal, progress):
+    """Layers in order through the GPTQ hook (not file order: each layer needs the previous layer's outputs).
+    Returns the hook's last state (its ``tokens``: routed calibration tokens per layer and expert), or None."""
     from ktconvert.formats.out_manifest import source_fingerprint
 
     quantize_layer_gptq = gptq_hook()
@@ -320,3 +333,4 @@ def _run_gptq(source, output: GpuOutput, journal, progress) -> None:
     fingerprint = source_fingerprint(source.checkpoint.root, source.files())
     for name, entry in fingerprint["files"].items():
         journal.finish_source(name, entry)
+    return state
