@@ -7,6 +7,8 @@
  *
  * Implementations are chosen like every other kernel of the library (kt_native.h): impl = KT_IMPL_AUTO picks the
  * best supported one (KTCONVERT_FORCE_IMPL overrides), an explicit id runs that one or fails with KT_E_IMPL.
+ * kt_impl_variant(impl) names the kernels that run: "scalar", "avx2", "avx512" (fp32 FMA) or "avx512-vnni" (exact
+ * integer dot products, below).
  * Results never depend on the thread count: each output row is summed by one thread in a fixed order.
  *
  * Weight types (wtype):
@@ -59,13 +61,6 @@ KT_API int kt_rt_moe_forward(int wtype, int64_t hidden, int64_t inter_part, int 
                              const int64_t *topk_ids, const float *topk_weights, int64_t topk, float *out, int impl,
                              int threads);
 
-/* Implementation id a call with this impl would run (>= 1), or -KT_E_* (also checks AVX2's FMA need). */
-KT_API int kt_rt_resolve_impl(int impl);
-
-/* Kernel variant a call with this impl runs: "scalar", "avx2", "avx512" (fp32 FMA) or "avx512-vnni" (exact
- * integer dot products, below); NULL when the impl cannot run here. */
-KT_API const char *kt_rt_variant(int impl);
-
 #ifdef KT_RUNTIME_INTERNAL
 /* ---- internal: per-ISA kernels (runtime_kernels_*.c), selected by runtime_driver.c ----
  * panel:  one 32-row panel over ntiles consecutive 2048-byte tiles of one K-block;
@@ -93,19 +88,23 @@ typedef struct {
 typedef void (*kt_rt_qpanel_fn)(const uint8_t *panel, int64_t ntiles, const kt_rt_xq *xq, int64_t kb, int64_t m,
                                 float *acc, int64_t ldacc);
 
-typedef struct {
-    const char *name;
+/* One implementation's kernels (a row of dispatch.c's table points at one): the integer panels when set, else the
+ * fp32 panels. */
+struct kt_rt_kernels {
     kt_rt_panel_fn int4_panel;
     kt_rt_panel_fn int8_panel;
     kt_rt_rows_fn bf16_rows;
     kt_rt_qpanel_fn int4_qpanel; /* NULL: the fp32 panels are used */
     kt_rt_qpanel_fn int8_qpanel;
-} kt_rt_kernels;
+};
+typedef struct kt_rt_kernels kt_rt_kernels;
 
 extern const kt_rt_kernels kt_rt_kernels_scalar;
 extern const kt_rt_kernels kt_rt_kernels_avx2;
 extern const kt_rt_kernels kt_rt_kernels_avx512;
 extern const kt_rt_kernels kt_rt_kernels_avx512vnni;
+void kt_rt_bf16_rows_avx512(const uint16_t *w, int64_t rows, int64_t k, const float *x, int64_t m, float *y,
+                            int64_t ldy); /* shared by the avx512 and avx512-vnni kernels */
 #endif
 
 #ifdef __cplusplus

@@ -7,6 +7,7 @@
  */
 #define KT_RUNTIME_INTERNAL
 #include "kt_runtime.h"
+#include "kt_internal.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -100,44 +101,11 @@ static int rt_gemm_parallel(const rt_gemm_job *job, int64_t nwork, int threads)
     return status;
 }
 
-int kt_rt_resolve_impl(int impl)
-{
-    int id = kt_resolve_impl(impl);
-    if (id == KT_IMPL_AVX2 && !(kt_cpu_features() & KT_CPU_FMA)) return -KT_E_IMPL; /* the AVX2 kernels use FMA */
-    return id;
-}
-
-/* AVX-512 plus the VNNI integer panels; built once (the tables are constant). */
-static kt_rt_kernels rt_avx512vnni;
-static pthread_once_t rt_avx512vnni_once = PTHREAD_ONCE_INIT;
-
-static void rt_build_avx512vnni(void)
-{
-    rt_avx512vnni = kt_rt_kernels_avx512;
-    rt_avx512vnni.name = kt_rt_kernels_avx512vnni.name;
-    rt_avx512vnni.int4_qpanel = kt_rt_kernels_avx512vnni.int4_qpanel;
-    rt_avx512vnni.int8_qpanel = kt_rt_kernels_avx512vnni.int8_qpanel;
-}
-
+/* The kernels a call with `impl` runs (dispatch.c's table), or NULL with *status set. */
 static const kt_rt_kernels *rt_kernels(int impl, int *status)
 {
-    int id = kt_rt_resolve_impl(impl);
-    const kt_rt_kernels *k = id == KT_IMPL_SCALAR ? &kt_rt_kernels_scalar
-                             : id == KT_IMPL_AVX2 ? &kt_rt_kernels_avx2
-                             : id == KT_IMPL_AVX512 ? &kt_rt_kernels_avx512 : NULL;
-    if (id == KT_IMPL_AVX512 && (kt_cpu_features() & KT_CPU_AVX512VNNI) && kt_rt_kernels_avx512vnni.int4_qpanel) {
-        pthread_once(&rt_avx512vnni_once, rt_build_avx512vnni);
-        k = &rt_avx512vnni;
-    }
-    *status = id < 0 ? -id : (k && k->int4_panel) ? KT_OK : KT_E_IMPL;
-    return *status == KT_OK ? k : NULL;
-}
-
-const char *kt_rt_variant(int impl)
-{
-    int status;
-    const kt_rt_kernels *k = rt_kernels(impl, &status);
-    return k ? k->name : NULL;
+    const kt_impl *chosen = kt_impl_get(impl, status);
+    return chosen ? chosen->runtime : NULL;
 }
 
 /* x [m, k] fp32 -> exact integers for the VNNI panels (kt_rt_xq in kt_runtime.h). buf: 4*m*k int8 digits,

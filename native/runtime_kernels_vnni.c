@@ -105,8 +105,7 @@ RT_VNNI static void int8_qpanel_vnni(const uint8_t *panel, int64_t ntiles, const
     }
 }
 
-const kt_rt_kernels kt_rt_kernels_avx512vnni = {"avx512-vnni", 0, 0, 0, int4_qpanel_vnni, int8_qpanel_vnni};
+/* BF16 rows have no integer form: they run the AVX-512 fp32 kernel. */
+const kt_rt_kernels kt_rt_kernels_avx512vnni = {NULL, NULL, kt_rt_bf16_rows_avx512, int4_qpanel_vnni, int8_qpanel_vnni};
 
-#else
-const kt_rt_kernels kt_rt_kernels_avx512vnni = {"avx512-vnni", 0, 0, 0, 0, 0};
 #endif
