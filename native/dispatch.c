@@ -104,11 +104,13 @@ extern const kt_mse_kernels kt_mse_kernels_scalar;
 extern const kt_decode_kernels kt_decode_kernels_scalar;
 extern const kt_gguf_kernels kt_gguf_kernels_scalar;
 extern const kt_rt_kernels kt_rt_kernels_scalar;
+extern const kt_ctq_kernels kt_ctq_kernels_scalar;
 #ifdef KT_X86
 extern const kt_mse_kernels kt_mse_kernels_avx512;
 extern const kt_decode_kernels kt_decode_kernels_avx2, kt_decode_kernels_avx512;
 extern const kt_gguf_kernels kt_gguf_kernels_avx2, kt_gguf_kernels_avx512;
 extern const kt_rt_kernels kt_rt_kernels_avx2, kt_rt_kernels_avx512, kt_rt_kernels_avx512vnni;
+extern const kt_ctq_kernels kt_ctq_kernels_avx2, kt_ctq_kernels_avx512;
 #define X86_ONLY(x) (x)
 #else
 #define X86_ONLY(x) NULL /* rows kept so the names exist; their features are never detected off x86 */
@@ -122,14 +124,15 @@ extern const kt_rt_kernels kt_rt_kernels_avx2, kt_rt_kernels_avx512, kt_rt_kerne
 static const kt_impl IMPLS[] = {
     {KT_IMPL_AVX512, "avx512", "avx512-vnni", NEEDS_AVX512 | KT_CPU_AVX512VNNI, X86_ONLY(&kt_amx_kernels_avx512),
      X86_ONLY(&kt_mse_kernels_avx512), X86_ONLY(&kt_decode_kernels_avx512), X86_ONLY(&kt_gguf_kernels_avx512),
-     X86_ONLY(&kt_rt_kernels_avx512vnni)},
+     X86_ONLY(&kt_rt_kernels_avx512vnni), X86_ONLY(&kt_ctq_kernels_avx512)},
     {KT_IMPL_AVX512, "avx512", "avx512", NEEDS_AVX512, X86_ONLY(&kt_amx_kernels_avx512),
      X86_ONLY(&kt_mse_kernels_avx512), X86_ONLY(&kt_decode_kernels_avx512), X86_ONLY(&kt_gguf_kernels_avx512),
-     X86_ONLY(&kt_rt_kernels_avx512)},
+     X86_ONLY(&kt_rt_kernels_avx512), X86_ONLY(&kt_ctq_kernels_avx512)},
     {KT_IMPL_AVX2, "avx2", "avx2", NEEDS_AVX2, X86_ONLY(&kt_amx_kernels_avx2), &kt_mse_kernels_scalar,
-     X86_ONLY(&kt_decode_kernels_avx2), X86_ONLY(&kt_gguf_kernels_avx2), X86_ONLY(&kt_rt_kernels_avx2)},
+     X86_ONLY(&kt_decode_kernels_avx2), X86_ONLY(&kt_gguf_kernels_avx2), X86_ONLY(&kt_rt_kernels_avx2),
+     X86_ONLY(&kt_ctq_kernels_avx2)},
     {KT_IMPL_SCALAR, "scalar", "scalar", 0, &kt_amx_kernels_scalar, &kt_mse_kernels_scalar,
-     &kt_decode_kernels_scalar, &kt_gguf_kernels_scalar, &kt_rt_kernels_scalar},
+     &kt_decode_kernels_scalar, &kt_gguf_kernels_scalar, &kt_rt_kernels_scalar, &kt_ctq_kernels_scalar},
 };
 #define N_IMPLS ((int)(sizeof IMPLS / sizeof IMPLS[0]))
 

@@ -46,6 +46,7 @@ typedef struct kt_mse_kernels kt_mse_kernels;       /* amx_mse.c */
 typedef struct kt_decode_kernels kt_decode_kernels; /* quant_decode.c */
 typedef struct kt_gguf_kernels kt_gguf_kernels;     /* gguf_dequant.c */
 typedef struct kt_rt_kernels kt_rt_kernels;         /* kt_runtime.h */
+typedef struct kt_ctq_kernels kt_ctq_kernels;       /* ct_quant.c */
 
 typedef struct {
     int id;                 /* KT_IMPL_SCALAR | KT_IMPL_AVX2 | KT_IMPL_AVX512 */
@@ -57,6 +58,7 @@ typedef struct {
     const kt_decode_kernels *decode;
     const kt_gguf_kernels *gguf;
     const kt_rt_kernels *runtime;
+    const kt_ctq_kernels *ctq;
 } kt_impl;
 
 /* The row a call with `impl` runs: KT_IMPL_AUTO -> the choice made once per process (best supported, or
