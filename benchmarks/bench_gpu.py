@@ -7,7 +7,8 @@ other. Each measured command runs in its own process (peak RSS = that child's Vm
 
 --one-pass: the issue-16 target on the 3.6 GB BF16 model with Qwen3-30B-A3B expert dims (the model of
 bench_convert.py: 3 MoE layers, 128 experts, H 2048, I 768): `cpu` AMXINT4 (numa 2), `gpu` W4A16 and `convert`
-(both) interleaved `--repeats` times, warm cache, then the best and median `convert` / `cpu` ratio. With
+(both) interleaved `--repeats` times, warm cache, then the best and median `convert` / `cpu` ratio of wall time and
+the ratio of core-seconds (user + system of the child: less sensitive to other work on the machine). With
 --baseline-src (another ktconvert source tree, e.g. an export of main) the same commands also run with that tree
 first on sys.path, in the same rounds, so before/after share the machine's load. The native library of this tree
 serves both (KTCONVERT_NATIVE_LIB), so a baseline must not need newer C functions than this build has.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -93,22 +95,29 @@ def one_pass(root: Path, repeats: int, baseline: str | None) -> None:
                 "convert": ["convert", src, "--cpu", root / "o-c1", "--method", "amxint4", "--numa", "2", "--gpu",
                             root / "o-g1", "--experts", "w4a16"]}
     walls: dict = {(tree, cmd): [] for tree in trees for cmd in commands}
+    cores: dict = {(tree, cmd): [] for tree in trees for cmd in commands}
     base = {"bench": "one-pass", "model_mib": round(model_bytes(src) / 2**20, 1), **ONE_PASS_MODEL,
             "cores": os.cpu_count(), "native": native.implementation()}
     for round_ in range(repeats):
         for tree, path in trees.items():
             for cmd, argv in commands.items():
                 code = f"import sys; sys.argv = ['-c', *{[str(a) for a in argv + ['--force', '--quiet']]!r}]\n"
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 wall, peak, _ = run_python(code + CLI.format(src=path), env=env)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                core_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
                 walls[tree, cmd].append(wall)
+                cores[tree, cmd].append(core_s)
                 print(json.dumps({**base, "tree": tree, "round": round_, "command": cmd, "wall_s": round(wall, 2),
-                                  "peak_rss_mib": round(peak / 2**20, 1)}), flush=True)
+                                  "core_s": round(core_s, 2), "peak_rss_mib": round(peak / 2**20, 1)}), flush=True)
     for tree in trees:
         best = {cmd: min(walls[tree, cmd]) for cmd in commands}
         median = {cmd: statistics.median(walls[tree, cmd]) for cmd in commands}
         print(json.dumps({**base, "tree": tree, "summary": True, "best_wall_s": {k: round(v, 2) for k, v in best.items()},
                           "median_wall_s": {k: round(v, 2) for k, v in median.items()},
+                          "best_core_s": {cmd: round(min(cores[tree, cmd]), 2) for cmd in commands},
                           "convert_over_cpu_best": round(best["convert"] / best["cpu"], 2),
+                          "convert_over_cpu_core_s": round(min(cores[tree, "convert"]) / min(cores[tree, "cpu"]), 2),
                           "convert_over_cpu_median": round(median["convert"] / median["cpu"], 2),
                           "target": "convert <= 1.3 x cpu"}), flush=True)
 
