@@ -19,7 +19,7 @@ os.environ["KTCONVERT_FORCE_IMPL"] = "numpy"
 
 from ktconvert.layouts import tiles  # noqa: E402
 from ktconvert.quant import amx_rows as amx  # noqa: E402
-from ktconvert.quant.methods import AmxInt4, AmxInt8  # noqa: E402
+from ktconvert.methods.amx import AmxInt4, AmxInt8  # noqa: E402
 
 
 def best(fn, repeat: int) -> float:

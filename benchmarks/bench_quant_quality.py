@@ -58,7 +58,7 @@ def roundtrip(w: np.ndarray, method: str, quant: str) -> np.ndarray:
     """float32 [n, k] as kt-kernel (or RAWINT4) sees the quantized weights."""
     from ktconvert.quant import ct_int4
     from ktconvert.quant.bf16 import bf16_bits_to_f32
-    from ktconvert.quant.methods import METHODS
+    from ktconvert.methods import METHODS
 
     if method.startswith("rawint4"):
         q, s = ct_int4.quantize_sym_groups(w, int(method[len("rawint4_g"):]))
@@ -160,7 +160,7 @@ def ktkernel_factors(name: str, experts_bf16: list[tuple], tmp: Path) -> None:
     from ktkernel_util import ktkernel_forward, ktkernel_skip_reason, write_kt_files
 
     from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-    from ktconvert.quant.methods import METHODS
+    from ktconvert.methods import METHODS
 
     rng = np.random.default_rng(1)
     gate, up, down = (np.stack([ex[i] for ex in experts_bf16]) for i in range(3))
@@ -211,7 +211,7 @@ def tiny_experts(arch: str, workdir: Path, count: int) -> list[tuple]:
 
 def convert_times(workdir: Path, quick: bool) -> None:
     from ktconvert.cpu.convert import convert_cpu
-    from ktconvert.quant.methods import quantize_impl
+    from ktconvert.methods.amx import quantize_impl
     from ktconvert.testing.tiny import make_tiny_model
 
     src = workdir / "qwen3-moe-convert"

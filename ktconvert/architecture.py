@@ -316,9 +316,11 @@ def _config_sources(config: dict, manifest: Manifest) -> list[tuple[str, dict]]:
     return [("", config)]
 
 
-def _resolve_fields(config: dict, manifest: Manifest) -> dict[str, Any]:
+def _resolve_fields(config: dict, manifest: Manifest) -> tuple[dict[str, Any], dict[str, str]]:
+    """(field -> value, field -> where it came from: the config key, or "<field> (default)")."""
     sources = _config_sources(config, manifest)
     fields: dict[str, Any] = {}
+    keys: dict[str, str] = {}
     for name, (required, default) in CONFIG_FIELDS.items():
         tried = []
         for key in manifest.config_keys.get(name, ()):
@@ -326,11 +328,12 @@ def _resolve_fields(config: dict, manifest: Manifest) -> dict[str, Any]:
                 found, value = _lookup(node, key)
                 tried.append(where + key)
                 if found:
-                    fields[name] = value
+                    fields[name], keys[name] = value, where + key
                     break
             if name in fields:
                 break
         if name not in fields:
+            keys[name] = f"{name} (default)"
             if name in manifest.defaults:
                 fields[name] = manifest.defaults[name]
             elif required:
@@ -339,7 +342,81 @@ def _resolve_fields(config: dict, manifest: Manifest) -> dict[str, Any]:
                                     hint=f"manifest {manifest.source}")
             else:
                 fields[name] = default
-    return fields
+    return fields, keys
+
+
+# least value of each integer field; experts_per_tok is also at most n_experts, mlp_only_layers within n_layers
+INT_MINIMUM = {"n_layers": 1, "n_experts": 1, "hidden": 1, "intermediate": 1, "experts_per_tok": 1,
+               "first_dense": 0, "layer_freq": 1, "sparse_step": 1, "mtp_layers": 0, "n_shared": 0,
+               "shared_intermediate": 0}
+
+
+def _bad_value(keys: dict[str, str], name: str, value, expected: str) -> ManifestError:
+    return ManifestError(f"{keys[name]} is not usable", file="config.json", expected=expected, found=repr(value))
+
+
+def _check_values(fields: dict[str, Any], keys: dict[str, str]) -> None:
+    """Every integer field an int (not a bool, not 8.5) in range; ManifestError naming the config key."""
+    for name, minimum in INT_MINIMUM.items():
+        value = fields[name]
+        if value is None and name == "shared_intermediate":
+            continue
+        if type(value) is not int or value < minimum:
+            raise _bad_value(keys, name, value, f"an integer >= {minimum}")
+    if fields["experts_per_tok"] > fields["n_experts"]:
+        raise _bad_value(keys, "experts_per_tok", fields["experts_per_tok"],
+                         f"at most {keys['n_experts']} = {fields['n_experts']}")
+    dense = fields["mlp_only_layers"]
+    if not isinstance(dense, (list, tuple)) or any(type(v) is not int or not 0 <= v < fields["n_layers"]
+                                                   for v in dense):
+        raise _bad_value(keys, "mlp_only_layers", dense,
+                         f"a list of layer indices in [0, {keys['n_layers']} = {fields['n_layers']})")
+
+
+def _pattern_regex(pattern: str, proj: dict[str, str] | None = None) -> re.Pattern:
+    """A manifest name pattern as a regex matching the name and any suffix (".weight_scale_inv", "_blocks"):
+    {L} and {E} capture numbers, {proj} any of the family's projection names."""
+    regex = re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+    if proj:
+        regex = regex.replace(r"\{proj\}", "(?:" + "|".join(re.escape(p) for p in proj.values()) + ")")
+    return re.compile(regex)
+
+
+def _dense_keys(rule: str, keys: dict[str, str], fields: dict[str, Any]) -> str:
+    names = {"first_dense_freq": ("first_dense", "layer_freq"), "sparse_step": ("sparse_step", "mlp_only_layers")}
+    return ", ".join(f"{keys[n]} = {fields[n]!r}" for n in names.get(rule, ()))
+
+
+def _check_tensors(names: list[str], prefix: str, manifest: Manifest, fields: dict[str, Any],
+                   keys: dict[str, str], moe_layers: set[int]) -> None:
+    """Tensors the config does not describe are errors, not silently dropped: a decoder layer >= n_layers (+ MTP),
+    an expert >= n_experts, routed experts in a layer the config makes dense."""
+    layers = fields["n_layers"] + fields["mtp_layers"]
+    layer_re = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
+    lay = manifest.experts
+    expert_res = [_pattern_regex(prefix + lay.pattern, lay.proj)] if lay.form == "per_expert" else \
+        [_pattern_regex(prefix + p) for p in (lay.gate_up, lay.down) if p]
+    for name in names:
+        match = layer_re.match(name)
+        if match is None:
+            continue
+        layer = int(match.group(1))
+        if layer >= layers:
+            raise ManifestError(f"tensor of layer {layer}, outside the {layers} layers config.json describes",
+                                file="config.json", tensor=name,
+                                expected=f"layers below {keys['n_layers']} = {fields['n_layers']} + "
+                                         f"{keys['mtp_layers']} = {fields['mtp_layers']}")
+        expert = next((m for m in (r.match(name) for r in expert_res) if m), None)
+        if expert is None:
+            continue
+        if layer < fields["n_layers"] and layer not in moe_layers:
+            raise ManifestError(f"routed expert tensor in layer {layer}, which config.json makes a dense layer",
+                                file="config.json", tensor=name,
+                                found=_dense_keys(manifest.moe_rule, keys, fields) or "no MoE layer rule")
+        index = expert.groupdict().get("E")
+        if index is not None and int(index) >= fields["n_experts"]:
+            raise ManifestError(f"expert {index} is outside the experts config.json describes", file="config.json",
+                                tensor=name, expected=f"experts below {keys['n_experts']} = {fields['n_experts']}")
 
 
 def _pick_prefix(manifest: Manifest, tensor_names: Iterable[str] | None) -> str:
@@ -355,7 +432,12 @@ def _pick_prefix(manifest: Manifest, tensor_names: Iterable[str] | None) -> str:
 
 
 def resolve(config: dict, tensor_names: Iterable[str] | None = None) -> ModelInfo:
-    """config.json dict (+ optional checkpoint tensor names, to pick the name prefix) -> ModelInfo."""
+    """config.json dict (+ optional checkpoint tensor names) -> ModelInfo.
+
+    Every integer field must be an int in range (experts_per_tok at most n_experts); with tensor names, the name
+    prefix is picked from them and tensors the config does not describe are refused (a layer past n_layers + MTP,
+    an expert past n_experts, routed experts in a dense layer). ManifestError (exit 3) naming the config key and the
+    tensor."""
     model_type = config.get("model_type")
     manifests = load_manifests()
     if model_type not in manifests:
@@ -364,13 +446,18 @@ def resolve(config: dict, tensor_names: Iterable[str] | None = None) -> ModelInf
                 model_type = value["model_type"]
                 break
     manifest = manifest_for(str(model_type))
-    fields = _resolve_fields(config, manifest)
-    n_layers = int(fields["n_layers"])
+    fields, keys = _resolve_fields(config, manifest)
+    _check_values(fields, keys)
+    n_layers = fields["n_layers"]
     moe_layers = tuple(MOE_RULES[manifest.moe_rule](n_layers, fields))
-    n_shared = int(fields["n_shared"])
-    intermediate = int(fields["intermediate"])
+    n_shared = fields["n_shared"]
+    intermediate = fields["intermediate"]
     shared_i = fields["shared_intermediate"]
     sources = _config_sources(config, manifest)
+    names = None if tensor_names is None else list(tensor_names)
+    prefix = _pick_prefix(manifest, names)
+    if names is not None:
+        _check_tensors(names, prefix, manifest, fields, keys, set(moe_layers))
     return ModelInfo(
         family=manifest.family,
         model_type=str(config.get("model_type", model_type)),
@@ -384,7 +471,7 @@ def resolve(config: dict, tensor_names: Iterable[str] | None = None) -> ModelInf
         n_shared=n_shared,
         shared_intermediate=int(shared_i) if shared_i is not None else intermediate * n_shared,
         first_dense=moe_layers[0] if moe_layers else n_layers,
-        name_prefix=_pick_prefix(manifest, tensor_names),
+        name_prefix=prefix,
         manifest=manifest,
         config=sources[0][1],
     )

@@ -70,7 +70,7 @@ def inspect(src: str, as_json: bool) -> None:
 @click.option("--numa", type=int, default=1, show_default=True,
               help="NUMA parts T (= SGLang --kt-threadpool-count). Gate/up split by rows, down by input columns.")
 @click.option("--layout", type=click.Choice(["safetensors", "kt"]), default="safetensors", show_default=True)
-@click.option("--group-size", type=int, default=128, show_default=True, help="Group size for --method rawint4.")
+@click.option("--group-size", type=int, default=None, help="Group size for --method rawint4 (32, 64 or 128; default 128).")
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers' experts.")
 @click.option("--gpu", "gpu_experts", type=click.Choice(["w4a16", "w8a16"]), default=None,
               help="Also plan the GPU checkpoint with these experts (`ktconvert gpu`).")
@@ -95,7 +95,7 @@ def plan(src, method, numa, layout, group_size, include_mtp, gpu_experts, linear
     if gpu_experts is not None:
         from ktconvert.gpu.plan import plan_gpu, render_gpu
 
-        results["gpu"], renders["gpu"] = plan_gpu(src, gpu_experts, group_size, linears, include_mtp), render_gpu
+        results["gpu"], renders["gpu"] = plan_gpu(src, gpu_experts, group_size or 128, linears, include_mtp), render_gpu
     if as_json:
         click.echo(json.dumps(results if len(results) > 1 else next(iter(results.values())), indent=2, sort_keys=True))
     else:
@@ -136,7 +136,7 @@ def tiny_model(out, arch, layers, experts, hidden, intermediate, dtype, seed, fo
 @click.option("--quant", type=click.Choice(["rtn", "mse", "gptq"]), default="rtn", show_default=True,
               help="rtn: byte-identical to kt-kernel's converter; mse: each row's scale searched for the least "
                    "error (same files, kt-kernel runs them unchanged); gptq: calibrated, needs --calibration.")
-@click.option("--group-size", type=int, default=128, show_default=True, help="Group size for --method rawint4.")
+@click.option("--group-size", type=int, default=None, help="Group size for --method rawint4 (32, 64 or 128; default 128).")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--threads", type=int, default=None, help="Worker threads (default: all cores). Bytes never depend on it.")
@@ -176,7 +176,7 @@ def cpu(src, out, method, numa, layout, quant, group_size, calibration, threads,
 @click.option("--json", "as_json", is_flag=True)
 def verify(out, source, hashes, tokens, layers, experts, threshold, remote, hub, revision, endpoint, as_json) -> None:
     """Check a converted output OUT: structure, hashes, numerics (native kernels) and error against the source."""
-    from ktconvert.verify import render, verify as run
+    from ktconvert.verify.run import render, verify as run
 
     result = run(out, source=source, hashes=hashes, tokens=tokens, layers=layers, experts=experts,
                  threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint)
@@ -198,7 +198,7 @@ def demo(workdir, arch, method, numa) -> None:
     from ktconvert.cpu.convert import convert_cpu
     from ktconvert.progress import make_progress
     from ktconvert.testing.tiny import make_tiny_model
-    from ktconvert.verify import render, verify as run_verify
+    from ktconvert.verify.run import render, verify as run_verify
 
     root = Path(workdir)
     model = make_tiny_model(root / "model", arch=arch, force=True)

@@ -6,6 +6,8 @@ Every message names where (file, tensor), what was expected and what was found, 
 """
 from __future__ import annotations
 
+import re
+
 # Documented exit codes (README "Exit codes").
 EXIT_OK = 0
 EXIT_ERROR = 1          # any other KtConvertError
@@ -14,6 +16,8 @@ EXIT_INPUT = 3          # unreadable / malformed / unsupported input
 EXIT_VERIFY = 4         # verification found a difference or an error above threshold
 EXIT_REMOTE = 5         # hub / network failure
 EXIT_INTERRUPTED = 130  # SIGINT
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class KtConvertError(Exception):
@@ -39,7 +43,8 @@ class KtConvertError(Exception):
             text += (", " if text else "") + f"found {self.found}"
         if self.hint:
             text += f" (hint: {self.hint})"
-        return ": ".join(parts + [text]) if text else ": ".join(parts)
+        message = ": ".join(parts + [text]) if text else ": ".join(parts)
+        return _CONTROL.sub(lambda m: repr(m.group())[1:-1], message)   # one line, whatever names a file held
 
 
 class InputError(KtConvertError):
@@ -56,10 +61,14 @@ class ShapeError(InputError, ValueError):
     """A tensor or dimension incompatible with the method, layout or NUMA count."""
 
 
-class UnknownNameError(KtConvertError, LookupError):
-    """Registry miss; the message lists the known names."""
+class UsageError(KtConvertError, ValueError):
+    """An option value that cannot work (the message lists the values that do): exit code 2, like click's own."""
 
     exit_code = EXIT_USAGE
+
+
+class UnknownNameError(UsageError, LookupError):
+    """Registry miss; the message lists the known names."""
 
 
 class NumericError(InputError):

@@ -1,170 +1,26 @@
 """`ktconvert inspect`: what a checkpoint is, from its headers and config.json only (no tensor data read).
 
-inspect(path) -> dict (JSON-ready); render(dict) -> text table. Byte accounting uses the family manifest's
-[components] regexes (first match wins); tensors of layers >= num_hidden_layers count as "mtp".
+inspect(path) -> dict (JSON-ready): the source's own description (``Source.describe_path``: files, dtypes,
+quantization, bytes per component, layers, experts, expert layout) plus, per kt-kernel method, the method
+registry's verdict on it. render(dict) -> text table.
 """
 from __future__ import annotations
 
-import re
-from pathlib import Path
+from ktconvert.formats.sources import source_class
+from ktconvert.methods import all_methods
 
-from ktconvert.errors import ManifestError
-
-_DIGITS = re.compile(r"\d+")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def _quant_summary(config: dict) -> dict | None:
-    """The interesting keys of config.json's quantization_config (or its text_config's), else None."""
-    qc = config.get("quantization_config")
-    if not isinstance(qc, dict):
-        qc = next((v["quantization_config"] for v in config.values()
-                   if isinstance(v, dict) and isinstance(v.get("quantization_config"), dict)), None)
-    if qc is None:
-        return None
-    out = {k: qc[k] for k in ("quant_method", "format", "fmt", "weight_block_size", "bits", "group_size", "sym",
-                              "desc_act", "activation_scheme") if k in qc}
-    groups = qc.get("config_groups")
-    if isinstance(groups, dict):
-        out["config_groups"] = {name: {k: (g.get("weights") or {}).get(k) for k in
-                                       ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure")
-                                       if (g.get("weights") or {}).get(k) is not None}
-                                for name, g in groups.items() if isinstance(g, dict)}
-    return out
-
-
-def _categorise(checkpoint, info) -> dict[str, int]:
-    """Bytes per component category. Names are cached with digits replaced by 0 (few distinct shapes)."""
-    from ktconvert.architecture import component_of
-
-    totals: dict[str, int] = {}
-    cache: dict[str, str] = {}
-    check_mtp = info is not None and bool(info.mtp_layers)
-    for name, ref in checkpoint.tensors.items():
-        if info is None:
-            cat = "unknown family"
-        else:
-            key = _DIGITS.sub("0", name)
-            cat = cache.get(key)
-            if cat is None:
-                cat = cache[key] = component_of(info.manifest, key)
-            if check_mtp:
-                layer = _LAYER.search(name)
-                cat = "mtp" if layer and int(layer.group(1)) >= info.n_layers else cat
-        totals[cat] = totals.get(cat, 0) + ref.nbytes
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
-
-
-def _expert_layout(source) -> dict:
-    """Form, orientation (fused) and bias presence of the routed experts."""
-    lay = source.info.manifest.experts
-    out = {"form": lay.form, "biases": False}
-    if lay.form == "per_expert":
-        out["pattern"] = source.info.name_prefix + lay.pattern
-        out["biases"] = source.has_expert_biases()
-        return out
-    out["interleaved_gate_up"] = bool(lay.gate_up_interleaved)
-    try:
-        fl = source.fused_layer(source.all_layers()[0])
-    except Exception as exc:  # quantized without a decoder: report, don't fail inspect
-        out["orientation"] = f"unknown ({exc})"
-        return out
-    out["gate_up"] = "[E, H, 2I]" if fl.gate_up_transposed else "[E, 2I, H]"
-    out["down"] = "[E, I, H]" if fl.down_transposed else "[E, H, I]"
-    out["biases"] = bool(fl.gate_up_bias or fl.down_bias)
-    if fl.ambiguous:
-        out["ambiguous"] = [f"{k}: H == {'2I' if k == 'gate_up' else 'I'}, so the shape cannot tell; assumed "
-                            f"{out[k]} (manifest's declared orientation, else the other tensor's convention)"
-                            for k in fl.ambiguous]
-    return out
-
-
-def _per_expert_naming_known(source) -> bool:
-    """Names kt-kernel's native loaders recognise: mlp.experts.E.{gate,up,down}_proj or experts.E.{w1,w3,w2}."""
-    lay = source.info.manifest.experts
-    if lay.form == "fused":
-        return not lay.gate_up_interleaved and lay.gate_up.endswith("mlp.experts.gate_up_proj")
-    projs = (lay.proj.get("gate"), lay.proj.get("up"), lay.proj.get("down"))
-    return (("mlp.experts.{E}" in lay.pattern and projs == ("gate_proj", "up_proj", "down_proj"))
-            or ("experts.{E}" in lay.pattern and projs == ("w1", "w3", "w2")))
-
-
-def _kt_methods(source, quant: dict | None) -> dict[str, str]:
-    """kt-kernel method -> "as is" / "convert: ..." / "no: why" for this checkpoint (kt-format.md §1.1, §2.6-2.8)."""
-    fmt = source.input_format
-    names_ok = _per_expert_naming_known(source) and (source.info.manifest.experts.form == "per_expert"
-                                                     or _fused_standard(source))
-    names_why = ("no: kt-kernel's native loaders read per-expert mlp.experts.E.{gate,up,down}_proj / "
-                 "experts.E.{w1,w3,w2}, or packed gate_up [E, 2I, H]; this checkpoint's experts are stored otherwise")
-    qc = quant or {}
-    w = next(iter((qc.get("config_groups") or {}).values()), {})
-    fp8_ok = (fmt == "fp8-block" and list(qc.get("weight_block_size") or []) == [128, 128]) or \
-             (fmt == "ct-fp8" and list(w.get("block_structure") or []) == [128, 128])
-    raw_ok = fmt == "ct-int4" and w.get("num_bits") == 4 and w.get("type", "int") == "int" \
-        and w.get("symmetric") is True and w.get("strategy") == "group"
-    needs = {"BF16": (fmt == "bf16", "BF16 experts"),
-             "FP8": (fp8_ok, "FP8 e4m3 experts with 128x128 block scales"),
-             "RAWINT4": (raw_ok, "compressed-tensors pack-quantized symmetric int4 (group) experts")}
-    res = {name: ("as is" if ok and names_ok else names_why if ok else f"no: needs {what} (experts are {fmt})")
-           for name, (ok, what) in needs.items()}
-    via = "" if fmt in ("bf16", "fp16", "fp32") else f" (decodes {fmt} to BF16 first)"
-    for method in ("AMXINT4", "AMXINT8"):
-        res[method] = f"convert: ktconvert cpu MODEL OUT --method {method.lower()}{via}"
-    res["LLAMAFILE"] = "no: needs GGUF (llama.cpp's convert_hf_to_gguf.py)"
-    return res
-
-
-def _fused_standard(source) -> bool:
-    try:
-        fl = source.fused_layer(source.all_layers()[0])
-    except Exception:
-        return False
-    return not fl.gate_up_transposed and not fl.down_transposed
+def kt_methods(source) -> dict[str, str]:
+    """kt-kernel method -> "as is (...)" / "convert: ..." / "no: why", for an opened source (the method registry's
+    verdicts, kt-format.md §1.1, §2.6-2.8)."""
+    return {m.kt_method: m.inspect_line(source) for m in all_methods()}
 
 
 def inspect(path) -> dict:
-    """Describe checkpoint `path` (directory or .safetensors file) from headers + config.json. See render()."""
-    from ktconvert.formats.gguf_source import GGUFSource, describe
-    from ktconvert.formats.hf_source import HFSource
-    from ktconvert.formats.safetensors_reader import Checkpoint
-
-    if GGUFSource.sniff(path):
-        return describe(path)
-    checkpoint = Checkpoint.open(path)
-    try:
-        source = HFSource.open_checkpoint(checkpoint)
-        unsupported = None
-    except ManifestError as exc:
-        source, unsupported = None, str(exc)
-    dtypes: dict[str, int] = {}
-    for ref in checkpoint.tensors.values():
-        dtypes[ref.dtype] = dtypes.get(ref.dtype, 0) + ref.nbytes
-    quant = _quant_summary(checkpoint.config)
-    info = source.info if source else None
-    out = {
-        "path": str(Path(path)),
-        "files": len(checkpoint.shards),
-        "file_bytes": checkpoint.total_bytes(),
-        "tensors": len(checkpoint.tensors),
-        "dtypes": dict(sorted(dtypes.items(), key=lambda kv: -kv[1])),
-        "quantization": quant,
-        "model_type": checkpoint.config.get("model_type"),
-        "components": _categorise(checkpoint, info),
-    }
-    if source is None:
-        out.update(family=None, supported=False, reason=unsupported)
-        return out
-    dense = [layer for layer in range(info.n_layers) if layer not in set(info.moe_layers)]
-    out.update({
-        "family": info.family, "supported": True, "input_format": source.input_format,
-        "layers": {"total": info.n_layers, "dense": dense, "moe": list(info.moe_layers),
-                   "mtp": list(source.present_mtp_layers()), "mtp_in_config": list(info.mtp_layers)},
-        "experts": info.n_experts, "experts_per_tok": info.experts_per_tok, "shared_experts": info.n_shared,
-        "hidden": info.hidden, "intermediate": info.intermediate,
-        "expert_layout": _expert_layout(source),
-        "kt_methods": _kt_methods(source, quant),
-    })
-    return out
+    """Describe checkpoint `path` (any registered source format) from headers + config. See render()."""
+    description, source = source_class(path).describe_path(path)
+    if source is not None:
+        description["kt_methods"] = kt_methods(source)
+    return description
 
 
 def _gb(n: int) -> str:

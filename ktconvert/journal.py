@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ktconvert.errors import OutputError
 from ktconvert.formats.out_manifest import JOURNAL_NAME
+from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
 
 
 class Journal:
@@ -35,11 +36,9 @@ class Journal:
             journal = cls(out_dir, options)
             journal.save()
             return journal
-        try:
-            state = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise OutputError(f"cannot read the resume journal ({exc})", file=path,
-                              hint="start over with --force") from exc
+        state = read_json(path, what="resume journal", max_bytes=MAX_MANIFEST_BYTES, error=OutputError)
+        if not isinstance(state, dict):
+            raise OutputError("resume journal is not a JSON object", file=path, hint="start over with --force")
         if state.get("options") != options:
             changed = sorted(k for k in set(options) | set(state.get("options", {}))
                              if options.get(k) != state.get("options", {}).get(k))

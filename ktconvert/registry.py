@@ -1,4 +1,10 @@
-"""Registry[T]: things picked by name (quant methods, sources, sinks) register here; a miss lists the known names."""
+"""Registry[T]: things picked by name (CPU methods, sources, decoders, quantizers) register here; a miss lists the
+known names.
+
+Names are looked up case-insensitively with "_" and "-" the same. ``Registry(kind, base=B)`` accepts only
+subclasses of B; a name or alias already taken by another object is refused (compressed-tensors' RegistryMixin
+does both).
+"""
 from __future__ import annotations
 
 from typing import Callable, Generic, Iterable, TypeVar
@@ -13,22 +19,34 @@ def _norm(name: str) -> str:
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, base: type | None = None):
         self.kind = kind
+        self.base = base
         self._items: dict[str, T] = {}
         self._aliases: dict[str, str] = {}
 
     def register(self, name: str, aliases: Iterable[str] = ()) -> Callable[[T], T]:
+        """Decorator registering an object under `name` (+ `aliases`); ValueError for a name another object holds
+        or an object that is not a subclass of the registry's base."""
         def deco(obj: T) -> T:
+            if self.base is not None and not (isinstance(obj, type) and issubclass(obj, self.base)):
+                raise ValueError(f"{self.kind} {name!r}: {obj!r} is not a subclass of {self.base.__name__}")
             key = _norm(name)
-            if key in self._items and self._items[key] is not obj:
-                raise ValueError(f"{self.kind} {name!r} registered twice")
+            self._claim(key, obj, name)
             self._items[key] = obj
             for alias in aliases:
-                self._aliases[_norm(alias)] = key
+                alias_key = _norm(alias)
+                if alias_key != key:
+                    self._claim(alias_key, obj, alias)
+                    self._aliases[alias_key] = key
             return obj
 
         return deco
+
+    def _claim(self, key: str, obj: T, name: str) -> None:
+        owner = self._items.get(self._aliases.get(key, key))
+        if owner is not None and owner is not obj:
+            raise ValueError(f"{self.kind} {name!r} registered twice")
 
     def get(self, name: str) -> T:
         key = _norm(name)

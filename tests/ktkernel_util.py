@@ -334,7 +334,7 @@ def _expert_parts(gate: np.ndarray, up: np.ndarray, down: np.ndarray, threadpool
 def numpy_kt_files(method: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
                    threadpool_count: int) -> dict[str, bytes]:
     """{"_numa_<t>/<prefix>_<proj>_<e>_<n>Byte_{quant,scale}_.kt": bytes} from ktconvert's METHODS[method]."""
-    from ktconvert.quant.methods import METHODS
+    from ktconvert.methods import METHODS
 
     m = METHODS.get(method)
     files = {}
@@ -359,7 +359,7 @@ def write_kt_files(root: Path, layer: int, files: dict[str, bytes]) -> Path:
 def dequantized_experts(method: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
                         threadpool_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """float32 gate/up [E, I, H], down [E, H, I]: ktconvert's quantize -> dequantize per NUMA part, reassembled."""
-    from ktconvert.quant.methods import METHODS
+    from ktconvert.methods import METHODS
 
     m = METHODS.get(method)
 

@@ -171,3 +171,93 @@ def test_component_regexes():
     assert component_of(m, "model.layers.0.mlp.down_proj.weight") == "dense_mlp"
     assert component_of(m, "model.layers.3.eh_proj.weight") == "mtp"
     assert component_of(m, "lm_head.weight") == "embeddings"
+
+
+# ---------------------------------------------------------------- config.json that contradicts the tensors (issue 14, 11)
+
+QWEN = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 8, "hidden_size": 64,
+        "moe_intermediate_size": 32, "num_experts_per_tok": 2}
+
+
+def _qwen_names(layers: int, experts: int) -> list[str]:
+    names = ["model.embed_tokens.weight", "lm_head.weight"]
+    for layer in range(layers):
+        names.append(f"model.layers.{layer}.self_attn.q_proj.weight")
+        names.append(f"model.layers.{layer}.mlp.gate.weight")
+        for e in range(experts):
+            names += [f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+    return names
+
+
+def test_consistent_config_and_tensors_resolve():
+    info = resolve(QWEN, _qwen_names(2, 8))
+    assert (info.n_layers, info.n_experts, info.experts_per_tok) == (2, 8, 2)
+
+
+@pytest.mark.parametrize("key,value,layers,experts,needles", [
+    ("num_experts", 4, 2, 8, ["num_experts", "model.layers.0.mlp.experts.4.gate_proj.weight"]),
+    ("num_hidden_layers", 1, 2, 8, ["num_hidden_layers", "model.layers.1."]),
+    ("num_experts", 8.5, 2, 8, ["num_experts", "8.5"]),
+    ("decoder_sparse_step", 0, 2, 8, ["decoder_sparse_step", "0"]),
+    ("num_experts_per_tok", 99, 2, 8, ["num_experts_per_tok", "99"]),
+    ("num_experts", 0, 2, 8, ["num_experts"]),
+    ("num_experts", True, 2, 8, ["num_experts", "True"]),
+    ("num_hidden_layers", -2, 2, 8, ["num_hidden_layers", "-2"]),
+    ("hidden_size", "64", 2, 8, ["hidden_size", "'64'"]),
+    ("moe_intermediate_size", 0, 2, 8, ["moe_intermediate_size"]),
+    ("num_experts_per_tok", 0, 2, 8, ["num_experts_per_tok"]),
+    ("mlp_only_layers", [0, "1"], 2, 8, ["mlp_only_layers"]),
+    ("mlp_only_layers", [7], 2, 8, ["mlp_only_layers", "7"]),
+])
+def test_config_value_or_tensors_contradiction_is_refused(key, value, layers, experts, needles):
+    config = {**QWEN, key: value}
+    with pytest.raises(ManifestError) as err:
+        resolve(config, _qwen_names(layers, experts))
+    msg = str(err.value)
+    assert err.value.exit_code == 3 and "\n" not in msg
+    for needle in needles:
+        assert needle in msg, msg
+
+
+def test_expert_tensors_in_a_dense_layer_are_refused():
+    config = {"model_type": "deepseek_v3", "num_hidden_layers": 2, "n_routed_experts": 2, "hidden_size": 64,
+              "moe_intermediate_size": 32, "num_experts_per_tok": 1, "first_k_dense_replace": 1}
+    names = [f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight" for layer in (0, 1) for e in range(2)
+             for p in ("gate", "up", "down")]
+    with pytest.raises(ManifestError) as err:
+        resolve(config, names)
+    assert "model.layers.0.mlp.experts.0." in str(err.value) and "first_k_dense_replace" in str(err.value)
+    resolve(config, [n for n in names if ".layers.1." in n])      # the config's own layout passes
+
+
+def test_mtp_layers_inside_the_config_are_accepted():
+    config = {"model_type": "deepseek_v3", "num_hidden_layers": 2, "n_routed_experts": 2, "hidden_size": 64,
+              "moe_intermediate_size": 32, "num_experts_per_tok": 1, "num_nextn_predict_layers": 1}
+    names = [f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight" for layer in (0, 1, 2) for e in range(2)]
+    assert resolve(config, names).mtp_layers == (2,)
+    with pytest.raises(ManifestError, match="model.layers.3."):
+        resolve(config, names + ["model.layers.3.mlp.experts.0.gate_proj.weight"])
+
+
+def test_tiny_checkpoint_with_too_few_experts_in_config_fails_on_open(tiny_model, tmp_path):
+    """Per-expert tensors beyond num_experts are refused at open (they used to be dropped); fused tensors carry E in
+    their shape, which validate() compares with the config."""
+    import shutil
+
+    from ktconvert.errors import InputError
+    from ktconvert.formats.sources import open_source
+
+    for arch, key in (("qwen3_moe", "num_experts"), ("gpt_oss", "num_local_experts")):
+        src = tmp_path / arch
+        shutil.copytree(tiny_model(arch), src)
+        config = json.loads((src / "config.json").read_text())
+        config[key] = 4                                  # the tiny checkpoints hold 8 experts per layer
+        (src / "config.json").write_text(json.dumps(config))
+        with pytest.raises(InputError) as err:
+            open_source(src).validate()
+        msg = str(err.value)
+        assert err.value.exit_code == 3
+        if arch == "qwen3_moe":
+            assert key in msg and "experts.4." in msg, msg
+        else:
+            assert "[4, " in msg and "[8, " in msg, msg

@@ -114,3 +114,98 @@ def test_job_file_errors_name_the_problem(tmp_path):
 def test_example_job_file_parses():
     jobs = load_jobs(Path(__file__).parents[1] / "examples" / "jobs.toml")
     assert jobs and all(job["outputs"] for job in jobs)
+
+
+# ---------------------------------------------------------------- typed job files (issue 14, items 15 and 16)
+
+BASE_JOB = '[[jobs]]\nname = "j"\nsource = "model"\nout = "o"\nmethod = "amxint4"\n'
+
+
+@pytest.mark.parametrize("extra,needles", [
+    ('include_dense = "false"', ["job j", "include_dense", "boolean", "'false'"]),
+    ("numa = true", ["job j", "numa", "integer", "True"]),
+    ("numa = 0", ["job j", "numa", "0"]),
+    ('numa = "2"', ["job j", "numa", "'2'"]),
+    ("numa = 2.0", ["job j", "numa", "2.0"]),
+    ('revision = "main"', ["job j", "revision", "hub source"]),
+    ("method = 4", ["job j", "method", "string"]),
+    ('layout = "tiles"', ["job j", "layout", "'tiles'"]),
+    ("threads = -1", ["job j", "threads"]),
+    ("group_size = [128]", ["job j", "group_size"]),
+    ("allow_drop_bias = 1", ["job j", "allow_drop_bias", "boolean"]),
+    ('bundle = 3', ["job j", "bundle", "string"]),
+    ('publish = "org/repo"', ["job j", "publish", "table"]),
+    ('publish = [1]', ["job j", "publish", "table"]),
+    ('publish = {repo = "a/b", private = "yes"}', ["job j", "publish", "private", "boolean"]),
+    ('publish = {repo = "a/b", hub = "gitlab"}', ["job j", "publish", "hub", "'gitlab'"]),
+    ('publish = {repo = ["a/b"]}', ["job j", "publish", "repo", "string"]),
+    ('publish = {hub = "hf"}', ["job j", "publish", "repo"]),
+    ('outputs = "x"', ["job j", "outputs"]),
+    ("outputs = [1]", ["job j", "outputs"]),
+    ("outputs = []", ["job j", "outputs"]),
+    ("frobnicate = 1", ["job j", "frobnicate"]),
+    ("out = 7", ["job j", "out", "string"]),
+])
+def test_job_value_of_the_wrong_type_is_refused(tmp_path, extra, needles):
+    path = tmp_path / "jobs.toml"
+    key = extra.split("=")[0].strip()
+    base = "".join(line + "\n" for line in BASE_JOB.splitlines() if not line.startswith(key + " "))
+    path.write_text(base + extra + "\n")
+    with pytest.raises(InputError) as err:
+        load_jobs(path)
+    msg = str(err.value)
+    assert "jobs.toml" in msg and "\n" not in msg
+    for needle in needles:
+        assert needle in msg, msg
+
+
+@pytest.mark.parametrize("text,needles", [
+    ("jobs = 1", ["jobs"]),
+    ("jobs = [1]", ["job 1"]),
+    ('jobs = ["x"]', ["job 1"]),
+    ("defaults = 3\n" + BASE_JOB, ["defaults"]),
+    ("[defaults]\nnuma = true\n" + BASE_JOB, ["defaults", "numa"]),
+    ("[defaults]\nout = 'x'\n" + BASE_JOB, ["defaults", "out"]),
+    ('[[jobs]]\nname = 5\nsource = "m"\nout = "o"\nmethod = "amxint4"\n', ["name", "string"]),
+    ('[[jobs]]\nsource = 5\nout = "o"\nmethod = "amxint4"\n', ["job-1", "source", "string"]),
+    ('[[jobs]]\nsource = "m"\n[[jobs.outputs]]\nout = "o"\nmethod = "amxint4"\nsource = "n"\n', ["source"]),
+    ('[[jobs]]\nname = "a"\nsource = "m"\nout = "o"\nmethod = "amxint4"\n'
+     '[[jobs]]\nname = "a"\nsource = "m"\nout = "p"\nmethod = "amxint4"\n', ["'a'", "twice"]),
+    ("x = " + "[" * 5000 + "]" * 5000 + "\n" + BASE_JOB, ["jobs.toml"]),
+])
+def test_job_file_shape_errors(tmp_path, text, needles):
+    path = tmp_path / "jobs.toml"
+    path.write_text(text)
+    with pytest.raises(InputError) as err:
+        load_jobs(path)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_typed_values_reach_the_pipeline_unchanged(tmp_path, fake_pipeline):
+    (tmp_path / "model").mkdir()
+    path = tmp_path / "jobs.toml"
+    path.write_text("[defaults]\ninclude_dense = false\nnuma = 2\n" + BASE_JOB + "include_mtp = true\n")
+    jobs = load_jobs(path)
+    run_jobs(jobs)
+    _, _, options = fake_pipeline[0]
+    assert options["include_dense"] is False and options["include_mtp"] is True
+    assert options["numa"] == 2 and type(options["numa"]) is int
+
+
+def test_revision_on_a_hub_source_is_kept(tmp_path):
+    path = tmp_path / "jobs.toml"
+    path.write_text('[[jobs]]\nsource = "hf://org/name"\nrevision = "abc123"\nout = "o"\nmethod = "amxint4"\n')
+    assert load_jobs(path)[0]["source"] == "hf://org/name@abc123"
+
+
+def test_cli_batch_bad_job_file_is_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    path = tmp_path / "jobs.toml"
+    path.write_text("jobs = [1]\n")
+    result = CliRunner().invoke(cli, ["batch", str(path)])
+    assert result.exit_code == 3, result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output

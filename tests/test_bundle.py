@@ -94,3 +94,151 @@ def test_bundle_refuses_corrupted_folder_and_unbundle_refuses_nonempty_dest(tmp_
     (tmp_path / "busy/file").write_bytes(b"keep")
     with pytest.raises(OutputError):
         unbundle(tmp_path / "ok.tar.zst", tmp_path / "busy")
+
+
+# ---------------------------------------------------------------- sizes, caps and names (issue 14, items 9 and 15)
+
+def _manifest_for(members: dict[str, bytes], claims: dict[str, int] | None = None) -> bytes:
+    """A ktconvert.json whose files table lists `members` with their true hashes (sizes overridable by `claims`)."""
+    import hashlib
+
+    files = {}
+    for name, data in members.items():
+        files[name] = {"bytes": (claims or {}).get(name, len(data)), "sha256": hashlib.sha256(data).hexdigest(),
+                       "git_sha1": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
+    return json.dumps({"files": files}).encode()
+
+
+def _zst_tar_stream(path, members: list[tuple[str, int, object]]) -> None:
+    """Like _zst_tar, but members are (name, size, fileobj) streamed through zstd: large members cost no memory."""
+    with open(path, "wb") as raw:
+        with zstandard.ZstdCompressor(level=1).stream_writer(raw, closefd=False) as zst:
+            with tarfile.open(fileobj=zst, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                for name, size, fobj in members:
+                    info = tarfile.TarInfo(name)
+                    info.size = size
+                    tar.addfile(info, fobj)
+
+
+class _Zeros(io.RawIOBase):
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        buf[:] = bytes(len(buf))
+        return len(buf)
+
+
+def test_member_larger_than_the_manifest_says_is_refused_before_writing(tmp_path):
+    """The manifest says big.bin is 6 bytes; the tar member is 64 MiB of zeros. A child process that may write at
+    most 1 MiB per file runs unbundle: the refusal must come from the size check, not from the file-size limit."""
+    import subprocess
+    import sys
+
+    manifest = _manifest_for({"big.bin": b"\0" * 6})
+    big = 64 << 20
+    _zst_tar_stream(tmp_path / "bomb.tar.zst", [("ktconvert.json", len(manifest), io.BytesIO(manifest)),
+                                                ("big.bin", big, io.BufferedReader(_Zeros()))])
+    assert (tmp_path / "bomb.tar.zst").stat().st_size < 1 << 20
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+            "from ktconvert.ops.bundle import unbundle\n"
+            "from ktconvert.errors import KtConvertError\n"
+            "try:\n"
+            f"    unbundle({str(tmp_path / 'bomb.tar.zst')!r}, {str(tmp_path / 'dest')!r})\n"
+            "except KtConvertError as exc:\n"
+            "    print('REFUSED', type(exc).__name__, exc)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.startswith("REFUSED VerifyError"), run.stdout + run.stderr[-2000:]
+    assert "big.bin" in run.stdout and "6" in run.stdout and str(big) in run.stdout
+    assert not (tmp_path / "dest").exists() and not (tmp_path / ".dest.partial").exists()
+    report = verify_bundle(tmp_path / "bomb.tar.zst")
+    assert not report["ok"] and report["mismatched"] == ["big.bin"]
+
+
+def test_manifest_over_the_size_cap_is_refused_unread(tmp_path, monkeypatch):
+    import ktconvert.ops.bundle as bundle_mod
+
+    monkeypatch.setattr(bundle_mod, "MAX_MANIFEST_BYTES", 1 << 20)
+    manifest = _manifest_for({"a.bin": b"abc"}) + b" " * (2 << 20)      # valid JSON, 2 MiB with padding
+    _zst_tar(tmp_path / "fat.tar.zst", [("ktconvert.json", manifest), ("a.bin", b"abc")])
+    with pytest.raises(InputError, match="ktconvert.json") as err:
+        verify_bundle(tmp_path / "fat.tar.zst")
+    assert str(1 << 20) in str(err.value) or "1 MiB" in str(err.value)
+    with pytest.raises(InputError):
+        unbundle(tmp_path / "fat.tar.zst", tmp_path / "dest")
+    assert not (tmp_path / "dest").exists()
+
+
+@pytest.mark.parametrize("manifest", [b'{"files": {}}', b'{"files": {"a.bin": {"bytes": 3}}}',
+                                      b'{"files": {"a.bin": {"bytes": "3", "sha256": "x"}}}',
+                                      b'{"files": {"a.bin": {"bytes": -1, "sha256": "' + b"0" * 64 + b'"}}}',
+                                      b'{"files": {"a.bin": []}}', b'{"files": {"": {"bytes": 0}}}'])
+def test_manifest_without_a_checkable_file_is_refused(tmp_path, manifest):
+    members = [("ktconvert.json", manifest)] + ([("a.bin", b"abc")] if b"a.bin" in manifest else [])
+    _zst_tar(tmp_path / "empty.tar.zst", members)
+    with pytest.raises(InputError) as err:
+        verify_bundle(tmp_path / "empty.tar.zst")
+    assert "ktconvert.json" in str(err.value)
+    with pytest.raises(InputError):
+        unbundle(tmp_path / "empty.tar.zst", tmp_path / "dest")
+    assert not (tmp_path / "dest").exists()
+
+
+def test_member_that_is_also_a_folder_is_refused(tmp_path):
+    members = {"a": b"file", "a/b": b"inside"}
+    manifest = _manifest_for(members)
+    _zst_tar(tmp_path / "clash.tar.zst", [("ktconvert.json", manifest)] + list(members.items()))
+    with pytest.raises(InputError) as err:
+        unbundle(tmp_path / "clash.tar.zst", tmp_path / "dest")
+    assert "a/b" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "dest").exists() and not (tmp_path / ".dest.partial").exists()
+
+
+def test_member_name_too_long_is_refused(tmp_path):
+    name = "x" * 300
+    members = {name: b"long"}
+    _zst_tar(tmp_path / "long.tar.zst", [("ktconvert.json", _manifest_for(members))] + list(members.items()))
+    with pytest.raises(InputError) as err:
+        unbundle(tmp_path / "long.tar.zst", tmp_path / "dest")
+    assert "255" in str(err.value)
+    assert not (tmp_path / "dest").exists()
+
+
+def test_dest_symlink_is_refused(tmp_path):
+    make_out(tmp_path / "out", sample_files(13))
+    bundle(tmp_path / "out", tmp_path / "ok.tar.zst")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "dest").symlink_to(elsewhere)
+    with pytest.raises(OutputError, match="symlink"):
+        unbundle(tmp_path / "ok.tar.zst", tmp_path / "dest")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(OutputError, match="symlink"):
+        unbundle(tmp_path / "ok.tar.zst", tmp_path / "dangling")
+    assert list(elsewhere.iterdir()) == [] and not (tmp_path / "nowhere").exists()
+
+
+def test_partial_symlink_is_not_followed(tmp_path):
+    make_out(tmp_path / "out", sample_files(14))
+    bundle(tmp_path / "out", tmp_path / "ok.tar.zst")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_bytes(b"keep")
+    (tmp_path / ".dest.partial").symlink_to(elsewhere)
+    result = unbundle(tmp_path / "ok.tar.zst", tmp_path / "dest")
+    assert result["ok"] and (tmp_path / "dest/notes.txt").exists()
+    assert [p.name for p in elsewhere.iterdir()] == ["keep"]       # nothing written through the link
+
+
+def test_cli_unbundle_errors_are_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    members = {"a": b"file", "a/b": b"inside"}
+    _zst_tar(tmp_path / "clash.tar.zst", [("ktconvert.json", _manifest_for(members))] + list(members.items()))
+    result = CliRunner().invoke(cli, ["unbundle", str(tmp_path / "clash.tar.zst"), str(tmp_path / "dest")])
+    assert result.exit_code == 3, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "a/b" in lines[0]

@@ -178,7 +178,7 @@ def test_amx_output_verifies(tmp_path, tiny_model):
     small_qwen = tiny_model("qwen3_moe", layers=1, experts=4, hidden=128, intermediate=256)
     from ktconvert.gptq.cpu import convert_cpu_gptq
     from ktconvert.gptq.loop import GptqOptions
-    from ktconvert.verify import verify
+    from ktconvert.verify.run import verify
 
     calib = tmp_path / "c.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": s.tolist()}) + "\n" for s in _samples(2, 16)))
@@ -361,7 +361,7 @@ def test_gptq_gpu_checkpoint_of_every_family_verifies(tiny_model, tmp_path, arch
     import json
 
     from ktconvert.gpu.writer import convert_gpu
-    from ktconvert.verify import verify
+    from ktconvert.verify.run import verify
 
     model = tiny_model(arch, dtype=dtype)
     calib = tmp_path / "calib.jsonl"

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ktconvert.errors import RemoteError, VerifyError
-from ktconvert.formats.out_manifest import build_manifest, record_for, write_manifest
+from ktconvert.formats.fileio import record_for
+from ktconvert.formats.out_manifest import build_manifest, write_manifest
 from ktconvert.testing.hubserver import HubServer
 
 TOKEN = "hf_test_secret_token_123"
@@ -227,7 +228,8 @@ def test_hub_source_download_and_verify(hub, scheme, server, hub_env, monkeypatc
 
 def test_hub_source_then_convert(server, hub_env, monkeypatch):
     pipeline = pytest.importorskip("ktconvert.cpu.convert", reason="pipeline not importable yet")
-    from ktconvert.formats.out_manifest import load_manifest, verify_hashes
+    from ktconvert.formats.out_manifest import load_manifest
+    from ktconvert.verify.hashes import verify_hashes
     from ktconvert.testing.tiny import make_tiny_model
 
     monkeypatch.setenv("HF_ENDPOINT", server.url)
@@ -249,3 +251,116 @@ def test_parse_source_rejects_garbage():
     for bad in ("hf://name", "s3://org/name", "hf://org/name/extra"):
         with pytest.raises(InputError):
             parse_source(bad)
+
+
+# ---------------------------------------------------------------- hostile repos and bad arguments (issue 14, 1 and 15)
+
+UNSAFE_NAMES = ["../../escape.json", "/tmp/escape-abs.json", "sub/../../escape.json", "sub\\..\\escape.json",
+                "nul\x00.json", "./config2.json", "sub//x.json"]
+
+
+@pytest.mark.parametrize("hub,scheme", [("hf", "hf"), ("ms", "ms")])
+@pytest.mark.parametrize("bad", UNSAFE_NAMES)
+def test_hub_source_refuses_unsafe_remote_names(hub, scheme, bad, server, hub_env, monkeypatch):
+    from ktconvert.ops.hub import resolve_source
+
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("MODELSCOPE_ENDPOINT", server.url)
+    src = hub_env / "src"
+    src.mkdir()
+    (src / "config.json").write_bytes(b'{"model_type": "qwen3_moe"}')
+    server.store.seed(hub, "org/evil", src)
+    server.store.put_file(hub, "org/evil", bad, b'{"planted": true}')
+    n = len(server.requests)
+    with pytest.raises(RemoteError) as err:
+        resolve_source(f"{scheme}://org/evil", cache_dir=str(hub_env / "dl" / "cache"))
+    assert err.value.exit_code == 5 and repr(bad)[1:-1] in str(err.value) and "\n" not in str(err.value)
+    downloads = [p for m, p in server.requests[n:] if "/resolve/" in p or p.endswith("/repo")]
+    assert downloads == []                                    # refused before any file request
+    planted = [p for p in hub_env.rglob("*") if p.is_file() and "hub-root" not in p.parts      # (the hub's blobs)
+               and "planted" in p.read_text(errors="ignore")]
+    assert planted == [] and not Path("/tmp/escape-abs.json").exists()
+
+
+def test_remote_name_rules():
+    from ktconvert.safe_read import unsafe_name as unsafe_reason
+
+    for good in ("config.json", "sub/dir/model-00001-of-00002.safetensors", "a..b.json", ".gitattributes"):
+        assert unsafe_reason(good) is None, good
+    for bad in UNSAFE_NAMES + ["", "a/", "C:\\x.json", "x" * 256, "a/" * 3000 + "b"]:
+        assert unsafe_reason(bad), bad
+
+
+@pytest.mark.parametrize("repo", ["bad repo", "org/name/extra", "org//name", "../x", "org/na..me", "org/name-"])
+def test_invalid_repo_id_is_a_one_line_error(repo, server, hub_env):
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    make_out(hub_env / "out", sample_files(15))
+    runner = CliRunner()
+    for args in (["publish", str(hub_env / "out"), repo, "--endpoint", server.url],
+                 ["verify", repo, "--remote", "--endpoint", server.url],
+                 ["verify", str(hub_env / "out"), "--remote", repo, "--endpoint", server.url]):
+        result = runner.invoke(cli, args)
+        assert result.exit_code == 3, (args, result.output, result.exception)
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and repo in lines[0], result.output
+    assert [r for r in server.requests if "/api/repos/create" in r[1]] == []
+
+
+def test_non_ascii_token_is_a_one_line_error(server, hub_env, monkeypatch):
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    make_out(hub_env / "out", sample_files(16))
+    secret = "hf_sécret_tøken_value"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    result = CliRunner().invoke(cli, ["publish", str(hub_env / "out"), "org/tok", "--endpoint", server.url])
+    assert result.exit_code == 3, (result.output, result.exception)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "HF_TOKEN" in lines[0] and "ASCII" in lines[0]
+    assert secret not in result.output and "sécret" not in result.output
+    assert server.requests == []
+
+
+def test_token_is_masked_as_a_whole_token_only(monkeypatch):
+    from ktconvert.ops.hub_clients import scrub
+
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MODELSCOPE_API_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    text = "GET http://localhost/api?token=local failed for local hub: Bearer local, localised (local)"
+    assert scrub(text, "local") == ("GET http://localhost/api?token=*** failed for *** hub: Bearer ***, localised "
+                                    "(***)")
+    token = "hf_AbCdEf0123456789"           # 16+ characters: masked wherever its text appears, glued or not
+    assert scrub(f"401: bad token {token}; url token%3D{token}&x", token) == "401: bad token ***; url token%3D***&x"
+    monkeypatch.setenv("HF_TOKEN", token)
+    assert token not in scrub(f"Authorization: Bearer {token}\nsecond line", None)
+    assert "\n" not in scrub("a\nb", None)
+
+
+def test_readme_example_token_is_not_a_word():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    jobs = (Path(__file__).parents[1] / "examples" / "tiny-jobs.toml").read_text()
+    for text in (readme, jobs):
+        assert "HF_TOKEN=local " not in text
+        for token in __import__("re").findall(r"HF_TOKEN=(\S+)", text):
+            assert not token.isalpha(), token
+
+
+def test_xet_upload_is_served_back(server, hub_env, monkeypatch):
+    """huggingface_hub's default Xet transport against the stand-in: the files can be downloaded again."""
+    from ktconvert.ops.hub import client_for, publish, resolve_source
+
+    files = sample_files(17)
+    files["model.safetensors"] = os.urandom(90_000)
+    make_out(hub_env / "out", files)
+    publish(hub_env / "out", "org/xet", endpoint=server.url)
+    assert any("xet-write-token" in p for _, p in server.requests)           # the upload went through Xet
+    client = client_for("hf", server.url)
+    shard = "_layer_0/_numa_0/INT4_down_0_Weight.kt"
+    assert client.read_small("org/xet", "main", shard) == files[shard]
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    root, _ = resolve_source("hf://org/xet", cache_dir=str(hub_env / "dl"))
+    assert (root / "model.safetensors").read_bytes() == files["model.safetensors"]

@@ -10,8 +10,9 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_quant_and_layouts_import_only_numpy():
-    mods = _modules_after("import ktconvert.quant.amx_rows, ktconvert.quant.methods, ktconvert.layouts.tiles, "
-                          "ktconvert.layouts.numa")
+    mods = _modules_after("import ktconvert.quant.amx_rows, ktconvert.quant.row_quant, ktconvert.quant.mse, "
+                          "ktconvert.quant.ct_int4, ktconvert.quant.fp8, ktconvert.quant.mxfp4, ktconvert.layouts.tiles, "
+                          "ktconvert.layouts.naming, ktconvert.layouts.numa")
     assert not {"torch", "safetensors", "click", "transformers", "llmcompressor"} & mods
 
 

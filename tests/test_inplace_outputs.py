@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from ktconvert.errors import ShapeError
+from ktconvert.errors import ShapeError, UsageError
 from ktconvert.formats.base import ExpertWeights
 from ktconvert.formats.inplace_sink import INDEX_NAME, InplaceSink
-from ktconvert.formats.quantized import decode_matrix, detect_scheme
+from ktconvert.formats.decoders import decode_matrix, detect_scheme
 from ktconvert.formats.safetensors_reader import Checkpoint
 from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from ktconvert.quant.methods import METHODS
+from ktconvert.methods import METHODS
 
 torch = pytest.importorskip("torch")
 st_torch = pytest.importorskip("safetensors.torch")
@@ -40,7 +40,8 @@ def _write(out, method, numa=1):
     for L in LAYERS:
         w = sink.begin_layer(L)
         for e in reversed(range(E)):          # any order
-            w.put_expert(e, experts[L][e])
+            for proj, matrix in experts[L][e].projections():
+                w.put_matrix(proj, e, matrix)
         files, tensors = w.finish()
         assert [f.path for f in files] == [sink.shard_of(L)] and len(tensors) == E * 3 * len(method.tensor_specs(I, H))
     src = out.parent / f"{out.name}-source"
@@ -48,7 +49,9 @@ def _write(out, method, numa=1):
     (src / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": H,
                                                  "moe_intermediate_size": I}))
     sink.finalize(copy_from=src)
-    assert {p.name: p.stat().st_size for p in out.glob("*.safetensors")} == sink.planned_files()
+    for shard in out.glob("*.safetensors"):   # byte for byte what the safetensors library writes
+        st_torch.save_file(st_torch.load_file(str(shard)), str(out.parent / f"{out.name}-library.bin"))
+        assert shard.read_bytes() == (out.parent / f"{out.name}-library.bin").read_bytes(), shard.name
     return experts
 
 
@@ -73,7 +76,7 @@ def test_rawint4_matches_compressed_tensors(tmp_path, gs):
     from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    experts = _write(tmp_path, METHODS.get("rawint4").with_group_size(gs))
+    experts = _write(tmp_path, METHODS.get("rawint4").configured(gs))
     qc = QuantizationConfig.model_validate(json.loads((tmp_path / "config.json").read_text())["quantization_config"])
     group = next(iter(qc.config_groups.values()))
     assert group.weights.group_size == gs and group.weights.num_bits == 4 and group.weights.symmetric
@@ -128,12 +131,12 @@ def test_fp8_matches_compressed_tensors_and_torch(tmp_path):
 
 
 def test_runtime_alignment_is_checked_before_writing(tmp_path):
-    with pytest.raises(ShapeError, match="I / numa"):
-        InplaceSink(tmp_path, METHODS.get("rawint4").with_group_size(128), LAYERS, E, H, 256, numa=4)
+    with pytest.raises(ShapeError, match="I/T % 128 == 0"):
+        InplaceSink(tmp_path, METHODS.get("rawint4").configured(128), LAYERS, E, H, 256, numa=4)
     with pytest.raises(ShapeError):
         InplaceSink(tmp_path, METHODS.get("fp8"), LAYERS, E, 320, 192)
-    with pytest.raises(ShapeError, match="group size"):
-        METHODS.get("rawint4").with_group_size(48)
+    with pytest.raises(UsageError, match="group size.*expected 32 or 64 or 128, found 48"):
+        METHODS.get("rawint4").configured(48)
     assert not any(tmp_path.iterdir())
 
 

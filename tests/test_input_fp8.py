@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ktconvert.errors import InputError
-from ktconvert.formats.quantized import decode_matrix, detect_scheme, validate_matrix
+from ktconvert.formats.decoders import decode_matrix, detect_scheme, validate_matrix
 from ktconvert.formats.safetensors_reader import Checkpoint
 from ktconvert.quant import fp8
 

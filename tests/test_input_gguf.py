@@ -2,7 +2,7 @@
 end to end on GGUF fixtures.
 
 Golden values: gguf-py's own ``gguf.quants.dequantize`` (numpy) on the same bytes, read with ``gguf.GGUFReader``;
-for the end-to-end test, kt-kernel's AMXINT4 quantizer (ktconvert.quant.methods, checked byte for byte elsewhere)
+for the end-to-end test, kt-kernel's AMXINT4 quantizer (ktconvert.methods, checked byte for byte elsewhere)
 applied to gguf-py's dequantized weights rounded to BF16. K-quant / IQ fixtures in tests/golden/gguf/ were produced
 by llama.cpp's quantizer (see SOURCES.json, make_fixtures.py); the others are written here with gguf-py.
 """
@@ -189,7 +189,7 @@ def gguf_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("type_name", GGUFPY_QUANTIZABLE)
 def test_source_reads_gguf_py_files(gguf_dir, type_name):
-    from ktconvert.formats.base import open_source
+    from ktconvert.formats.sources import open_source
     from ktconvert.formats.gguf_source import GGUFSource
 
     path = gguf_dir / f"tiny-{type_name}.gguf"
@@ -318,10 +318,12 @@ def test_bad_inputs_name_file_and_tensor(tmp_path):
 
 
 def test_sniff_and_registry(tmp_path, gguf_dir):
-    from ktconvert.formats.base import SOURCE_MODULES, SOURCES
+    from ktconvert.formats.base import SOURCES
     from ktconvert.formats.gguf_source import GGUFSource
+    from ktconvert.formats.sources import source_class
 
-    assert "ktconvert.formats.gguf_source" in SOURCE_MODULES and SOURCES.get("gguf") is GGUFSource
+    assert SOURCES.get("gguf") is GGUFSource and SOURCES.get("llama.cpp") is GGUFSource
+    assert source_class(next(gguf_dir.glob("*.gguf"))) is GGUFSource
     (tmp_path / "x.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     assert not GGUFSource.sniff(tmp_path / "x.safetensors") and not GGUFSource.sniff(tmp_path)
     assert GGUFSource.sniff(next(gguf_dir.glob("*.gguf")))
@@ -381,8 +383,8 @@ def test_inspect_and_plan_show_gguf(tmp_path):
 
 def _reference_conversion(path: Path, numa: int) -> dict[str, bytes]:
     """Output tensor key -> bytes, built from gguf-py's dequantization rounded to BF16 and kt-kernel's AMXINT4."""
-    from ktconvert.formats.kt_sink import merged_key
-    from ktconvert.quant.methods import METHODS
+    from ktconvert.layouts.naming import merged_key
+    from ktconvert.methods import METHODS
 
     method = METHODS.get("amxint4")
     tensors = {t.name: t for t in GGUFReader(path).tensors}

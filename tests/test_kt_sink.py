@@ -9,7 +9,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ktconvert.errors import OutputError
-from ktconvert.formats.kt_sink import KtSink, dense_key
+from ktconvert.formats.kt_sink import KtSink
+from ktconvert.layouts.naming import dense_key
 
 
 class Int4Sizes:
@@ -108,7 +109,7 @@ def test_index_total_size_and_copies(tmp_path):
         (src / name).write_bytes(f"content of {name}".encode())
     sink = KtSink(out, "safetensors", Int4Sizes, numa=1, moe_layers=[0, 2], experts=2, hidden=32, intermediate=32)
     _write_layers(sink, 2, 1, 32, 32)
-    records = sink.finalize(copy_from=src, extra_files={"notes.txt": b"x"})
+    records = sink.finalize(copy_from=src)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     tensors = {}
     for shard in sorted(out.glob("*.safetensors")):
@@ -117,8 +118,8 @@ def test_index_total_size_and_copies(tmp_path):
     assert index["metadata"]["total_size"] == sum(n for _, n in tensors.values())
     assert index["weight_map"] == {k: shard for k, (shard, _) in tensors.items()}
     copied = sorted(r.path for r in records)
-    assert copied == ["cl100k.tiktoken", "config.json", "model.safetensors.index.json", "notes.txt",
-                      "tokenizer.json", "tokenizer_config.json"]
+    assert copied == ["cl100k.tiktoken", "config.json", "model.safetensors.index.json", "tokenizer.json",
+                      "tokenizer_config.json"]
     assert (out / "config.json").read_bytes() == b"content of config.json"
     assert not (out / "model.safetensors").exists() and not (out / "README.md").exists()
 
@@ -219,9 +220,3 @@ def test_bad_configurations(tmp_path):
     with pytest.raises(ShapeError, match="multiple of the NUMA"):
         KtSink(tmp_path, "kt", Int4Sizes, numa=3, moe_layers=[0], experts=1, hidden=256, intermediate=256)
 
-
-@pytest.mark.parametrize("layout", ["safetensors", "kt"])
-def test_layer_result_from_disk_equals_finish(tmp_path, layout):
-    sink = KtSink(tmp_path, layout, Int4Sizes, numa=2, moe_layers=[5], experts=2, hidden=256, intermediate=256)
-    results, _ = _write_layers(sink, 2, 2, 256, 256, seed=4)
-    assert sink.layer_result_from_disk(5) == results[5]

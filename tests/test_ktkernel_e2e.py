@@ -54,7 +54,7 @@ def test_every_file_equals_ktkernels(tiny_model, tmp_path, family, method, numa)
     for shard in ours_st.glob("model-*.safetensors"):
         merged.update(load_file(shard))
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.formats.kt_sink import key_for_kt_path
+    from ktconvert.layouts.naming import key_for_kt_path
 
     theirs = tmp_path / "ktkernel"
     compared = 0
@@ -164,7 +164,7 @@ def test_ktkernel_native_methods_run_our_outputs(tiny_model, tmp_path, method, k
     """`ktconvert cpu --method bf16|fp8|rawint4` of a whole tiny model, loaded by kt-kernel's native backends: its
     forward matches a float reference built from the decoded output weights."""
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.formats.quantized import decode_matrix, detect_scheme
+    from ktconvert.formats.decoders import decode_matrix, detect_scheme
     from ktconvert.formats.safetensors_reader import Checkpoint
     from ktconvert.cpu.convert import convert_cpu
     from ktconvert.quant.bf16 import bf16_bits_to_f32

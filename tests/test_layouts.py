@@ -12,8 +12,9 @@ import pytest
 from ktconvert.errors import ShapeError
 from ktconvert.formats.base import ExpertWeights
 from ktconvert.layouts import tiles
-from ktconvert.layouts.numa import numa_slices, split_expert, valid_numa_counts
-from ktconvert.quant.methods import AmxInt4, AmxInt8
+from ktconvert.layouts.numa import numa_slices, split_expert
+from ktconvert.methods import METHODS
+from ktconvert.methods.amx import AmxInt4, AmxInt8
 
 
 def random_codes(rng, n, k, lo, hi):
@@ -244,10 +245,10 @@ def test_split_expert_errors():
 
 def test_valid_numa_counts():
     # kt-format.md §2.0 item 5: Qwen3-30B-A3B (I=768, H=2048) works with T=2 but not T=4 for INT4
-    assert valid_numa_counts(768, 2048, "amxint4") == [1, 2, 3, 6]
-    assert valid_numa_counts(768, 2048, AmxInt8) == [1, 2, 3, 4, 6, 12]
-    assert valid_numa_counts(2048, 7168, "int4") == [1, 2, 4, 8, 16]
-    assert valid_numa_counts(768, 2000, "int4") == []            # H itself breaks the tile rule
-    for t in valid_numa_counts(1536, 4096, AmxInt4):
+    assert METHODS.get("amxint4").valid_numa(2048, 768) == [1, 2, 3, 6]
+    assert AmxInt8.valid_numa(2048, 768) == [1, 2, 3, 4, 6, 12]
+    assert METHODS.get("int4").valid_numa(7168, 2048) == [1, 2, 4, 8, 16]
+    assert METHODS.get("int4").valid_numa(2000, 768) == []            # H itself breaks the tile rule
+    for t in AmxInt4.valid_numa(4096, 1536):
         AmxInt4.check_shape(1536 // t, 4096)
         AmxInt4.check_shape(4096, 1536 // t)

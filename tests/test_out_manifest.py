@@ -12,9 +12,10 @@ from huggingface_hub.utils.sha import git_hash
 from safetensors.numpy import load_file, save_file
 
 from ktconvert.errors import InputError
-from ktconvert.formats import out_manifest as om
+from ktconvert.formats import fileio, out_manifest as om
 from ktconvert.formats.kt_sink import KtSink
-from ktconvert.verify import render, verify
+from ktconvert.verify.hashes import verify_hashes
+from ktconvert.verify.run import render, verify
 
 
 class Int4Sizes:
@@ -59,22 +60,22 @@ def make_output(out, layout="safetensors", numa=2, layers=(1, 2), experts=2, hid
 
 def test_hash_file_matches_hashlib_and_git(tmp_path):
     rng = np.random.default_rng(0)
-    for size in (0, 1, om.HASH_CHUNK, om.HASH_CHUNK + 123):
+    for size in (0, 1, fileio.HASH_CHUNK, fileio.HASH_CHUNK + 123):
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
         (tmp_path / "f").write_bytes(data)
-        assert om.hash_file(tmp_path / "f") == (size, hashlib.sha256(data).hexdigest(), git_hash(data))
-        assert om.hash_bytes(data) == (size, hashlib.sha256(data).hexdigest(), git_hash(data))
+        assert fileio.hash_file(tmp_path / "f") == (size, hashlib.sha256(data).hexdigest(), git_hash(data))
+        assert fileio.hash_bytes(data) == (size, hashlib.sha256(data).hexdigest(), git_hash(data))
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 20])
 def test_hash_safetensors_one_pass(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(om, "HASH_CHUNK", chunk)
+    monkeypatch.setattr(fileio, "HASH_CHUNK", chunk)
     rng = np.random.default_rng(1)
     tensors = {"a": rng.standard_normal(33).astype(np.float32), "b": rng.integers(-9, 9, 50).astype(np.int8),
                "empty": np.zeros(0, np.uint8), "z": np.zeros((0, 3), np.float32)}
     save_file(tensors, str(tmp_path / "x.safetensors"))
     data = (tmp_path / "x.safetensors").read_bytes()
-    size, sha, git, per_tensor = om.hash_safetensors(tmp_path / "x.safetensors")
+    size, sha, git, per_tensor = fileio.hash_safetensors(tmp_path / "x.safetensors")
     assert (size, sha, git) == (len(data), hashlib.sha256(data).hexdigest(), git_hash(data))
     assert per_tensor == {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in tensors.items()}
 
@@ -134,15 +135,15 @@ def test_verify_hashes_detects_flip_in_every_file(tmp_path, layout):
     out = tmp_path / "out"
     manifest = make_output(out, layout=layout, experts=1, layers=(1,))
     (out / om.JOURNAL_NAME).write_text("{}")  # ignored
-    assert om.verify_hashes(out)["ok"]
+    assert verify_hashes(out)["ok"]
     for rel in manifest["files"]:
         path = out / rel
         original = path.read_bytes()
         _flip_byte(path, len(original) - 3)
-        report = om.verify_hashes(out)
+        report = verify_hashes(out)
         assert not report["ok"] and report["mismatched"] == [rel], rel
         path.write_bytes(original)
-    assert om.verify_hashes(out)["ok"]
+    assert verify_hashes(out)["ok"]
 
 
 def test_verify_hashes_tensor_missing_and_extra(tmp_path):
@@ -150,14 +151,14 @@ def test_verify_hashes_tensor_missing_and_extra(tmp_path):
     make_output(out)
     shard = out / "model-00002-of-00002.safetensors"
     _flip_byte(shard, -1)  # last byte: inside the last tensor's data
-    report = om.verify_hashes(out)
+    report = verify_hashes(out)
     assert report["mismatched"] == [shard.name] and len(report["tensor_mismatched"]) == 1
     assert report["tensor_mismatched"][0].startswith("blk.2.")
     shard.unlink()
     (out / "stray.bin").write_bytes(b"x")
     (out / "_layer_9.partial").mkdir()
     (out / "_layer_9.partial" / "f").write_bytes(b"y")
-    report = om.verify_hashes(out)
+    report = verify_hashes(out)
     assert report["missing"] == [shard.name]
     assert report["extra"] == ["_layer_9.partial/f", "stray.bin"]
     assert any("missing" in p for p in report["problems"]) and any("stray.bin" in p for p in report["problems"])
@@ -248,7 +249,7 @@ def test_numerics_and_remote_results_are_reported(tmp_path, monkeypatch):
     make_output(out, layers=(1,), experts=1)
     calls = []
     monkeypatch.setattr(ktconvert.verify.numeric_amx, "check_numerics",
-                        lambda *args: calls.append(args) or {"ok": False, "problems": ["blk.1: error 0.5"]})
+                        lambda *args, **kw: calls.append(args) or {"ok": False, "problems": ["blk.1: error 0.5"]})
     monkeypatch.setattr(ktconvert.ops.hub, "verify_remote",
                         lambda *args: calls.append(args) or {"ok": True, "problems": [], "summary": "remote fine"})
     result = verify(out, source="SRC", tokens=3, layers="1", experts="all", threshold=0.1, remote="me/repo")

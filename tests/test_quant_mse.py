@@ -17,7 +17,8 @@ from ktconvert.errors import NumericError, ShapeError
 from ktconvert.layouts import tiles
 from ktconvert.quant import amx_rows as amx, mse
 from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from ktconvert.quant.methods import METHODS, AmxMethod
+from ktconvert.methods import METHODS
+from ktconvert.methods.amx import AmxMethod
 from ktkernel_util import (adversarial_bf16, dequantized_experts, heavy_tailed_bf16, ktkernel_forward,
                            ktkernel_skip_reason, numpy_kt_files, reference_moe_forward, relative_l2, write_kt_files)
 
@@ -181,7 +182,7 @@ def test_end_to_end_no_minus_eight_and_verify(tiny_model, tmp_path):
     from safetensors.numpy import load_file
 
     from ktconvert.cpu.convert import convert_cpu
-    from ktconvert.verify import verify
+    from ktconvert.verify.run import verify
 
     src = tiny_model("deepseek_v3")
     for method in ("amxint4", "amxint8"):

@@ -408,7 +408,7 @@ def test_missing_config_json(tmp_path, test_manifests):
 
 
 def test_open_source_registry(tmp_path, test_manifests):
-    from ktconvert.formats.base import open_source
+    from ktconvert.formats.sources import open_source
 
     root, _, _ = _fused_model(tmp_path / "m", False, True)
     assert isinstance(open_source(root), HFSource)
@@ -440,3 +440,82 @@ def test_ambiguous_down_follows_gate_up_convention(tmp_path, test_manifests):
     assert (fl.gate_up_transposed, fl.down_transposed, fl.ambiguous) == (True, True, ("down",))
     np.testing.assert_array_equal(src.read_expert(0, 1).down, _bits(logical[0][1][1]))
     assert "down: H == I" in inspect(root)["expert_layout"]["ambiguous"][0]
+
+
+# ---------------------------------------------------------------- strict as safetensors itself (issue 14, item 12)
+
+def _u8(begin: int, end: int) -> dict:
+    return {"dtype": "U8", "shape": [end - begin], "data_offsets": [begin, end]}
+
+
+# (header JSON text, data bytes): the five leniencies of issue 14 item 12, then valid controls next to them
+STRICTNESS_CASES = {
+    "duplicate_name": ('{"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, '
+                       '"a": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}}', b"\1\2\3\4"),
+    "gap_between_tensors": (json.dumps({"a": _u8(0, 2), "b": _u8(3, 4)}), b"\1\2\3\4"),
+    "trailing_bytes": (json.dumps({"a": _u8(0, 2)}), b"\1\2\3"),
+    "metadata_value_not_string": (json.dumps({"__metadata__": {"format": 1}, "a": _u8(0, 2)}), b"\1\2"),
+    "first_tensor_not_at_0": (json.dumps({"a": _u8(1, 3)}), b"\1\2\3"),
+    "no_tensor_but_data": ("{}", b"\1\2"),
+    "zero_sized_past_end": (json.dumps({"a": _u8(0, 2), "z": _u8(3, 3)}), b"\1\2\3"),
+    "control_contiguous": (json.dumps({"b": _u8(2, 4), "a": _u8(0, 2)}), b"\1\2\3\4"),
+    "control_zero_sized_between": (json.dumps({"a": _u8(0, 1), "z": _u8(1, 1), "b": _u8(1, 2)}), b"\1\2"),
+    "control_string_metadata_and_padding": (json.dumps({"__metadata__": {"format": "pt"}, "a": _u8(0, 2)}) + "  ",
+                                            b"\1\2"),
+    "control_null_metadata": (json.dumps({"__metadata__": None, "a": _u8(0, 2)}), b"\1\2"),
+}
+
+
+def _safetensors_verdict(path: Path) -> str:
+    """The reference: does safetensors itself open the file and read every tensor?"""
+    try:
+        with safe_open(str(path), framework="pt") as f:      # pt: the numpy framework has no BF16 / F8
+            for key in f.keys():
+                f.get_tensor(key)
+        return "ok"
+    except Exception:  # noqa: BLE001  (SafetensorError and friends: any refusal counts)
+        return "refused"
+
+
+@pytest.mark.parametrize("case", sorted(STRICTNESS_CASES))
+def test_reader_is_as_strict_as_safetensors(tmp_path, case):
+    header, data = STRICTNESS_CASES[case]
+    path = tmp_path / "model.safetensors"
+    text = header.encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    try:
+        parse_header(path)
+        ours = "ok"
+    except InputError as exc:
+        ours = "refused"
+        assert "model.safetensors" in str(exc) and "\n" not in str(exc)
+    assert ours == _safetensors_verdict(path), case
+
+
+# ---------------------------------------------------------------- index entries stay inside the checkpoint (item 3)
+
+def test_index_entry_outside_the_checkpoint_is_refused(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"y.w": torch.ones(3)}, other / "shard.safetensors")
+    root = _write_sharded(tmp_path / "m", {"x.w": torch.ones(2, 2)}, shards=1)
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    for outside in ("../other/shard.safetensors", str(other / "shard.safetensors"), "sub/../../other/shard.safetensors",
+                    "..\\other\\shard.safetensors"):
+        index["weight_map"]["y.w"] = outside
+        (root / "model.safetensors.index.json").write_text(json.dumps(index))
+        msg = _expect_input_error(root, "model.safetensors.index.json", "y.w", "outside the checkpoint")
+        assert repr(outside) in msg
+
+
+def test_symlinked_shard_with_a_plain_name_is_followed(tmp_path):
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    save_file({"y.w": torch.arange(3, dtype=torch.float32)}, blobs / "0123abcd")
+    root = _write_sharded(tmp_path / "m", {"x.w": torch.ones(2, 2)}, shards=1)
+    (root / "model-00002-of-00002.safetensors").symlink_to(blobs / "0123abcd")
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    index["weight_map"]["y.w"] = "model-00002-of-00002.safetensors"
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    ck = Checkpoint.open(root)
+    assert ck.read("y.w").tolist() == [0.0, 1.0, 2.0]

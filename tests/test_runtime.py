@@ -1,6 +1,6 @@
 """Verification runtime: native kernels on kt-kernel's tile layouts in place, and the strict output-folder reader.
 
-Golden values: numpy dequantization of the same bytes (ktconvert.quant.methods, from the layout spec), an
+Golden values: numpy dequantization of the same bytes (ktconvert.methods, from the layout spec), an
 element-by-element decoder written here from the byte formulas of kt-format.md §2.1/§2.2, a float64 SwiGLU MoE
 (tests/ktkernel_util.reference_moe_forward) and, where it can run, kt-kernel 0.7.2's own forward.
 """
@@ -17,7 +17,7 @@ import pytest
 from ktconvert.errors import InputError, ShapeError, VerifyError
 from ktconvert.native import forward as rt
 from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from ktconvert.quant.methods import METHODS
+from ktconvert.methods import METHODS
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason="native library not built")
 
@@ -152,7 +152,7 @@ def test_avx512_fma_path_without_vnni():
     script = (
         "import numpy as np\n"
         "from ktconvert.native import forward as rt\n"
-        "from ktconvert.quant.methods import METHODS\n"
+        "from ktconvert.methods import METHODS\n"
         "from ktconvert.quant.bf16 import f32_to_bf16_bits\n"
         "print(rt.variant('avx512'))\n"
         "rng = np.random.default_rng(0)\n"
@@ -207,7 +207,7 @@ def test_moe_forward_from_kt_tree_matches_reference(tmp_path, method, inter, num
     write_kt_files(tmp_path, 3, numpy_kt_files(method, gate, up, down, numa))
     manifest = {"method": method, "numa": numa, "layout": "kt", "tensors": {},
                 "model": {"layers": [3], "experts": experts, "hidden": hidden, "intermediate": inter}}
-    out = KtOutput.open(tmp_path, manifest)
+    out = KtOutput.open(tmp_path, manifest, methods=METHODS)
     out.check_layer(3)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     ids = np.stack([rng.choice(experts, 2, replace=False) for _ in range(tokens)])
@@ -308,7 +308,7 @@ def _open(out, **changes):
 
     manifest = load_manifest(out)
     manifest.update(changes)
-    return KtOutput.open(out, manifest)
+    return KtOutput.open(out, manifest, methods=METHODS)
 
 
 @pytest.mark.parametrize("layout", ["safetensors", "kt"])
@@ -417,7 +417,7 @@ def test_agrees_with_ktkernel_forward(tmp_path, method, numa):
                               threadpool_count=numa, x_bf16=x_bf16, topk_ids=ids, topk_weights=weights)
     manifest = {"method": method, "numa": numa, "layout": "kt", "tensors": {},
                 "model": {"layers": [0], "experts": experts, "hidden": hidden, "intermediate": inter}}
-    out = KtOutput.open(tmp_path, manifest)
+    out = KtOutput.open(tmp_path, manifest, methods=METHODS)
     ours = np.zeros((tokens, hidden), np.float32)
     for e in range(experts):
         rt.moe_forward(method, hidden, inter // numa, {e: out.read_expert(0, e).parts}, bf16_bits_to_f32(x_bf16),

@@ -11,7 +11,8 @@ from huggingface_hub.utils.sha import git_hash
 from safetensors.numpy import load_file, save_file
 
 from ktconvert.errors import OutputError
-from ktconvert.formats.st_writer import StreamingSafetensorsWriter, temp_path_for
+from ktconvert.formats.fileio import temp_path_for
+from ktconvert.formats.st_writer import StreamingSafetensorsWriter
 
 NUMPY_TO_ST = {np.dtype(k): v for k, v in {
     "int8": "I8", "uint8": "U8", "float32": "F32", "float64": "F64", "int16": "I16", "uint16": "U16",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ktconvert.cpu.convert import convert_cpu
-from ktconvert.verify import verify
+from ktconvert.verify.run import verify
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,8 @@ def test_wrong_scales_fail_against_the_source(outputs, tmp_path):
     """Scales multiplied by 4 with the manifest re-hashed to match: only the comparison with the source sees it."""
     import shutil
 
-    from ktconvert.formats.out_manifest import hash_safetensors, write_manifest
+    from ktconvert.formats.fileio import hash_safetensors
+    from ktconvert.formats.out_manifest import write_manifest
 
     model, outs = outputs
     out = tmp_path / "rawint4"

@@ -28,11 +28,12 @@ def _convert(src, out, method="amxint4", numa=2, layout="kt"):
 
 def _check(out, source=None, **kw):
     from ktconvert.formats.out_manifest import load_manifest
+    from ktconvert.methods import METHODS
     from ktconvert.verify.numeric_amx import check_numerics
 
     args = {"tokens": 8, "layers": None, "experts": "all", "threshold": None, **kw}
     return check_numerics(out, load_manifest(out), source, args["tokens"], args["layers"], args["experts"],
-                          args["threshold"])
+                          args["threshold"], methods=METHODS)
 
 
 def _set_tensor_hash(out, key: str, data: bytes) -> None:

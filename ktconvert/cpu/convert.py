@@ -60,38 +60,16 @@ def prepare_output(out: Path, src: Path, resume: bool, force: bool) -> None:
 
 # ---------------------------------------------------------------------------------------------- consumers
 
-class AmxLayer:
-    """One layer of an AMX output: each expert matrix is split into NUMA parts, quantized and tiled."""
+class _LayerConsumer:
+    """One layer of a CPU output: each expert matrix is written by the method (NUMA split + quantize + tile, or
+    encoded whole for in-place methods) into the sink's layer writer."""
 
     def __init__(self, writer, method, numa: int, quant: str):
         self.writer, self.method, self.numa, self.quant = writer, method, numa, quant
 
     def put_matrix(self, proj: str, expert: int, w, where: str) -> None:
-        """w: uint16 BF16 bits, gate/up [I, H] (split by rows), down [H, I] (split by input columns)."""
-        from ktconvert.layouts.numa import numa_slices
-
-        rows = proj in ("gate", "up")
-        extra = {} if self.quant == "rtn" else {"quant": self.quant}
-        for t, sl in enumerate(numa_slices(w.shape[0] if rows else w.shape[1], self.numa)):
-            part = w[sl] if rows else w[:, sl]
-            blob, scale = self.method.quantize(part, threads=1, where=where, **extra)
-            self.writer.put(proj, expert, t, blob, scale)
-
-    def finish(self):
-        return self.writer.finish()
-
-    def abort(self) -> None:
-        self.writer.abort()
-
-
-class InplaceLayer:
-    """One layer of an in-place output (bf16 / rawint4 / fp8): matrices are encoded whole; kt-kernel slices them."""
-
-    def __init__(self, writer):
-        self.writer = writer
-
-    def put_matrix(self, proj: str, expert: int, w, where: str) -> None:
-        self.writer.put_matrix(proj, expert, w)
+        """w: uint16 BF16 bits, gate/up [I, H], down [H, I]."""
+        self.method.write_matrix(self.writer, proj, expert, w, numa=self.numa, quant=self.quant, where=where)
 
     def finish(self):
         return self.writer.finish()
@@ -105,29 +83,15 @@ class CpuOutput:
     put_matrix / finish / abort; finalize() writes index, config copies and the manifest."""
 
     def __init__(self, out_dir: Path, method, the_plan: dict, source, *, numa: int, layout: str, quant: str,
-                 group_size: int, include_dense: bool, journal: Journal, src_extra: dict):
-        from ktconvert.formats.kt_sink import KtSink
-
-        info = source.info
+                 include_dense: bool, journal: Journal, src_extra: dict):
         self.out_dir, self.numa, self.layout, self.quant = out_dir, numa, layout, quant
         self.include_dense, self.journal, self.source, self.src_extra = include_dense, journal, source, src_extra
         self.layers = list(the_plan["layers"])
-        self.inplace = not getattr(method, "needs_conversion", True)
-        if self.inplace:
-            from ktconvert.formats.inplace_sink import InplaceSink
-
-            if hasattr(method, "with_group_size"):
-                method = method.with_group_size(group_size)
-            self.sink = InplaceSink(out_dir, method, self.layers, info.n_experts, info.hidden, info.intermediate,
-                                    numa=numa)
-        else:
-            self.sink = KtSink(out_dir, layout, method, numa, self.layers, info.n_experts, info.hidden,
-                               info.intermediate, include_dense=include_dense)
         self.method = method
+        self.sink = method.open_sink(out_dir, self.layers, source.info, numa, layout, include_dense)
 
     def begin_layer(self, layer: int):
-        writer = self.sink.begin_layer(layer)
-        return InplaceLayer(writer) if self.inplace else AmxLayer(writer, self.method, self.numa, self.quant)
+        return _LayerConsumer(self.sink.begin_layer(layer), self.method, self.numa, self.quant)
 
     def layer_finished(self, layer: int, result) -> None:
         files = [{"path": rec.path, **rec.entry()} for rec in result.files]
@@ -139,11 +103,7 @@ class CpuOutput:
 
         if self.include_dense:
             self._write_dense()
-        if self.inplace:   # kt-kernel's native loaders and our verifier read config.json's quantization_config
-            extra = self.sink.finalize(copy_from=source_root(self.source),
-                                       fallback_config=self.source.info.minimal_config())
-        else:
-            extra = self.sink.finalize(copy_from=source_root(self.source))
+        extra = self.sink.finalize(copy_from=self.source.root, fallback_config=self.source.info.minimal_config())
         manifest = self._manifest(extra)
         write_manifest(self.out_dir, manifest)
         self.journal.remove()
@@ -151,15 +111,12 @@ class CpuOutput:
 
     def _write_dense(self) -> None:
         """Non-expert tensors (kt-kernel's blk. renaming) into the last shard, one tensor at a time."""
-        ck = self.source.checkpoint
-        expert = {n for layer in self.source.info.moe_layers + self.source.info.mtp_layers
-                  for n in _expert_tensor_set(self.source, layer)}
-        specs = [(name, ref.dtype, ref.shape) for name, ref in sorted(ck.tensors.items()) if name not in expert]
-        result = self.sink.write_dense(specs, ck.read)
+        result = self.sink.write_dense(*self.source.dense_tensors())
         self.dense = {"files": [{"path": r.path, **r.entry()} for r in result.files], "tensors": result.tensors}
 
     def _manifest(self, extra) -> dict:
-        from ktconvert.formats.out_manifest import build_manifest, hash_file
+        from ktconvert.formats.fileio import hash_file
+        from ktconvert.formats.out_manifest import build_manifest
 
         files = {rec.path: rec.entry() for rec in extra}
         tensors: dict[str, str] = {}
@@ -178,38 +135,29 @@ class CpuOutput:
         manifest = build_manifest(method=self.method.kt_method, numa=self.numa, layout=self.layout, model=model,
                                   source=src, files=files, tensors=tensors, quant=self.quant,
                                   include_dense=self.include_dense)
-        if getattr(self.method, "group_size", None):
-            manifest["group_size"] = int(self.method.group_size)
+        manifest.update(self.method.manifest_fields())
         return manifest
-
-
-def _expert_tensor_set(source, layer: int) -> set[str]:
-    names: set[str] = set()
-    for e in range(source.info.n_experts):
-        names.update(source.expert_tensor_names(layer, e).values())
-    return names
 
 
 # ---------------------------------------------------------------------------------------------- entry point
 
-def open_cpu_output(src, out, *, method: str, numa: int, layout: str, quant: str, group_size: int,
+def open_cpu_output(src, out, *, method: str, numa: int, layout: str, quant: str, group_size: int | None,
                     include_dense: bool, include_mtp: bool, allow_drop_bias: bool, resume: bool, force: bool):
     """Everything before the first byte is converted: resolve and plan the source (no weights read), check
     biases, prepare OUT, start (or reopen) the journal. Returns (CpuOutput, source), or None when `resume` finds
     OUT already complete."""
-    from ktconvert.formats.base import open_source
+    from ktconvert.formats.sources import open_source
     from ktconvert.cpu.plan import plan
-    from ktconvert.quant.methods import METHODS
+    from ktconvert.methods import METHODS
 
     src_path, src_extra = resolve_source(str(src))
     the_plan = plan(str(src_path), method=method, numa=numa, layout=layout, group_size=group_size,
                     include_mtp=include_mtp, out=str(out))
     source = open_source(src_path)
     _check_biases(source, the_plan, allow_drop_bias)
-    if include_dense and not hasattr(source, "checkpoint"):
-        raise InputError(f"--include-dense needs a safetensors checkpoint; this input is {source.input_format}",
-                         file=src_path)
-    qmethod = METHODS.get(method)
+    if include_dense:
+        source.dense_tensors()   # InputError where the source has no dense tensors to give
+    qmethod = METHODS.get(method).configured(group_size)
     out_dir = Path(out)
     prepare_output(out_dir, src_path, resume, force)
     if resume and (out_dir / MANIFEST_NAME).exists() and not (out_dir / JOURNAL_NAME).exists():
@@ -220,12 +168,12 @@ def open_cpu_output(src, out, *, method: str, numa: int, layout: str, quant: str
                "source_config_sha256": the_plan.get("source_config_sha256"), "source": src_extra}
     journal = Journal.start(out_dir, options, resume)
     output = CpuOutput(out_dir, qmethod, the_plan, source, numa=numa, layout=layout, quant=quant,
-                       group_size=group_size, include_dense=include_dense, journal=journal, src_extra=src_extra)
+                       include_dense=include_dense, journal=journal, src_extra=src_extra)
     return output, source
 
 
 def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetensors", quant: str = "rtn",
-                group_size: int = 128, threads: int | None = None, resume: bool = False, force: bool = False,
+                group_size: int | None = None, threads: int | None = None, resume: bool = False, force: bool = False,
                 include_dense: bool = False, include_mtp: bool = False, allow_drop_bias: bool = False,
                 calibration=None, progress=None, extra_outputs=()) -> str:
     """Convert the routed experts of checkpoint `src` for kt-kernel into directory `out`. Returns a summary line.
@@ -467,7 +415,7 @@ def _check_biases(source, the_plan: dict, allow_drop_bias: bool) -> None:
     nonzero = getattr(source, "nonzero_expert_biases", lambda layers: [])(the_plan["layers"])
     if nonzero and not allow_drop_bias:
         raise InputError(f"{len(nonzero)} expert bias tensors are non-zero and kt-kernel's "
-                         f"{the_plan['method'].upper()} files carry no bias", tensor=nonzero[0],
+                         f"{the_plan['kt_method']} files carry no bias", tensor=nonzero[0],
                          hint="pass --allow-drop-bias to convert anyway (outputs will differ from the source)")
 
 

@@ -10,118 +10,32 @@ native HF tensor formats.
 """
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from pathlib import Path
 
-from ktconvert.errors import KtConvertError, OutputError, ShapeError
+from ktconvert.errors import OutputError, UsageError
+from ktconvert.formats.kt_sink import copy_sources
+from ktconvert.formats.st_writer import build_header
+from ktconvert.formats.sources import open_source
+from ktconvert.envinfo import cpu_flags
+from ktconvert.layouts.naming import INDEX_NAME, PROJS, kt_relpath, merged_key, part_shape, shard_name
+from ktconvert.methods import METHODS
+from ktconvert.methods.base import check
 
-PROJS = ("gate", "up", "down")
-AMX_METHODS = ("amxint4", "amxint8")
-IN_PLACE_METHODS = ("bf16", "fp8", "rawint4")
 PROCESS_BASE_BYTES = 160 << 20  # interpreter + numpy + modules, measured order of magnitude
 READ_CHUNK_BYTES = 16 << 20     # formats/stream.py CHUNK
-JOBS_PER_WORKER = 2             # pipeline._throttle keeps at most 2 jobs per worker in flight
-FP8_BLOCK = 128
+JOBS_PER_WORKER = 2             # runner._throttle keeps at most 2 jobs per worker in flight
 
 
-def _part_shapes(hidden: int, inter: int, numa: int) -> dict[str, tuple[int, int]]:
-    """[n, k] per projection of one NUMA part: gate/up [I/T, H], down [H, I/T]."""
-    part = inter // numa
-    return {"gate": (part, hidden), "up": (part, hidden), "down": (hidden, part)}
+def _part_sizes(method, hidden: int, inter: int, numa: int) -> dict[str, dict[str, int]]:
+    """{proj: method.matrix_bytes of one NUMA part's [n, k]}: gate/up [I/T, H], down [H, I/T]."""
+    return {p: method.matrix_bytes(*part_shape(p, hidden, inter, numa)) for p in PROJS}
 
 
-def _check(name: str, ok: bool, detail: str) -> dict:
-    return {"check": name, "ok": bool(ok), "detail": detail}
-
-
-def alignment_checks(hidden: int, inter: int, numa: int, method: str, group_size: int = 128) -> list[dict]:
-    """kt-format.md §2.0 item 5 (AMX), §2.6 (RAWINT4 groups), §2.7 (FP8 128-blocks): one entry per rule."""
-    checks = [_check("NUMA count T >= 1", numa >= 1, f"T = {numa}")]
-    if numa < 1:
-        return checks
-    checks.append(_check("I % T == 0", inter % numa == 0, f"{inter} % {numa} = {inter % numa}"))
-    if inter % numa:
-        return checks
-    part = inter // numa
-    if method in AMX_METHODS:
-        from ktconvert.quant.methods import METHODS
-
-        m = METHODS.get(method)
-        for proj, (n, k) in _part_shapes(hidden, inter, numa).items():
-            if proj == "up":
-                continue  # same shape as gate
-            label = "gate/up" if proj == "gate" else "down"
-            checks.append(_check(f"{label} part n % {m.n_multiple} == 0", n % m.n_multiple == 0,
-                                 f"n = {n} ({'I/T' if proj == 'gate' else 'H'})"))
-            checks.append(_check(f"{label} part k % {m.k_multiple} == 0", k % m.k_multiple == 0,
-                                 f"k = {k} ({'H' if proj == 'gate' else 'I/T'})"))
-    elif method == "fp8":
-        checks.append(_check(f"I/T % {FP8_BLOCK} == 0 (whole 128-blocks per NUMA part of down)",
-                             part % FP8_BLOCK == 0, f"I/T = {part}"))
-    elif method == "rawint4":
-        checks.append(_check("H % group_size == 0", hidden % group_size == 0, f"H = {hidden}, gs = {group_size}"))
-        checks.append(_check("I/T % group_size == 0", part % group_size == 0, f"I/T = {part}, gs = {group_size}"))
-        checks.append(_check("group_size % 8 == 0 (int32 packing)", group_size % 8 == 0, f"gs = {group_size}"))
-    return checks
-
-
-def valid_numa(hidden: int, inter: int, method: str, group_size: int = 128) -> list[int]:
-    """Every T in 1..I for which alignment_checks passes."""
-    if method in AMX_METHODS:
-        from ktconvert.layouts.numa import valid_numa_counts
-
-        return valid_numa_counts(inter, hidden, method)
-    return [t for t in range(1, inter + 1) if inter % t == 0 and
-            all(c["ok"] for c in alignment_checks(hidden, inter, t, method, group_size))]
-
-
-def _raise_on_failed(checks: list[dict], hidden: int, inter: int, method: str, group_size: int, numa: int):
-    failed = [c for c in checks if not c["ok"]]
-    if not failed:
-        return
-    good = valid_numa(hidden, inter, method, group_size)
-    hint = (f"use --numa {' or '.join(map(str, good))}" if good else
-            f"no NUMA count works for {method} with H={hidden}, I={inter}")
-    raise ShapeError(f"--numa {numa} cannot work for --method {method} (H={hidden}, I={inter})",
-                     expected=failed[0]["check"], found=failed[0]["detail"],
-                     hint=hint + f"; valid NUMA counts: {good}")
-
-
-# ---------------------------------------------------------------- sizes
-
-def _matrix_bytes(method: str, n: int, k: int, group_size: int) -> dict[str, int]:
-    """Bytes of one [n, k] matrix in the method's format, per stored part."""
-    if method in AMX_METHODS:
-        from ktconvert.quant.methods import METHODS
-
-        m = METHODS.get(method)
-        return {"quant": int(m.quant_bytes(n, k)), "scale": int(m.scale_bytes(n))}
-    if method == "bf16":
-        return {"weight": 2 * n * k}
-    if method == "fp8":
-        return {"weight": n * k, "weight_scale_inv": 4 * math.ceil(n / FP8_BLOCK) * math.ceil(k / FP8_BLOCK)}
-    return {"weight_packed": n * k // 2, "weight_scale": 2 * n * (k // group_size), "weight_shape": 16}
-
-
-def _expert_bytes(method: str, hidden: int, inter: int, numa: int, group_size: int) -> int:
-    """Output bytes of one expert (all NUMA parts for AMX; the whole HF matrices for in-place methods)."""
-    if method in AMX_METHODS:
-        return numa * sum(sum(_matrix_bytes(method, n, k, group_size).values())
-                          for n, k in _part_shapes(hidden, inter, numa).values())
-    return sum(sum(_matrix_bytes(method, n, k, group_size).values())
-               for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)))
-
-
-def _merged_files(layers: list[int], method: str, hidden: int, inter: int, numa: int, experts: int,
-                  group_size: int) -> list[dict]:
+def _merged_files(layers: list[int], method, hidden: int, inter: int, numa: int, experts: int) -> list[dict]:
     """One shard per layer: exact bytes (the writer's own header construction + data)."""
-    from ktconvert.formats.kt_sink import merged_key, shard_name
-    from ktconvert.formats.st_writer import build_header
-
-    shapes = _part_shapes(hidden, inter, numa)
-    sizes = {p: _matrix_bytes(method, n, k, group_size) for p, (n, k) in shapes.items()}
+    sizes = _part_sizes(method, hidden, inter, numa)
     files, by_digits = [], {}
     for i, layer in enumerate(layers, start=1):
         key = len(str(layer))
@@ -139,8 +53,6 @@ def _index_bytes(layers: list[int], experts: int, numa: int, shard_bytes: list[d
     """Exact size of model.safetensors.index.json as json.dumps(indent=2, sort_keys=True) + "\\n" writes it.
 
     One line per key: 4 spaces, the quoted key, ": ", the quoted shard name, and ",\\n" (the last "\\n")."""
-    from ktconvert.formats.kt_sink import merged_key
-
     digits_e = sum(len(str(e)) for e in range(experts))
     digits_t = sum(len(str(t)) for t in range(numa))
     n_entries, body = 0, 0
@@ -156,12 +68,7 @@ def _index_bytes(layers: list[int], experts: int, numa: int, shard_bytes: list[d
 
 
 def _copy_files(root: Path) -> list[dict]:
-    from ktconvert.formats.kt_sink import COPY_GLOBS, COPY_NAMES
-
-    found = {n: root / n for n in COPY_NAMES if (root / n).is_file()}
-    for pattern in COPY_GLOBS:
-        found.update({p.name: p for p in root.glob(pattern) if p.is_file()})
-    return [{"path": n, "bytes": p.stat().st_size} for n, p in sorted(found.items())]
+    return [{"path": n, "bytes": p.stat().st_size} for n, p in sorted(copy_sources(root).items())]
 
 
 def _manifest_estimate(files: list[dict], n_tensors: int, n_sources: int, tensor_key_len: int) -> int:
@@ -170,7 +77,7 @@ def _manifest_estimate(files: list[dict], n_tensors: int, n_sources: int, tensor
     return 3000 + per_file + n_sources * 150 + n_tensors * (tensor_key_len + 76)
 
 
-def _peak_ram(source, method: str, hidden: int, inter: int, numa: int, threads: int | None) -> dict:
+def _peak_ram(source, hidden: int, inter: int, numa: int, threads: int | None) -> dict:
     """A small multiple of one expert matrix per worker: source bytes + BF16 + float32 part work + output."""
     fused = source.info.manifest.experts.form == "fused"
     elems = (2 if fused else 1) * inter * hidden
@@ -180,12 +87,6 @@ def _peak_ram(source, method: str, hidden: int, inter: int, numa: int, threads: 
     workers = threads or os.cpu_count() or 1
     total = PROCESS_BASE_BYTES + READ_CHUNK_BYTES + JOBS_PER_WORKER * workers * per_job
     return {"peak_ram_bytes": total, "per_job_bytes": per_job, "workers": workers}
-
-
-def _root(source) -> Path:
-    """Directory of the source's files (HFSource: its checkpoint root; GGUFSource: .root)."""
-    root = getattr(source, "root", None)
-    return Path(root) if root is not None else Path(source.checkpoint.root)
 
 
 def _free_at(path: Path) -> tuple[str, int]:
@@ -198,73 +99,64 @@ def _free_at(path: Path) -> tuple[str, int]:
 
 # ---------------------------------------------------------------- plan
 
-def plan(src, method: str, numa: int = 1, layout: str = "safetensors", group_size: int = 128,
+def plan(src, method: str, numa: int = 1, layout: str = "safetensors", group_size: int | None = None,
          include_mtp: bool = False, out=None, threads: int | None = None) -> dict:
     """Plan converting the routed experts of `src` with `method` for T = `numa` NUMA parts into `layout`.
 
     Raises ShapeError (bad T: lists the valid ones; bad expert shapes), InputError (missing/unsupported
-    tensors), OutputError (less free disk at `out` than the output needs). Reads headers and config only.
+    tensors), OutputError (less free disk at `out` than the output needs), UsageError (a layout or group size the
+    method does not have). Reads headers and config only.
     Returns: method, kt_method, numa, layout, layers, experts, hidden, intermediate, files [{path, bytes}]
     (merged; kt: summary + files when few), total_bytes, peak_ram_bytes, disk_free_bytes, checks, notes, ...
     """
-    from ktconvert.formats.base import open_source
-
-    method = method.lower()
-    if method not in AMX_METHODS + IN_PLACE_METHODS:
-        raise KtConvertError("unknown CPU method", expected=", ".join(AMX_METHODS + IN_PLACE_METHODS),
-                             found=repr(method))
-    if layout == "kt" and method not in AMX_METHODS:
-        raise KtConvertError("the .kt layout exists only for amxint4/amxint8", found=f"--method {method}")
+    m = METHODS.get(method).configured(group_size)
+    if layout not in m.layouts:
+        raise UsageError(f"--layout {layout} does not exist for {m.kt_method}", expected=" or ".join(m.layouts))
     source = open_source(src)  # HF safetensors or GGUF (formats.base.SOURCES)
     info = source.info
     H, I, E = info.hidden, info.intermediate, info.n_experts
-    checks = alignment_checks(H, I, numa, method, group_size)
-    _raise_on_failed(checks, H, I, method, group_size, numa)
+    checks = m.check_numa(H, I, numa)
     source.validate(include_mtp=include_mtp)
-    checks.append(_check("every expert tensor present with config shapes", True,
+    checks.append(check("every expert tensor present with config shapes", True,
                          f"{len(source.all_layers(include_mtp))} layers x {E} experts"))
     layers = list(source.all_layers(include_mtp))
     result = {
         "source": str(src), "family": info.family, "model_type": info.model_type,
-        "input_format": source.input_format, "method": method, "numa": numa, "layout": layout,
-        "group_size": group_size if method == "rawint4" else None,
-        "layers": layers, "mtp_layers": [layer for layer in layers if layer >= info.n_layers],
-        "experts": E, "hidden": H, "intermediate": I,
-        "expert_bytes": _expert_bytes(method, H, I, numa, group_size),
-        "source_config_sha256": source.config_sha256(), "notes": [], "checks": checks,
+        "input_format": source.input_format, "method": m.name, "numa": numa, "layout": layout,
+        "group_size": m.group_size, "layers": layers, "mtp_layers": [layer for layer in layers if layer >= info.n_layers],
+        "experts": E, "hidden": H, "intermediate": I, "expert_bytes": m.expert_bytes(H, I, numa),
+        "source_config_sha256": source.config_sha256(), "notes": [], "checks": checks, "kt_method": m.kt_method,
     }
-    result["kt_method"] = method.upper()
-    _add_files(result, source, layers, method, layout)
-    result.update(_peak_ram(source, method, H, I, numa, threads))
+    _add_files(result, source, layers, m, layout)
+    result.update(_peak_ram(source, H, I, numa, threads))
     _add_disk(result, source, out)
     if source.has_expert_biases():
-        result["notes"].append("the experts have biases: kt-kernel's " + result["kt_method"] + " files carry no bias "
+        result["notes"].append("the experts have biases: kt-kernel's " + m.kt_method + " files carry no bias "
                                "(`cpu` refuses non-zero biases unless --allow-drop-bias)")
     if info.mtp_layers and not include_mtp and source.present_mtp_layers():
         result["notes"].append(f"MTP layers {list(source.present_mtp_layers())} not converted (--include-mtp)")
+    result["notes"] += m.runtime_notes(cpu_flags())
     return result
 
 
-def _add_files(result: dict, source, layers: list[int], method: str, layout: str) -> None:
+def _add_files(result: dict, source, layers: list[int], method, layout: str) -> None:
     H, I, E, T = result["hidden"], result["intermediate"], result["experts"], result["numa"]
-    gs = result["group_size"] or 128
-    if method not in AMX_METHODS:
+    if not method.needs_conversion:
         result["files"] = []
         result["summary"] = {"expert_bytes_per_layer": E * result["expert_bytes"],
-                             "format": f"kt-kernel {method.upper()} reads HF per-expert tensors in place"}
+                             "format": f"kt-kernel {method.kt_method} reads HF per-expert tensors in place"}
         result["total_bytes"] = len(layers) * E * result["expert_bytes"]
-        result["notes"].append(f"{method}: sizes are the expert tensors only, in kt-kernel's native HF format")
+        result["notes"].append(f"{method.name}: sizes are the expert tensors only, in kt-kernel's native HF format")
         return
     n_tensors = len(layers) * 3 * E * T * 2
     if layout == "safetensors":
-        files = _merged_files(layers, method, H, I, T, E, gs)
+        files = _merged_files(layers, method, H, I, T, E)
         data = len(layers) * E * result["expert_bytes"]
-        files.append({"path": "model.safetensors.index.json", "bytes": _index_bytes(layers, E, T, files, data)})
-        files += _copy_files(_root(source))
-        key_len = len(f"blk.{layers[-1]}.ffn_gate_exps.{E - 1}.numa.{T - 1}.weight") if layers else 0
+        files.append({"path": INDEX_NAME, "bytes": _index_bytes(layers, E, T, files, data)})
+        files += _copy_files(source.root)
     else:
-        files = _kt_files(layers, method, H, I, T, E, gs, result)
-        key_len = len(f"blk.{layers[-1]}.ffn_gate_exps.{E - 1}.numa.{T - 1}.weight") if layers else 0
+        files = _kt_files(layers, method, H, I, T, E, result)
+    key_len = len(merged_key(layers[-1], "gate", E - 1, T - 1, "weight")) if layers else 0
     est = _manifest_estimate(files, n_tensors, len(source.files()), key_len)
     files.append({"path": "ktconvert.json", "bytes": est, "approx": True})
     result["files"] = files
@@ -272,13 +164,10 @@ def _add_files(result: dict, source, layers: list[int], method: str, layout: str
     result["total_bytes"] = result.get("tree_bytes", 0) + sum(f["bytes"] for f in files)
 
 
-def _kt_files(layers, method, H, I, T, E, gs, result) -> list[dict]:
+def _kt_files(layers, method, H, I, T, E, result) -> list[dict]:
     """The .kt tree: counted, listed only when small (<= 64 files)."""
-    from ktconvert.formats.kt_sink import kt_relpath
-    from ktconvert.quant.methods import METHODS
-
-    prefix = METHODS.get(method).file_prefix
-    sizes = {p: _matrix_bytes(method, n, k, gs) for p, (n, k) in _part_shapes(H, I, T).items()}
+    prefix = method.file_prefix
+    sizes = _part_sizes(method, H, I, T)
     count = len(layers) * T * E * 3 * 2
     tree = [{"path": kt_relpath(layer, t, prefix, p, e, b, part), "bytes": b}
             for layer in layers for t in range(T) for p in PROJS for e in range(E)
@@ -294,10 +183,10 @@ def _kt_files(layers, method, H, I, T, E, gs, result) -> list[dict]:
 
 
 def _add_disk(result: dict, source, out) -> None:
-    probe, free = _free_at(Path(out) if out else _root(source))
+    probe, free = _free_at(Path(out) if out else Path(source.root))
     result["disk_path"], result["disk_free_bytes"] = probe, free
     enough = free >= result["total_bytes"]
-    result["checks"].append(_check("free disk >= output bytes" + ("" if out else " (source filesystem)"), enough,
+    result["checks"].append(check("free disk >= output bytes" + ("" if out else " (source filesystem)"), enough,
                                    f"free {free}, need {result['total_bytes']}"))
     if out and not enough:
         raise OutputError("not enough free disk space for the output", file=str(out),

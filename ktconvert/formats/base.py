@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, ClassVar, Iterator
 
+from ktconvert.errors import InputError
 from ktconvert.registry import Registry
 
 if TYPE_CHECKING:
@@ -45,35 +46,115 @@ class ExpertWeights:
         yield "down", self.down
 
 
-class ExpertSource(Protocol):
-    """A lazily read checkpoint: nothing is loaded until read_expert is called."""
+class Source:
+    """A checkpoint read lazily, one routed expert matrix at a time. Subclasses set ``name`` (+ ``aliases``) and
+    register in SOURCES when defined; ``formats/sources.py`` imports every source module and opens a path with the
+    first whose ``sniff`` accepts it.
 
+    Attributes: ``info`` (architecture.ModelInfo), ``input_format`` ("bf16", "fp16", "fp32", "fp8-block",
+    "ct-int4", "mxfp4", "gguf", ...), ``root`` (folder of the source's files: config, tokenizer).
+    Matrices are BF16 bit patterns (uint16) in HF orientation: gate/up [I, H], down [H, I].
+    """
+
+    name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
     info: "ModelInfo"
-    input_format: str  # "bf16", "fp16", "fp32", "fp8-block", "ct-int4", "mxfp4", "gguf"
+    input_format: str
+    root: Path
 
-    def read_expert(self, layer: int, expert: int) -> ExpertWeights: ...
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name"):
+            SOURCES.register(cls.name, cls.aliases)(cls)
 
-    def files(self) -> list[Path]: ...
+    # -- opening and describing
+
+    @classmethod
+    def sniff(cls, path) -> bool:
+        """Whether `path` looks like this kind of checkpoint (cheap: names and magic bytes only)."""
+        raise NotImplementedError
+
+    @classmethod
+    def open(cls, path) -> "Source":
+        """Parse the headers of the checkpoint at `path` and resolve its family (no tensor data read)."""
+        raise NotImplementedError
+
+    @classmethod
+    def describe_path(cls, path) -> tuple[dict, "Source | None"]:
+        """`inspect`'s description of the checkpoint at `path` (headers only) and the opened source (None when
+        the family is not supported: the description then says why)."""
+        source = cls.open(path)
+        return {**source.describe(), "path": str(Path(path))}, source
+
+    def describe(self) -> dict:
+        """The keys ktconvert.inspect.render reads: files, bytes, dtypes, quantization, layers, experts, ..."""
+        raise NotImplementedError
+
+    # -- files
+
+    def files(self) -> list[Path]:
+        """The weight files, in the order they are read."""
+        raise NotImplementedError
+
+    def relative_name(self, path: Path) -> str:
+        """`path` relative to root (posix): the key of its fingerprint in manifests and journals."""
+        return Path(path).relative_to(self.root).as_posix()
+
+    def config_sha256(self) -> str | None:
+        """sha256 of config.json, None when the source has none."""
+        return None
+
+    # -- layers and validation
+
+    def all_layers(self, include_mtp: bool = True) -> tuple[int, ...]:
+        """MoE layers, then the MTP layers whose experts are present (when include_mtp)."""
+        return self.info.moe_layers + (self.present_mtp_layers() if include_mtp else ())
+
+    def present_mtp_layers(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def validate(self, include_mtp: bool = False) -> None:
+        """Every converted layer has every expert's weights with the config's shapes (headers only); raises
+        InputError / ShapeError naming file and tensor on the first problem."""
+        raise NotImplementedError
+
+    # -- reading
+
+    def matrix_jobs(self, layers) -> list:
+        """formats.stream.MatrixJob per stored expert matrix range of `layers` (any order: the runner sorts them)."""
+        raise NotImplementedError
+
+    def decode(self, job, raw) -> dict:
+        """Bytes of one MatrixJob (uint8, exactly its range) -> {proj: uint16 BF16 bits in HF orientation}."""
+        raise NotImplementedError
+
+    def read_expert(self, layer: int, expert: int) -> ExpertWeights:
+        """One expert, read on its own (verification): gate/up [I, H], down [H, I] + float32 biases."""
+        raise NotImplementedError
+
+    def has_expert_biases(self) -> bool:
+        return False
+
+    def nonzero_expert_biases(self, layers) -> list[str]:
+        """Names of the expert bias tensors of `layers` holding a non-zero value (kt-kernel's files have none)."""
+        return []
+
+    def dense_tensors(self):
+        """(specs [(name, safetensors dtype, shape)], read(name) -> array) of every non-expert tensor, for
+        ``--include-dense``; InputError where the source cannot give them."""
+        raise InputError(f"--include-dense needs a safetensors checkpoint; this input is {self.input_format}",
+                         file=str(self.root))
+
+    # -- what kt-kernel can read as is (methods.CpuMethod.reads_as_is)
+
+    def kt_native_names(self) -> bool:
+        """Whether kt-kernel's HF loaders find the routed experts by their names."""
+        return False
+
+    def expert_quantization(self):
+        """The quantization group (formats.decoders.QuantGroup) of the routed experts, None when unquantized."""
+        return None
 
 
-# name -> class with classmethods sniff(path) -> bool and open(path) -> ExpertSource
-SOURCES: Registry = Registry("input format")
-
-# modules whose import registers a source in SOURCES (imported on first open_source, never at package import)
-SOURCE_MODULES = ("ktconvert.formats.hf_source", "ktconvert.formats.gguf_source")
-
-
-def open_source(path) -> ExpertSource:
-    """Open checkpoint `path` with the first registered source whose sniff(path) accepts it."""
-    import importlib
-
-    from ktconvert.errors import InputError
-
-    for module in SOURCE_MODULES:
-        importlib.import_module(module)
-    for _name, cls in SOURCES.items():
-        if cls.sniff(path):
-            return cls.open(path)
-    raise InputError("no reader recognises this input", file=str(path),
-                     expected="a directory with *.safetensors (+ config.json) or a .safetensors file",
-                     hint="known input formats: " + ", ".join(SOURCES.names()))
+# name -> Source subclass (registered by Source.__init_subclass__)
+SOURCES: Registry = Registry("input format", base=Source)

@@ -20,8 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ktconvert.architecture import ModelInfo, manifest_for
 from ktconvert.errors import InputError, ManifestError, ShapeError
-from ktconvert.formats.base import SOURCES, ExpertWeights, TensorRef
+from ktconvert.safe_read import check_regular
+from ktconvert.formats.base import ExpertWeights, Source, TensorRef
+from ktconvert.formats.stream import MatrixJob
+from ktconvert.quant import ggml
 
 GGUF_MAGIC = b"GGUF"
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -52,15 +56,14 @@ def read_header(path: Path) -> tuple[dict, dict[str, TensorRef]]:
     numpy order (ggml ne reversed), offset absolute in the file."""
     from gguf import GGUFReader
 
-    from ktconvert.quant.ggml import type_name
-
+    check_regular(path, "GGUF file")
     try:
         reader = GGUFReader(path, "r")
     except (ValueError, OSError, KeyError, IndexError) as exc:
         raise InputError(f"not a readable GGUF file ({exc})", file=path.name) from None
     meta = {name: value for name, field in reader.fields.items()
             if not name.startswith("GGUF.") and (value := _scalar(field)) is not None}
-    tensors = {t.name: TensorRef(path, t.name, type_name(int(t.tensor_type)), tuple(int(d) for d in reversed(t.shape)),
+    tensors = {t.name: TensorRef(path, t.name, ggml.type_name(int(t.tensor_type)), tuple(int(d) for d in reversed(t.shape)),
                                  int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
     del reader  # drops the memory map; nothing of the tensor data was touched
     return meta, tensors
@@ -104,10 +107,8 @@ def _meta(meta: dict, key: str, file: str, default=None, required: bool = True):
     return default
 
 
-def model_info(meta: dict, tensors: dict[str, TensorRef], file: str):
+def model_info(meta: dict, tensors: dict[str, TensorRef], file: str) -> ModelInfo:
     """ModelInfo (ktconvert.architecture) from GGUF metadata + tensor names."""
-    from ktconvert.architecture import ModelInfo, manifest_for
-
     arch = str(_meta(meta, "general.architecture", file))
     model_type = GGUF_ARCH_MODEL_TYPES.get(arch)
     if model_type is None:
@@ -129,12 +130,13 @@ def model_info(meta: dict, tensors: dict[str, TensorRef], file: str):
     n_shared = int(_meta(meta, f"{arch}.expert_shared_count", file, default=0, required=False))
     shared_i = int(_meta(meta, f"{arch}.expert_shared_feed_forward_length", file, default=0, required=False))
     config = {"gguf_architecture": arch, **{k: v for k, v in meta.items() if k.startswith(arch + ".")}}
+    manifest = manifest_for(model_type)
     return ModelInfo(
-        family=manifest_for(model_type).family, model_type=model_type, n_layers=n_layers, moe_layers=moe,
+        family=manifest.family, model_type=model_type, n_layers=n_layers, moe_layers=moe,
         mtp_layers=tuple(range(n_layers, n_blocks)), n_experts=n_experts, hidden=hidden, intermediate=inter,
         experts_per_tok=int(_meta(meta, f"{arch}.expert_used_count", file, default=0, required=False)),
         n_shared=n_shared, shared_intermediate=shared_i or inter * n_shared, first_dense=moe[0], name_prefix="",
-        manifest=manifest_for(model_type), config=config)
+        manifest=manifest, config=config)
 
 
 def _has_experts(tensors: dict, layer: int) -> bool:
@@ -148,10 +150,10 @@ def _expert_rows(tensors: dict, layer: int) -> int:
     return tensors[f"blk.{layer}.{FUSED_GATE_UP}.weight"].shape[1] // 2
 
 
-@SOURCES.register("gguf", aliases=["llama.cpp"])
-class GGUFSource:
+class GGUFSource(Source):
     """A GGUF model (one file or a split set) read one expert slice at a time. input_format = "gguf"."""
 
+    name, aliases = "gguf", ("llama.cpp",)
     input_format = "gguf"
 
     def __init__(self, paths: list[Path], meta: dict, tensors: dict[str, TensorRef]):
@@ -170,6 +172,8 @@ class GGUFSource:
         if p.is_dir():
             return any(p.glob("*.gguf")) and not any(p.glob("*.safetensors"))
         try:
+            if not p.is_file():   # a FIFO would block open() until a writer comes
+                return False
             with open(p, "rb") as f:
                 return f.read(4) == GGUF_MAGIC
         except OSError:
@@ -198,16 +202,10 @@ class GGUFSource:
     def files(self) -> list[Path]:
         return list(self.paths)
 
-    def relative_name(self, path: Path) -> str:
-        return Path(path).relative_to(self.root).as_posix()
-
-    def config_sha256(self) -> str | None:
-        return None  # no config.json: the GGUF files themselves are fingerprinted by the pipeline
+    def describe(self) -> dict:
+        return describe(self)
 
     # -- layers and tensors
-
-    def all_layers(self, include_mtp: bool = True) -> tuple[int, ...]:
-        return self.info.moe_layers + (self.present_mtp_layers() if include_mtp else ())
 
     def present_mtp_layers(self) -> tuple[int, ...]:
         return tuple(L for L in self.info.mtp_layers if _has_experts(self.tensors, L))
@@ -246,8 +244,6 @@ class GGUFSource:
                 self._check_tensor(name, projs)
 
     def _check_tensor(self, name: str, projs: tuple[str, ...]) -> TensorRef:
-        from ktconvert.quant.ggml import DEQUANT_TYPES, packed_bytes, supported
-
         ref = self.tensors.get(name)
         if ref is None:
             raise InputError("routed expert tensor missing", file=self.paths[0].name, tensor=name)
@@ -256,11 +252,11 @@ class GGUFSource:
             raise ShapeError("expert tensor shape disagrees with the GGUF metadata", file=ref.file.name, tensor=name,
                              expected=f"{list(want)} ({'[E, H, I]' if projs == ('down',) else '[E, I, H]'})",
                              found=str(list(ref.shape)))
-        if not supported(ref.dtype):
+        if not ggml.supported(ref.dtype):
             raise InputError("ggml type of an expert tensor is not supported", file=ref.file.name, tensor=name,
-                             expected="one of " + ", ".join(sorted(DEQUANT_TYPES)), found=ref.dtype)
+                             expected="one of " + ", ".join(sorted(ggml.DEQUANT_TYPES)), found=ref.dtype)
         try:
-            nbytes = packed_bytes(ref.dtype, int(np.prod(ref.shape)), row=ref.shape[-1])
+            nbytes = ggml.packed_bytes(ref.dtype, int(np.prod(ref.shape)), row=ref.shape[-1])
         except ShapeError as exc:
             raise ShapeError(exc.detail, file=ref.file.name, tensor=name, expected=exc.expected,
                              found=exc.found) from None
@@ -294,11 +290,9 @@ class GGUFSource:
         return buf
 
     def _decode(self, name: str, projs: tuple[str, ...], raw: np.ndarray) -> dict[str, np.ndarray]:
-        from ktconvert.quant.ggml import dequantize_bf16
-
         ref = self.tensors[name]
         rows, cols = ref.shape[1:]
-        bits = dequantize_bf16(raw, ref.dtype, name=name).reshape(rows, cols)
+        bits = ggml.dequantize_bf16(raw, ref.dtype, name=name).reshape(rows, cols)
         if len(projs) == 1:
             return {projs[0]: bits}
         half = rows // 2
@@ -324,16 +318,14 @@ class GGUFSource:
         return {p: n for p, n in names.items() if n in self.tensors}
 
     def _bias(self, layer: int, proj: str, expert: int | None = None) -> np.ndarray | None:
-        from ktconvert.quant.ggml import dequantize
-
         name = self._bias_names(layer).get(proj)
         if name is None:
             return None
         ref = self.tensors[name]
         if expert is None:
-            return dequantize(self._pread(ref.file, ref.offset, ref.nbytes), ref.dtype, name=name)
+            return ggml.dequantize(self._pread(ref.file, ref.offset, ref.nbytes), ref.dtype, name=name)
         _, offset, nbytes = self.slice_range(name, expert)
-        return dequantize(self._pread(ref.file, offset, nbytes), ref.dtype, name=name)
+        return ggml.dequantize(self._pread(ref.file, offset, nbytes), ref.dtype, name=name)
 
     def has_expert_biases(self) -> bool:
         return any(self._bias_names(layer) for layer in self.all_layers())
@@ -345,13 +337,8 @@ class GGUFSource:
 
     # -- streaming jobs (pipeline.py reads each file front to back)
 
-    def matrix_jobs(self, layers, include_dense: bool = False) -> list:
+    def matrix_jobs(self, layers) -> list[MatrixJob]:
         """One MatrixJob per expert slice of each expert tensor; key = (tensor name, expert, projections)."""
-        from ktconvert.formats.stream import MatrixJob
-
-        if include_dense:
-            raise InputError("--include-dense is not supported for GGUF input (dense tensors are ggml-quantized)",
-                             file=self.paths[0].name, hint="convert without --include-dense")
         jobs = []
         for layer in layers:
             for name, projs in self._layer_tensors(layer):
@@ -367,9 +354,8 @@ class GGUFSource:
         return self._decode(name, projs, raw)
 
 
-def describe(path) -> dict:
-    """`ktconvert inspect` for a GGUF model: the keys ktconvert.inspect.render reads (headers only)."""
-    source = GGUFSource.open(path)
+def describe(source: GGUFSource) -> dict:
+    """`ktconvert inspect` for an opened GGUF model: the keys ktconvert.inspect.render reads (headers only)."""
     info = source.info
     dtypes: dict[str, int] = {}
     components: dict[str, int] = {}
@@ -380,9 +366,8 @@ def describe(path) -> dict:
         components[cat] = components.get(cat, 0) + ref.nbytes
     dense = [layer for layer in range(info.n_layers) if layer not in set(info.moe_layers)]
     types = source.ggml_types()
-    llamafile_ok = info.intermediate % 256 == 0
     return {
-        "path": str(Path(path)), "files": len(source.paths),
+        "path": str(source.paths[0] if len(source.paths) == 1 else source.root), "files": len(source.paths),
         "file_bytes": sum(p.stat().st_size for p in source.paths), "tensors": len(source.tensors),
         "dtypes": dict(sorted(dtypes.items(), key=lambda kv: -kv[1])), "quantization": {"gguf_expert_types": types},
         "model_type": info.model_type, "components": dict(sorted(components.items(), key=lambda kv: -kv[1])),
@@ -393,13 +378,6 @@ def describe(path) -> dict:
         "hidden": info.hidden, "intermediate": info.intermediate,
         "expert_layout": {"form": "fused", "gate_up": "ffn_gate_exps + ffn_up_exps [E, I, H]",
                           "down": "ffn_down_exps [E, H, I]", "biases": source.has_expert_biases()},
-        "kt_methods": {
-            "LLAMAFILE": "as is (kt-kernel reads the GGUF)" if llamafile_ok else
-                         f"no: needs I % 256 == 0 (I = {info.intermediate})",
-            "AMXINT4": "convert: ktconvert cpu MODEL OUT --method amxint4 (decodes GGUF to BF16 first)",
-            "AMXINT8": "convert: ktconvert cpu MODEL OUT --method amxint8 (decodes GGUF to BF16 first)",
-            "BF16": "no: needs HF safetensors BF16 experts", "FP8": "no: needs FP8 safetensors experts",
-            "RAWINT4": "no: needs compressed-tensors int4 experts"},
     }
 
 

@@ -10,8 +10,8 @@ Every shard goes through ``StreamingSafetensorsWriter`` (temp name, atomic renam
 
 Use::
 
-    sink = InplaceSink(out_dir, METHODS.get("rawint4").with_group_size(64), layers, n_experts, hidden, inter)
-    w = sink.begin_layer(L); w.put_expert(e, expert_weights) ...; files, tensors = w.finish()
+    sink = InplaceSink(out_dir, METHODS.get("rawint4").configured(64), layers, n_experts, hidden, inter)
+    w = sink.begin_layer(L); w.put_matrix(proj, e, w_bf16) ...; files, tensors = w.finish()
     records = sink.finalize(copy_from=source_dir)
 
 The interface (begin_layer / finish -> LayerResult / finalize -> FileRecords) is KtSink's, so the pipeline drives
@@ -23,14 +23,14 @@ import json
 from pathlib import Path
 
 from ktconvert.errors import OutputError, ShapeError
-from ktconvert.formats.kt_sink import LayerResult, copy_sources, shard_name
-from ktconvert.formats.out_manifest import FileRecord, record_for, write_atomic
-from ktconvert.formats.st_writer import StreamingSafetensorsWriter, build_header
+from ktconvert.formats.fileio import FileRecord, LayerResult, record_for, write_atomic
+from ktconvert.formats.kt_sink import copy_sources
+from ktconvert.formats.st_writer import StreamingSafetensorsWriter
+from ktconvert.layouts.naming import INDEX_NAME, shard_name
+from ktconvert.safe_read import parse_json
 
-INDEX_NAME = "model.safetensors.index.json"
 PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 EXPERT_PREFIX = "model.layers.{L}.mlp.experts.{E}.{proj}"
-RAWINT4_TARGET = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 
 
 class InplaceSink:
@@ -41,7 +41,7 @@ class InplaceSink:
         self.method = method
         self.layers = list(layers)
         self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
-        method.check_layer(hidden, intermediate, numa)
+        method.check_numa(hidden, intermediate, numa)
         self.shapes = {"gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
         self.files: dict[str, dict] = {}
         self.tensor_sha256: dict[str, str] = {}
@@ -58,14 +58,6 @@ class InplaceSink:
                 specs += [(f"{base}.{suffix}", dtype, shape) for suffix, dtype, shape in self.method.tensor_specs(n, k)]
         return specs
 
-    def planned_files(self) -> dict[str, int]:
-        """{shard name: exact bytes} for plan / dry runs (headers included), index and config not counted."""
-        out = {}
-        for layer in self.layers:
-            header, spans = build_header(self.layer_specs(layer), None)
-            out[self.shard_of(layer)] = len(header) + sum(e - b for b, e in spans.values())
-        return out
-
     def begin_layer(self, layer: int) -> "InplaceLayerWriter":
         if layer not in self.layers:
             raise OutputError("layer not in this output's plan", file=self.out_dir, found=str(layer))
@@ -80,13 +72,15 @@ class InplaceSink:
         method's quantization_config) and copies of the tokenizer / generation config from `copy_from`; returns
         their records."""
         weight_map = {name: self.shard_of(layer) for layer in self.layers for name, _, _ in self.layer_specs(layer)}
-        total = sum(self.method.matrix_bytes(n, k) for n, k in self.shapes.values()) * self.n_experts * len(self.layers)
+        total = sum(sum(self.method.matrix_bytes(n, k).values()) for n, k in self.shapes.values()) \
+            * self.n_experts * len(self.layers)
         files = {INDEX_NAME: _json_bytes({"metadata": {"total_size": total},
                                           "weight_map": dict(sorted(weight_map.items()))})}
         for name, path in copy_sources(copy_from).items():
             files[name] = path.read_bytes()
         if "config.json" in files or fallback_config is not None:
-            config = json.loads(files["config.json"]) if "config.json" in files else fallback_config
+            config = parse_json(files["config.json"], what="config.json") if "config.json" in files \
+                else fallback_config
             files["config.json"] = _json_bytes(output_config(config, self.method))
         for name, data in sorted(files.items()):
             write_atomic(self.out_dir / name, data)
@@ -111,26 +105,6 @@ class InplaceLayerWriter:
         for suffix, array in self.sink.method.encode(w_bf16, where=base).items():
             self.writer.write(f"{base}.{suffix}", array)
 
-    def put_expert(self, expert: int, ew) -> None:
-        """All three matrices of ExpertWeights `ew` (biases are not part of these formats)."""
-        for proj, w in ew.projections():
-            self.put_matrix(proj, expert, w)
-
-    def put(self, proj: str, expert: int, t: int, blob, scale) -> None:
-        """Pipeline form (``method.quantize`` output): only NUMA part 0 exists for in-place methods."""
-        if t != 0:
-            raise OutputError("in-place methods are written whole; numa parts are sliced by kt-kernel",
-                              found=f"part {t}")
-        base = EXPERT_PREFIX.format(L=self.layer, E=expert, proj=PROJ_NAMES[proj])
-        specs = self.sink.method.tensor_specs(*self.sink.shapes[proj])
-        self.writer.write(f"{base}.{specs[0][0]}", blob)
-        if len(specs) > 1:
-            self.writer.write(f"{base}.{specs[1][0]}", scale)
-        if len(specs) > 2:   # rawint4 weight_shape
-            import numpy as np
-
-            self.writer.write(f"{base}.{specs[2][0]}", np.array(self.sink.shapes[proj], dtype=np.int64))
-
     def finish(self) -> LayerResult:
         self.writer.close()
         self.sink._record(self.writer)
@@ -142,24 +116,12 @@ class InplaceLayerWriter:
 
 
 def output_config(source_config: dict, method) -> dict:
-    """The source config.json with quantization_config describing `method`'s expert tensors."""
+    """The source config.json with quantization_config describing `method`'s expert tensors (none for BF16)."""
     config = {k: v for k, v in source_config.items() if k != "quantization_config"}
-    if method.kt_method == "RAWINT4":
-        config["quantization_config"] = ct_int4_config(method.group_size, [RAWINT4_TARGET], ["lm_head"])
-    elif method.kt_method == "FP8":
-        config["quantization_config"] = method.quantization_config()
+    qc = method.quantization_config()
+    if qc is not None:
+        config["quantization_config"] = qc
     return config
-
-
-def ct_int4_config(group_size: int, targets: list[str], ignore: list[str] | None = None) -> dict:
-    """quantization_config of a symmetric INT4 pack-quantized checkpoint (as llmcompressor 0.14 writes it)."""
-    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
-               "dynamic": False, "actorder": None, "block_structure": None, "observer": None,
-               "observer_kwargs": {}, "scale_dtype": None, "zp_dtype": None}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": targets, "format": "pack-quantized", "weights": weights,
-                                          "input_activations": None, "output_activations": None}},
-            "ignore": list(ignore or ["lm_head"]), "kv_cache_scheme": None, "global_compression_ratio": None}
 
 
 def _json_bytes(value: dict) -> bytes:

@@ -21,80 +21,20 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 
-from ktconvert.errors import OutputError, ShapeError
-from ktconvert.formats.out_manifest import FileRecord, hash_bytes, record_for, write_atomic
-from ktconvert.formats.st_writer import StreamingSafetensorsWriter, fsync_dir
+from ktconvert.errors import OutputError
+from ktconvert.formats.fileio import FileRecord, LayerResult, fsync_dir, hash_bytes, record_for, write_atomic
+from ktconvert.formats.safetensors_reader import parse_header
+from ktconvert.formats.st_writer import StreamingSafetensorsWriter
+from ktconvert.layouts.naming import INDEX_NAME, PROJS, dense_key, kt_relpath, merged_key, part_shape, shard_name
 
-PROJS = ("gate", "up", "down")
 LAYOUTS = ("safetensors", "kt")
-INDEX_NAME = "model.safetensors.index.json"
 COPY_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
 COPY_GLOBS = ("*.tiktoken",)
-_KT_RE = re.compile(r"^_layer_(\d+)/_numa_(\d+)/([A-Z0-9_]+?)_(gate|up|down)_(\d+)_(\d+)Byte_(quant|scale)_\.kt$")
-
-
-class LayerResult(NamedTuple):
-    """What a finished layer (or the dense shard) wrote: its files and {tensor key: sha256}."""
-
-    files: list[FileRecord]
-    tensors: dict[str, str]
-
-
-def merged_key(layer: int, proj: str, expert: int, t: int, part: str) -> str:
-    """``blk.{L}.ffn_{proj}_exps.{E}.numa.{t}.{weight|scale}``."""
-    return f"blk.{layer}.ffn_{proj}_exps.{expert}.numa.{t}.{part}"
-
-
-def kt_relpath(layer: int, t: int, prefix: str, proj: str, expert: int, nbytes: int, part: str) -> str:
-    """``_layer_{L}/_numa_{t}/{PREFIX}_{proj}_{E}_{bytes}Byte_{quant|scale}_.kt`` (part: "quant" or "scale")."""
-    return f"_layer_{layer}/_numa_{t}/{prefix}_{proj}_{expert}_{nbytes}Byte_{part}_.kt"
-
-
-def parse_kt_relpath(rel: str) -> dict | None:
-    """{layer, t, prefix, proj, expert, bytes, part} of a .kt file's relative path, or None."""
-    m = _KT_RE.match(rel)
-    if m is None:
-        return None
-    layer, t, prefix, proj, expert, nbytes, part = m.groups()
-    return {"layer": int(layer), "t": int(t), "prefix": prefix, "proj": proj, "expert": int(expert),
-            "bytes": int(nbytes), "part": part}
-
-
-def key_for_kt_path(rel: str) -> str | None:
-    """Merged tensor key of a .kt file's relative path, or None if `rel` is not a .kt expert file name."""
-    f = parse_kt_relpath(rel)
-    if f is None:
-        return None
-    return merged_key(f["layer"], f["proj"], f["expert"], f["t"], "weight" if f["part"] == "quant" else "scale")
-
-
-def shard_name(i: int, total: int) -> str:
-    return f"model-{i:05d}-of-{total:05d}.safetensors"
-
-
-def dense_key(name: str) -> str:
-    """kt-kernel's non-expert renaming: leading ``model.layers.`` → ``blk.``, else strip one leading ``model.``."""
-    if name.startswith("model.layers."):
-        return "blk." + name[len("model.layers."):]
-    if name.startswith("model."):
-        return name[len("model."):]
-    return name
-
-
-def part_shape(proj: str, hidden: int, intermediate: int, numa: int) -> tuple[int, int]:
-    """[n, k] of one NUMA part of `proj`: gate/up [I/T, H], down [H, I/T]."""
-    if proj not in PROJS:
-        raise ShapeError("unknown projection", expected="/".join(PROJS), found=repr(proj))
-    if numa < 1 or intermediate % numa:
-        raise ShapeError("intermediate size must be a multiple of the NUMA count",
-                         expected="I % T == 0", found=f"I={intermediate}, T={numa}")
-    part = intermediate // numa
-    return (part, hidden) if proj in ("gate", "up") else (hidden, part)
 
 
 class KtSink:
@@ -163,24 +103,6 @@ class KtSink:
             return (self.out_dir / self.shard_for(layer)).is_file()
         return (self.out_dir / f"_layer_{layer}").is_dir()
 
-    def layer_result_from_disk(self, layer: int) -> LayerResult:
-        """Re-hash a finished layer's files (for a resumed run whose journal lacks them): records + tensor hashes."""
-        from ktconvert.formats.out_manifest import hash_file, hash_safetensors
-
-        files, tensors = [], {}
-        for rel in self.layer_files(layer):
-            path = self.out_dir / rel
-            if not path.is_file():
-                raise OutputError("finished layer lacks a file", file=rel, tensor=f"layer {layer}")
-            if self.layout == "safetensors":
-                size, sha256, git_sha1, per_tensor = hash_safetensors(path)
-                tensors.update(per_tensor)
-            else:
-                size, sha256, git_sha1 = hash_file(path)
-                tensors[key_for_kt_path(rel)] = sha256
-            files.append(FileRecord(rel, size, sha256, git_sha1))
-        return LayerResult(files, dict(sorted(tensors.items())))
-
     def begin_layer(self, layer: int) -> "LayerWriter":
         """Start writing MoE layer `layer`; nothing becomes visible until ``finish()``."""
         if layer not in self.moe_layers:
@@ -207,9 +129,10 @@ class KtSink:
     def missing_layers(self) -> list[int]:
         return [layer for layer in self.moe_layers if not self.layer_done(layer)]
 
-    def finalize(self, copy_from=None, extra_files: dict | None = None) -> list[FileRecord]:
-        """Check every layer is done, write the index (merged), copy config/tokenizer files from `copy_from` and
-        write `extra_files` ({relative name: bytes or source path}); returns the records of the files it wrote."""
+    def finalize(self, copy_from=None, fallback_config: dict | None = None) -> list[FileRecord]:
+        """Check every layer is done, write the index (merged) and copy config/tokenizer files from `copy_from`;
+        returns the records of the files it wrote. (fallback_config: unused, kt-kernel's converted files need no
+        config.json; the in-place sink's finalize takes it.)"""
         missing = self.missing_layers()
         if missing:
             raise OutputError(f"{len(missing)} MoE layer(s) not written", file=str(self.out_dir),
@@ -218,14 +141,12 @@ class KtSink:
             raise OutputError("non-expert shard not written", file=self.dense_shard())
         self._remove_stale_partials()
         records = [self._write_index()] if self.layout == "safetensors" else []
-        for rel, src in sorted(copy_sources(copy_from).items()) + sorted((extra_files or {}).items()):
-            write_atomic(self.out_dir / rel, src if isinstance(src, (bytes, bytearray)) else Path(src).read_bytes())
+        for rel, src in sorted(copy_sources(copy_from).items()):
+            write_atomic(self.out_dir / rel, src.read_bytes())
             records.append(record_for(self.out_dir, rel))
         return records
 
     def _write_index(self) -> FileRecord:
-        from ktconvert.formats.safetensors_reader import parse_header
-
         weight_map, total = {}, 0
         for i in range(1, self.n_shards + 1):
             header = parse_header(self.out_dir / shard_name(i, self.n_shards))

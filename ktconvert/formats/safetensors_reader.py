@@ -1,12 +1,14 @@
 """Lazy, strict reader of HF safetensors checkpoints: headers parsed by hand, tensors read by byte range.
 
 Why not `safetensors.safe_open`: its numpy framework has no BF16/F8 dtypes, and it does not expose file ranges
-(style.md §2.1). Every header is validated before any tensor byte is read; a read allocates exactly the tensor
-(or the one slice) it returns and holds no map of the file afterwards.
+(style.md §2.1). Every header is validated before any tensor byte is read, at least as strictly as safetensors
+itself: unique names, string metadata values, tensors that tile the data area exactly (the first at offset 0, no
+gap, no overlap, no trailing byte). A read allocates exactly the tensor (or the one slice) it returns and holds no
+map of the file afterwards. Only regular files are opened (safe_read); index entries must be plain relative names
+inside the checkpoint (a shard may itself be a symlink, as in HF's cache); all JSON is bounded in size and depth.
 """
 from __future__ import annotations
 
-import json
 import os
 import struct
 from dataclasses import dataclass, field
@@ -16,8 +18,9 @@ import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.formats.base import TensorRef
+from ktconvert.layouts.naming import INDEX_NAME
+from ktconvert.safe_read import check_regular, open_regular, parse_json, read_json, unsafe_name
 
-INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 _PREAD_CHUNK = 1 << 30  # Linux returns at most ~2 GiB per read call
@@ -68,13 +71,26 @@ def _read_header_json(path: Path, fd: int, size: int) -> tuple[dict, int]:
         raise _bad(path, "safetensors header truncated or unreadable",
                    expected=f"8 + {n} header bytes within the file", found=f"file of {size} bytes")
     raw = head[8:8 + n] if 8 + n <= len(head) else os.pread(fd, n, 8)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _bad(path, f"safetensors header is not valid UTF-8 JSON ({exc})") from None
+    header = parse_json(raw, what="safetensors header", file=path.name, max_bytes=MAX_HEADER_BYTES,
+                        object_pairs_hook=_unique_keys)
     if not isinstance(header, dict):
         raise _bad(path, "safetensors header is not a JSON object", found=type(header).__name__)
+    if isinstance(header.get(_DUPLICATE), str):
+        raise _bad(path, "tensor name appears twice in the header", header[_DUPLICATE])
     return header, n
+
+
+_DUPLICATE = "\0duplicate"   # key under which _unique_keys reports a repeated name (NUL: no tensor is called that)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json object hook: a dict, with the first repeated key recorded under _DUPLICATE (safetensors refuses
+    repeated fields; a repeated tensor name would silently keep only the last entry)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        out[_DUPLICATE] = next(k for k, _ in pairs if k in seen or seen.add(k))
+    return out
 
 
 def _tensor_ref(path: Path, name: str, entry, data_start: int, data_len: int) -> TensorRef:
@@ -109,21 +125,26 @@ def _tensor_ref(path: Path, name: str, entry, data_start: int, data_len: int) ->
     return TensorRef(file=path, name=name, dtype=dtype, shape=tuple(shape), offset=data_start + begin, nbytes=nbytes)
 
 
-def _check_no_overlap(path: Path, refs: list[TensorRef]) -> None:
-    ordered = sorted((r for r in refs if r.nbytes), key=lambda r: r.offset)
-    for prev, cur in zip(ordered, ordered[1:]):
-        if cur.offset < prev.offset + prev.nbytes:
-            raise _bad(path, f"tensor data overlaps {prev.name}", cur.name,
-                       expected=f"begin >= {prev.offset + prev.nbytes}", found=str(cur.offset))
+def _check_tiling(path: Path, refs: list[TensorRef], data_start: int, data_len: int) -> None:
+    """Tensors in (begin, end) order must cover the data area exactly, as safetensors requires: the first at 0,
+    each where the previous one ends (no gap, no overlap), the last at the end of the file."""
+    end = data_start
+    for ref in sorted(refs, key=lambda r: (r.offset, r.nbytes)):
+        if ref.offset != end:
+            what = "tensor data overlaps the previous tensor" if ref.offset < end else (
+                "gap before the first tensor" if end == data_start else "gap between tensors")
+            raise _bad(path, what, ref.name, expected=f"data offset {end - data_start}",
+                       found=str(ref.offset - data_start))
+        end = ref.offset + ref.nbytes
+    if end != data_start + data_len:
+        raise _bad(path, "bytes after the last tensor (trailing data not described by the header)",
+                   expected=f"file of {end} bytes", found=f"{data_start + data_len} bytes")
 
 
 def parse_header(path: str | os.PathLike) -> ShardHeader:
     """Parse and validate one .safetensors header strictly; reads only the header bytes."""
     path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise _bad(path, f"cannot open shard ({exc.strerror})") from None
+    fd = open_regular(path, f"shard {path.name}")
     try:
         size = os.fstat(fd).st_size
         header, n = _read_header_json(path, fd, size)
@@ -132,46 +153,56 @@ def parse_header(path: str | os.PathLike) -> ShardHeader:
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise _bad(path, "__metadata__ is not a JSON object", found=type(metadata).__name__)
+    bad = next((k for k, v in metadata.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise _bad(path, f"__metadata__ value of {bad!r} is not a string", found=repr(metadata[bad])[:60])
     data_start = 8 + n
     refs = {name: _tensor_ref(path, name, entry, data_start, size - data_start) for name, entry in header.items()}
-    _check_no_overlap(path, list(refs.values()))
+    _check_tiling(path, list(refs.values()), data_start, size - data_start)
     return ShardHeader(path=path, tensors=refs, metadata=metadata, header_bytes=data_start, file_bytes=size)
 
 
 def _load_json(path: Path, what: str) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise _bad(path, f"cannot read {what} ({exc.strerror})") from None
-    except ValueError as exc:
-        raise _bad(path, f"{what} is not valid JSON ({exc})") from None
+    value = read_json(path, what=what)
     if not isinstance(value, dict):
         raise _bad(path, f"{what} is not a JSON object", found=type(value).__name__)
     return value
 
 
 def _index_weight_map(index_path: Path) -> dict[str, str]:
+    """The index's weight_map; every shard name a plain relative name (no absolute path, "..", backslash, ...)."""
     weight_map = _load_json(index_path, "index").get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise _bad(index_path, "index has no weight_map of tensor name -> shard file name")
+    for tensor, shard in weight_map.items():
+        reason = unsafe_name(shard)
+        if reason:
+            raise _bad(index_path, f"index names a shard outside the checkpoint ({reason})", tensor,
+                       expected="a file name relative to the checkpoint folder", found=repr(shard))
     return weight_map
+
+
+def _exists(path: Path) -> bool:
+    """True if `path` names anything (a dangling symlink included); what it is, the reader checks on opening."""
+    return os.path.lexists(path)
 
 
 def _shard_files(root: Path) -> tuple[list[Path], Path | None, dict[str, str] | None]:
     """(shard paths in order, index path or None, weight_map or None) for a directory or a single file."""
-    if root.is_file():
+    if not root.is_dir():
+        check_regular(root, "checkpoint file")
         return [root], None, None
     index_path = root / INDEX_NAME
-    if index_path.is_file():
+    if _exists(index_path):
         weight_map = _index_weight_map(index_path)
         names = sorted(set(weight_map.values()))
-        missing = [s for s in names if not (root / s).is_file()]
+        missing = [s for s in names if not _exists(root / s)]
         if missing:
             tensor = min(t for t, s in weight_map.items() if s == missing[0])
             raise _bad(index_path, f"index names a missing shard {missing[0]}", tensor,
                        found=f"{len(missing)} missing: {', '.join(missing[:3])}")
         return [root / s for s in names], index_path, weight_map
-    if (root / SINGLE_NAME).is_file():
+    if _exists(root / SINGLE_NAME):
         return [root / SINGLE_NAME], None, None
     shards = sorted(root.glob("*.safetensors"))
     if not shards:
@@ -205,12 +236,14 @@ class Checkpoint:
         shards = [parse_header(f) for f in files]
         tensors = _merge_shards(shards)
         if weight_map is not None:
-            _check_index_against_shards(index_path, weight_map, tensors, {s.path.name: s for s in shards})
-        root = path.parent if path.is_file() else path
+            by_name = {s.path.relative_to(path).as_posix(): s for s in shards}
+            _check_index_against_shards(index_path, weight_map, tensors, by_name)
+        root = path if path.is_dir() else path.parent
         config_file = root / "config.json"
-        config = _load_json(config_file, "config.json") if config_file.is_file() else {}
+        has_config = _exists(config_file)
+        config = _load_json(config_file, "config.json") if has_config else {}
         return cls(root=root, config=config, tensors=tensors, shards=shards, index_file=index_path,
-                   config_file=config_file if config_file.is_file() else None)
+                   config_file=config_file if has_config else None)
 
     def files(self) -> list[Path]:
         """Shard paths, index order."""
@@ -256,7 +289,7 @@ def _merge_shards(shards: list[ShardHeader]) -> dict[str, TensorRef]:
 def _check_index_against_shards(index_path: Path, weight_map: dict[str, str], tensors: dict[str, TensorRef],
                                 by_name: dict[str, ShardHeader]) -> None:
     for name, shard in weight_map.items():
-        header = by_name.get(shard.rsplit("/", 1)[-1])
+        header = by_name.get(shard)
         if header is None or name not in header.tensors:
             ref = tensors.get(name)
             where = "no shard" if ref is None else ref.file.name

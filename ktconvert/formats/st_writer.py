@@ -30,7 +30,7 @@ from typing import Iterable
 import numpy as np
 
 from ktconvert.errors import OutputError
-from ktconvert.formats.out_manifest import hash_file
+from ktconvert.formats.fileio import fsync_dir, hash_file, temp_path_for
 
 # safetensors Dtype enum order (increasing alignment). Data are sorted by this rank, descending.
 DTYPE_RANK: dict[str, int] = {name: i for i, name in enumerate([
@@ -47,10 +47,6 @@ _BIT_PATTERN_DTYPES = {"BF16", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "
 MAX_HEADER_BYTES = 100_000_000   # the library refuses larger headers
 _WRITE_CHUNK = 1 << 30           # Linux writes at most ~2 GiB per call
 
-
-def temp_path_for(path: Path) -> Path:
-    """``dir/.NAME.partial``: hidden and not ending in ``.safetensors``, so no ``*.safetensors`` glob matches it."""
-    return path.with_name(f".{path.name}.partial")
 
 
 def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
@@ -88,19 +84,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while done < len(data):
         done += os.pwrite(fd, data[done:done + _WRITE_CHUNK], offset + done)
 
-
-def fsync_dir(directory: Path) -> None:
-    """fsync a directory so a rename inside it is durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class StreamingSafetensorsWriter:

@@ -12,10 +12,10 @@ torch's global generator, which no other run reproduces.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ktconvert.errors import InputError
+from ktconvert.safe_read import parse_json
 
 
 def read_jsonl(path) -> list[dict]:
@@ -28,11 +28,7 @@ def read_jsonl(path) -> list[dict]:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
-            try:
-                rec = json.loads(line)
-            except ValueError as exc:
-                raise InputError(f"calibration line {lineno} is not valid JSON ({exc.args[0]})",
-                                 file=path.name) from None
+            rec = parse_json(line, what=f"calibration line {lineno}", file=path.name)
             if not isinstance(rec, dict) or not ("text" in rec or "input_ids" in rec):
                 raise InputError(f"calibration line {lineno} has neither 'text' nor 'input_ids'", file=path.name,
                                  expected='{"text": "..."} or {"input_ids": [...]}',

@@ -25,8 +25,9 @@ import numpy as np
 
 from ktconvert.errors import InputError, ShapeError
 from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream, gptq_module
-
-PROJS = ("gate", "up", "down")
+from ktconvert.layouts.naming import PROJS
+from ktconvert.quant import mse  # noqa: F401  (registers the "mse" row quantizer)
+from ktconvert.quant.row_quant import ROW_QUANT
 
 
 def _row_quantizer(bits: int):
@@ -117,9 +118,8 @@ class AmxQuantizer:
     def fallback(self, expert, where: str) -> dict:
         """Data-free per-row quantization of every NUMA part (``fallback_quant``: "mse" or "rtn")."""
         from ktconvert.layouts.numa import numa_slices
-        from ktconvert.quant.methods import row_quantizer
 
-        quantize_rows = row_quantizer(self.fallback_quant)
+        quantize_rows = ROW_QUANT.get(self.fallback_quant)
         out = {}
         for proj in PROJS:
             w = _bf16_bits(getattr(expert, proj + "_proj").weight)
@@ -132,15 +132,8 @@ class AmxQuantizer:
 
 
 def default_fallback() -> str:
-    """"mse" when a ``--quant mse`` row quantizer is importable, else "rtn"."""
-    from ktconvert.quant.methods import row_quantizer
-    from ktconvert.errors import UnknownNameError
-
-    try:
-        row_quantizer("mse")
-        return "mse"
-    except (UnknownNameError, KeyError):
-        return "rtn"
+    """"mse" when the ``--quant mse`` row quantizer is registered, else "rtn"."""
+    return "mse" if "mse" in ROW_QUANT else "rtn"
 
 
 def _bf16_bits(weight) -> np.ndarray:
@@ -180,13 +173,10 @@ def gptq_amx_codes(src, calibration, method_bits: int, numa: int, *, max_length:
 
 def write_layer(writer, method, result: LayerResult) -> None:
     """Tile one layer's codes and hand them to a KtSink LayerWriter: writer.put(proj, e, t, blob, scale)."""
-    from ktconvert.layouts import tiles
-
-    pack = tiles.pack_int4 if method.bits == 4 else tiles.pack_int8
     for (e, proj), parts in sorted(result.payloads.items()):
         for t, (codes, d) in enumerate(parts):
             method.check_shape(*codes.shape, where=f"layer {result.layer} expert {e} {proj} part {t}")
-            writer.put(proj, e, t, pack(codes), np.asarray(d, np.float32))
+            writer.put(proj, e, t, method.pack(codes), np.asarray(d, np.float32))
 
 
 def convert_cpu_gptq(src, out, *, method: str, numa: int, calibration, layout: str = "safetensors",
@@ -197,14 +187,16 @@ def convert_cpu_gptq(src, out, *, method: str, numa: int, calibration, layout: s
     pipeline.convert_cpu (KtSink files, journal, ktconvert.json with quant "gptq"), layers produced by
     gptq_amx_codes. Returns {"manifest", "tokens" {layer: [per expert]}, "fallback" {layer: [experts]},
     "fallback_quant", "clamped"}."""
-    from ktconvert.formats.out_manifest import hash_file
+    from ktconvert.formats.fileio import hash_file
     from ktconvert.cpu.convert import open_cpu_output
-    from ktconvert.quant.methods import METHODS
+    from ktconvert.methods import METHODS
 
     qmethod = METHODS.get(method)
     if not hasattr(qmethod, "bits"):
-        raise InputError("--quant gptq needs an AMX method", expected="amxint4 or amxint8", found=method)
-    output, source = open_cpu_output(src, out, method=method, numa=numa, layout=layout, quant="gptq", group_size=128,
+        tiled = [name for name, m in METHODS.items() if hasattr(m, "bits")]
+        raise InputError("--quant gptq needs a method with per-row tiles", expected=" or ".join(tiled),
+                         found=method)
+    output, source = open_cpu_output(src, out, method=method, numa=numa, layout=layout, quant="gptq", group_size=None,
                                      include_dense=False, include_mtp=False, allow_drop_bias=allow_drop_bias,
                                      resume=False, force=force)
     journal = output.journal

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ktconvert.errors import InputError
+from ktconvert.safe_read import read_json
 
 EXPERT_KEY = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|bias)$")
 
@@ -124,11 +125,9 @@ TRANSFORMERS_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 def _aliased_config(root: Path):
     """The transformers config of an aliased model_type (Kimi-K2 is DeepSeek-V3 to transformers), or None."""
-    import json
-
     from transformers import CONFIG_MAPPING
 
-    data = json.loads((Path(root) / "config.json").read_text())
+    data = read_json(Path(root) / "config.json")
     alias = TRANSFORMERS_ALIASES.get(data.get("model_type", ""))
     if alias is None:
         return None
@@ -280,7 +279,7 @@ class LayerStream:
 
     def _decode_quantized(self, name: str):
         """FP8 / packed-int weights of non-expert modules, through ktconvert's decoders, as BF16."""
-        from ktconvert.formats.quantized import decode_matrix, detect_scheme
+        from ktconvert.formats.decoders import decode_matrix, detect_scheme
 
         base = name[: -len(".weight")] if name.endswith(".weight") else name
         return bits_to_torch(decode_matrix(self.checkpoint, base, detect_scheme(self.checkpoint.config)), "BF16")

@@ -18,7 +18,7 @@ def _complete(out: Path, resume: bool) -> bool:
 
 
 def convert_both(src, cpu_out, gpu_out, *, method: str, numa: int = 1, layout: str = "safetensors",
-                 quant: str = "rtn", group_size: int = 128, experts: str = "w4a16", gpu_group_size: int = 128,
+                 quant: str = "rtn", group_size: int | None = None, experts: str = "w4a16", gpu_group_size: int = 128,
                  linears: str = "fp8", include_mtp: bool = False, allow_drop_bias: bool = False,
                  threads: int | None = None, resume: bool = False, force: bool = False,
                  progress=None) -> tuple[str, str]:

@@ -18,8 +18,7 @@ from typing import Callable
 from ktconvert.errors import InputError
 from ktconvert.gpu import linears
 from ktconvert.gpu.experts import expert_specs
-
-PROJS = ("gate", "up", "down")
+from ktconvert.layouts.naming import PROJS, shard_name
 
 
 @dataclass
@@ -40,10 +39,6 @@ class Shard:
         for _, _, base, n, k in self.experts:
             out += expert_specs(base, n, k, bits, group_size)
         return out
-
-
-def shard_name(i: int, total: int) -> str:
-    return f"model-{i:05d}-of-{total:05d}.safetensors"
 
 
 def _copy(ref) -> Item:

@@ -18,6 +18,9 @@ from typing import Callable
 import numpy as np
 
 from ktconvert.errors import InputError
+from ktconvert.formats.decoders import detect_scheme
+from ktconvert.quant import fp8
+from ktconvert.quant.bf16 import bf16_bits_to_f32, float_to_bf16_bits
 
 FP8_BLOCK = (128, 128)
 LINEAR_MODES = ("fp8", "bf16", "keep")
@@ -77,9 +80,9 @@ def fp8_scale_shape(n: int, k: int) -> tuple[int, int]:
 
 def source_block(checkpoint) -> tuple[int, int] | None:
     """weight_block_size of an ``quant_method: fp8`` source, else None."""
-    qc = checkpoint.config.get("quantization_config") or {}
-    if str(qc.get("quant_method", "")).lower() == "fp8" and qc.get("weight_block_size"):
-        return tuple(int(x) for x in qc["weight_block_size"])
+    scheme = detect_scheme(checkpoint.config)
+    if scheme is not None and scheme.quant_method == "fp8":
+        return scheme.groups[0].block
     return None
 
 
@@ -97,11 +100,9 @@ def stored_kind(checkpoint, module: str) -> str:
 
 def read_bf16(checkpoint, module: str) -> np.ndarray:
     """The linear's weight as BF16 bits uint16 [n, k] (float sources converted RNE, FP8-block dequantized)."""
-    from ktconvert.formats.hf_source import to_bf16_bits
-
     ref = checkpoint.ref(module + ".weight")
     if ref.dtype in FLOAT_DTYPES:
-        return to_bf16_bits(checkpoint.read(ref.name), ref.dtype)
+        return float_to_bf16_bits(checkpoint.read(ref.name), ref.dtype)
     return _dequant_fp8(checkpoint, module)
 
 
@@ -114,23 +115,14 @@ def _scale_name(checkpoint, module: str) -> str:
 
 
 def _dequant_fp8(checkpoint, module: str) -> np.ndarray:
-    from ktconvert.formats.hf_source import to_bf16_bits
-    from ktconvert.quant import fp8
-
     w = checkpoint.read(module + ".weight")
     s_ref = checkpoint.ref(_scale_name(checkpoint, module))
-    scale = to_bf16_bits(checkpoint.read(s_ref.name), s_ref.dtype) if s_ref.dtype != "F32" else None
-    scale = checkpoint.read(s_ref.name) if scale is None else _bits_to_f32(scale)
+    scale = float_to_bf16_bits(checkpoint.read(s_ref.name), s_ref.dtype) if s_ref.dtype != "F32" else None
+    scale = checkpoint.read(s_ref.name) if scale is None else bf16_bits_to_f32(scale)
     n, k = w.shape
     sn, sk = scale.shape
     block = (-(-n // sn), -(-k // sk)) if source_block(checkpoint) is None else source_block(checkpoint)
     return fp8.dequant_block(w, np.asarray(scale, np.float32), block, where=module + ".weight")
-
-
-def _bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    from ktconvert.quant.bf16 import bf16_bits_to_f32
-
-    return bf16_bits_to_f32(bits)
 
 
 def plan_linear(checkpoint, module: str, mode: str) -> LinearPlan:
@@ -185,6 +177,4 @@ def _quantize_fp8_plan(module: str, n: int, k: int) -> LinearPlan:
 def quantize_linear_fp8(w_bf16: np.ndarray, where: str = "") -> tuple[np.ndarray, np.ndarray]:
     """BF16 bits uint16 [n, k] -> (F8_E4M3 codes uint8 [n, k], weight_scale_inv float32 [ceil(n/128), ceil(k/128)]),
     DeepSeek convention (ktconvert.quant.fp8.quantize_block): s = block amax / 448, q = e4m3(w / s)."""
-    from ktconvert.quant import fp8
-
     return fp8.quantize_block(w_bf16, FP8_BLOCK, where=where)

@@ -17,6 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ktconvert.errors import InputError
+from ktconvert.formats.safetensors_reader import Checkpoint
+from ktconvert.layouts.naming import INDEX_NAME
+from ktconvert.safe_read import read_json
+from ktconvert.verify.folder import OutputFolder
+
 MAX_LINES = 10
 ACTORDERS = (None, "static", "weight")
 REL_ERR_LIMIT = {4: 0.35, 8: 0.03}     # relative L2 error per matrix, generous for heavy-tailed weights
@@ -39,10 +45,11 @@ class _Check:
                 "problems": problems}
 
 
-def check_gpu_checkpoint(out, source=None, experts="all") -> dict:
+def check_gpu_checkpoint(out, source=None, experts="all", folder: OutputFolder | None = None) -> dict:
     """Validate GPU checkpoint folder `out` (optionally against source checkpoint `source`).
 
     experts: "all" or how many experts per layer to decompress (structure is checked for all).
+    folder: the folder's verify.folder.OutputFolder when already walked (its shard headers are reused).
     Returns {"ok", "problems": [str], "checks": [{name, status, detail, problems}], "errors": {...}}.
     """
     out = Path(out)
@@ -50,7 +57,7 @@ def check_gpu_checkpoint(out, source=None, experts="all") -> dict:
     cfg_check = _check_config(out, state)
     checks.append(cfg_check)
     if "qc" in state:
-        tensors = _check_index(out, state, checks)
+        tensors = _check_index(folder or OutputFolder.scan(out), checks)
         info = _model_info(state["config"], tensors)
         layers = _moe_layers(info, tensors)
         checks.append(_check_experts(out, state, info, layers, tensors, experts, source))
@@ -66,8 +73,8 @@ def check_gpu_checkpoint(out, source=None, experts="all") -> dict:
 def _check_config(out: Path, state: dict) -> _Check:
     check = _Check("config")
     try:
-        config = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        config = read_json(out / "config.json")
+    except InputError as exc:
         check.add(f"config.json: unreadable ({exc})")
         return check
     qc = config.get("quantization_config")
@@ -144,25 +151,20 @@ def _check_scheme(parsed, check: _Check):
 
 # ---------------------------------------------------------------------------------------------- index / tensors
 
-def _check_index(out: Path, state: dict, checks: list) -> dict:
-    """{tensor: (shard, TensorRef)} from every *.safetensors; appends the index check."""
-    from ktconvert.errors import InputError
-    from ktconvert.formats.safetensors_reader import parse_header
-
+def _check_index(folder: OutputFolder, checks: list) -> dict:
+    """{tensor: (shard, TensorRef)} from every top-level *.safetensors; appends the index check."""
     check = _Check("index")
     tensors = {}
-    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    shards = folder.top_level_shards()
     for name in shards:
-        try:
-            header = parse_header(out / name)
-        except InputError as exc:
-            check.add(f"{name}: unreadable header ({exc})")
+        if name in folder.header_errors:
+            check.add(f"{name}: unreadable header ({folder.header_errors[name]})")
             continue
-        for tname, ref in header.tensors.items():
+        for tname, ref in folder.shards[name].tensors.items():
             tensors[tname] = (name, ref)
     try:
-        weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        weight_map = read_json(folder.root / INDEX_NAME)["weight_map"]
+    except (InputError, KeyError, TypeError) as exc:
         check.add(f"model.safetensors.index.json: missing or unreadable ({exc})")
         weight_map = {}
     else:
@@ -245,10 +247,9 @@ def _expert_structure(base: str, shape, bits: int, gs: int, tensors: dict, check
 
 
 def _read(out: Path, tensors: dict, name: str) -> np.ndarray:
-    from ktconvert.formats.safetensors_reader import Checkpoint
-
-    shard, ref = tensors[name]
-    return Checkpoint.open(out / shard).read(name)
+    """Tensor `name` of the output, read through its already parsed header entry."""
+    _shard, ref = tensors[name]
+    return Checkpoint(root=out, config={}, tensors={name: ref}, shards=[]).read(name)
 
 
 def _decompress(out, base, shape, state, tensors, src, layer, e, proj, check) -> float | None:

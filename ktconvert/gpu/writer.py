@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.errors import KtConvertError, OutputError
-from ktconvert.formats.out_manifest import FileRecord
+from ktconvert.formats.fileio import FileRecord, LayerResult
+from ktconvert.layouts.naming import INDEX_NAME
 
-INDEX_NAME = "model.safetensors.index.json"
 NO_COPY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 NO_COPY_NAMES = ("config.json", INDEX_NAME, "ktconvert.json", "README.md")
 
@@ -51,11 +51,6 @@ class GpuOptions:
         return {"kind": "gpu", "experts": self.experts.lower(), "group_size": self.group_size, "algo": self.algo,
                 "linears": self.linears, "include_mtp": self.include_mtp, "layers": list(layers),
                 "source_config_sha256": config_sha256}
-
-
-class LayerResult:
-    def __init__(self, files, tensors):
-        self.files, self.tensors = files, tensors
 
 
 class GpuLayerWriter:
@@ -124,7 +119,8 @@ class GpuOutput:
 
     def finalize(self) -> dict:
         """Non-MoE shard, index, config.json, copied files and ktconvert.json (last). Returns the manifest."""
-        from ktconvert.formats.out_manifest import record_for, write_atomic, write_manifest
+        from ktconvert.formats.fileio import record_for, write_atomic
+        from ktconvert.formats.out_manifest import write_manifest
         from ktconvert.formats.st_writer import StreamingSafetensorsWriter
 
         missing = [layer for layer in self.layers if not self.journal.layer_done(layer)]
@@ -187,7 +183,8 @@ class GpuOutput:
         return out
 
     def _manifest(self, records: dict, extra: list) -> dict:
-        from ktconvert.formats.out_manifest import build_manifest, hash_file
+        from ktconvert.formats.fileio import hash_file
+        from ktconvert.formats.out_manifest import build_manifest
 
         files = {rec.path: rec.entry() for rec in extra}
         tensors: dict[str, str] = {}

@@ -2,11 +2,9 @@
 
 Part t holds gate/up rows [t*I_t, (t+1)*I_t) (its matrices are [n=I_t, k=H]) and, for down, columns
 [t*I_t, (t+1)*I_t) of every one of the H rows ([n=H, k=I_t]). H is never split; the runtime sums the T partial
-down outputs.
+down outputs. Which T a method can write is the method's rule (``ktconvert.methods``: ``valid_numa``).
 """
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 
@@ -25,7 +23,8 @@ def numa_slices(intermediate: int, parts: int) -> list[slice]:
 
 
 def split_expert(ew: ExpertWeights, parts: int) -> list[ExpertWeights]:
-    """Split one expert (gate/up uint16 [I, H], down uint16 [H, I]) into ``parts`` ExpertWeights.
+    """Split one expert (gate/up uint16 [I, H], down uint16 [H, I]) into ``parts`` ExpertWeights (the reference of
+    the split the methods apply per matrix; benchmarks and tests build kt-kernel's inputs with it).
 
     Gate/up parts are row slices (views); down parts are contiguous copies of the column slices. gate_bias and
     up_bias [I] are sliced like their rows. down_bias [H] belongs to the output, which the runtime sums over the
@@ -45,30 +44,3 @@ def split_expert(ew: ExpertWeights, parts: int) -> list[ExpertWeights]:
             down_bias=None if ew.down_bias is None else (ew.down_bias if t == 0 else np.zeros_like(ew.down_bias)),
         ))
     return out
-
-
-def _multiples(method: Any) -> tuple[int, int]:
-    """(n_multiple, k_multiple) of a CPU method given by object or registry name."""
-    if isinstance(method, str):
-        from ktconvert.quant.methods import METHODS   # lazy: layouts stays importable without quant
-        method = METHODS.get(method)
-    return int(method.n_multiple), int(method.k_multiple)
-
-
-def valid_numa_counts(intermediate: int, hidden: int, method: Any) -> list[int]:
-    """NUMA counts T (ascending) that the method can write for experts of size I x H.
-
-    T qualifies when I % T == 0 and both part shapes meet the method's multiples: gate/up [n=I_t, k=H] and
-    down [n=H, k=I_t]. ``method`` is a CPU method class (n_multiple, k_multiple) or its registry name.
-    """
-    n_mult, k_mult = _multiples(method)
-    if hidden <= 0 or hidden % n_mult or hidden % k_mult:
-        return []
-    counts = []
-    for t in range(1, intermediate + 1):
-        if intermediate % t:
-            continue
-        part = intermediate // t
-        if part % n_mult == 0 and part % k_mult == 0:
-            counts.append(t)
-    return counts

@@ -66,13 +66,13 @@ def _permutation(n: int, k: int, n_block: int, tile_k: int, nibbles: bool) -> np
 
 def int4_permutation(n: int, k: int) -> np.ndarray:
     """int64 [n * k]: element (row-major flat index) held by nibble slot 2*byte + (0 low | 1 high) of an INT4 blob."""
-    _check_shape(n, k, INT4_TILE_K, "AMXINT4")
+    _check_shape(n, k, INT4_TILE_K, "INT4")
     return _permutation(n, k, INT4_N_BLOCK, INT4_TILE_K, True)
 
 
 def int8_permutation(n: int, k: int) -> np.ndarray:
     """int64 [n * k]: element (row-major flat index) held by byte ``slot`` of an INT8 blob."""
-    _check_shape(n, k, INT8_TILE_K, "AMXINT8")
+    _check_shape(n, k, INT8_TILE_K, "INT8")
     return _permutation(n, k, INT8_N_BLOCK, INT8_TILE_K, False)
 
 
@@ -85,9 +85,9 @@ def _codes_2d(codes: np.ndarray, name: str) -> np.ndarray:
 
 def pack_int4(codes: np.ndarray) -> np.ndarray:
     """int8 [n, k] codes in -8..7 -> uint8 [n*k/2] AMXINT4 blob (n % 32 == 0, k % 128 == 0, else ShapeError)."""
-    n, k = _codes_2d(codes, "AMXINT4").shape
+    n, k = _codes_2d(codes, "INT4 tile").shape
     if codes.size and (codes.min() < -8 or codes.max() > 7):
-        raise ShapeError("AMXINT4 codes out of the 4-bit range", expected="-8..7 (kt-kernel needs -7..7)",
+        raise ShapeError("INT4 tile codes out of the 4-bit range", expected="-8..7 (kt-kernel needs -7..7)",
                          found=f"{int(codes.min())}..{int(codes.max())}")
     pairs = np.ascontiguousarray(codes).ravel().take(int4_permutation(n, k)).view(np.uint8).reshape(-1, 2)
     return (pairs[:, 0] & np.uint8(0x0F)) | (pairs[:, 1] << np.uint8(4))
@@ -96,7 +96,7 @@ def pack_int4(codes: np.ndarray) -> np.ndarray:
 def unpack_int4(blob: np.ndarray, n: int, k: int) -> np.ndarray:
     """uint8 [n*k/2] AMXINT4 blob -> int8 [n, k] codes (nibbles sign-extended from 4 bits)."""
     perm = int4_permutation(n, k)
-    raw = _blob_bytes(blob, n * k // 2, "AMXINT4")
+    raw = _blob_bytes(blob, n * k // 2, "INT4 tile")
     nibbles = np.empty(n * k, dtype=np.uint8)
     nibbles[0::2] = raw << np.uint8(4)
     nibbles[1::2] = raw & np.uint8(0xF0)
@@ -107,14 +107,14 @@ def unpack_int4(blob: np.ndarray, n: int, k: int) -> np.ndarray:
 
 def pack_int8(codes: np.ndarray) -> np.ndarray:
     """int8 [n, k] codes -> uint8 [n*k] AMXINT8 blob (n % 32 == 0, k % 64 == 0, else ShapeError)."""
-    n, k = _codes_2d(codes, "AMXINT8").shape
+    n, k = _codes_2d(codes, "INT8 tile").shape
     return np.ascontiguousarray(codes).ravel().take(int8_permutation(n, k)).view(np.uint8)
 
 
 def unpack_int8(blob: np.ndarray, n: int, k: int) -> np.ndarray:
     """uint8 [n*k] AMXINT8 blob -> int8 [n, k] codes."""
     perm = int8_permutation(n, k)
-    raw = _blob_bytes(blob, n * k, "AMXINT8")
+    raw = _blob_bytes(blob, n * k, "INT8 tile")
     codes = np.empty(n * k, dtype=np.int8)
     codes[perm] = raw.view(np.int8)
     return codes.reshape(n, k)

@@ -27,70 +27,162 @@ bytes written, each output's files root (sha256 over its manifest's sorted "path
 """
 from __future__ import annotations
 
+import os
 import time
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.errors import EXIT_ERROR, InputError, KtConvertError
+from ktconvert.safe_read import open_regular
 
-CPU_KEYS = ("method", "numa", "layout", "quant", "group_size", "threads", "include_dense", "include_mtp",
-            "allow_drop_bias")
-OUTPUT_KEYS = set(CPU_KEYS) | {"out", "publish", "bundle"}
-JOB_KEYS = {"name", "source", "revision", "outputs"} | OUTPUT_KEYS
-PUBLISH_KEYS = {"hub", "repo", "revision", "private", "endpoint"}
+MAX_JOB_FILE_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class Field:
+    """One key of a job file: its TOML type (str, int or bool: a bool is never an int), and for ints the least
+    value, for strings the allowed values (empty: any)."""
+
+    kind: type
+    minimum: int | None = None
+    choices: tuple[str, ...] = ()
+
+    def problem(self, value) -> str | None:
+        """Why `value` does not fit, or None."""
+        if type(value) is not self.kind:
+            return f"must be {_KIND[self.kind]}, found {_KIND.get(type(value), type(value).__name__)} {value!r}"[:200]
+        if self.minimum is not None and value < self.minimum:
+            return f"must be an integer >= {self.minimum}, found {value!r}"
+        if self.choices and value not in self.choices:
+            return f"must be one of {', '.join(self.choices)}, found {value!r}"
+        return None
+
+
+_KIND = {str: "a string", int: "an integer", bool: "a boolean (true / false)", float: "a float", list: "an array",
+         dict: "a table"}
+CPU_FIELDS = {"method": Field(str), "numa": Field(int, 1), "layout": Field(str, choices=("safetensors", "kt")),
+              "quant": Field(str), "group_size": Field(int, 1), "threads": Field(int, 1),
+              "include_dense": Field(bool), "include_mtp": Field(bool), "allow_drop_bias": Field(bool)}
+CPU_KEYS = tuple(CPU_FIELDS)
+OUTPUT_FIELDS = {**CPU_FIELDS, "out": Field(str), "bundle": Field(str)}
+OUTPUT_KEYS = set(OUTPUT_FIELDS) | {"publish"}
+JOB_FIELDS = {"name": Field(str), "source": Field(str), "revision": Field(str), **OUTPUT_FIELDS}
+JOB_KEYS = set(JOB_FIELDS) | {"outputs", "publish"}
+PUBLISH_FIELDS = {"hub": Field(str, choices=("hf", "huggingface", "modelscope", "ms")), "repo": Field(str),
+                  "revision": Field(str), "private": Field(bool), "endpoint": Field(str)}
+DEFAULT_FIELDS = dict(CPU_FIELDS)
 
 
 def load_jobs(path) -> list[dict]:
     """Parse and check a job file; returns normalised jobs {name, source, outputs: [{out, cpu: {...}, publish,
-    bundle}]} with relative paths resolved against the job file's folder. InputError naming the job and key."""
+    bundle}]} with relative paths resolved against the job file's folder. Every key is checked against its type
+    (a string "false" is not a boolean, true is not an integer); InputError naming the job and the key.
+
+    Job files are trusted like a shell script: their paths are not confined to any folder, and a publish target's
+    endpoint receives the hub token."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise InputError(f"cannot read job file ({exc})", file=str(path)) from None
+    data = _read_toml(path)
     unknown = set(data) - {"defaults", "jobs"}
     if unknown or not isinstance(data.get("jobs"), list) or not data["jobs"]:
         raise InputError("job file needs one or more [[jobs]] tables (and optionally [defaults])", file=str(path),
-                         found=", ".join(sorted(unknown)) or "no [[jobs]]")
+                         found=", ".join(sorted(unknown)) or "no [[jobs]] array of tables")
     defaults = data.get("defaults", {})
-    _check_keys(defaults, set(CPU_KEYS) | {"publish"}, path, "[defaults]")
-    return [_normalise(job, i, defaults, path) for i, job in enumerate(data["jobs"], 1)]
+    if not isinstance(defaults, dict):
+        raise InputError("[defaults] must be a table", file=str(path), found=repr(defaults)[:60])
+    _check_table(defaults, DEFAULT_FIELDS, {"publish"}, path, "[defaults]")
+    jobs = [_normalise(job, i, defaults, path) for i, job in enumerate(data["jobs"], 1)]
+    names = [job["name"] for job in jobs]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise InputError(f"job name {twice!r} is used twice (the summary is keyed by name)", file=str(path))
+    return jobs
 
 
-def _check_keys(table: dict, allowed: set, path: Path, where: str) -> None:
+def _read_toml(path: Path) -> dict:
+    """The job file's TOML (a regular file of at most MAX_JOB_FILE_BYTES)."""
+    fd = open_regular(path, "job file")
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            raw = fh.read(MAX_JOB_FILE_BYTES + 1)
+        if len(raw) > MAX_JOB_FILE_BYTES:
+            raise InputError(f"job file is larger than {MAX_JOB_FILE_BYTES} bytes", file=str(path))
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InputError(f"job file is not UTF-8 ({exc.reason} at byte {exc.start})", file=str(path)) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"job file is not valid TOML ({exc})", file=str(path)) from None
+    except RecursionError:
+        raise InputError("job file is nested too deeply", file=str(path)) from None
+
+
+def _check_table(table: dict, fields: dict[str, Field], other: set, path: Path, where: str) -> None:
+    """Unknown keys and values of the wrong type are errors naming `where` and the key."""
+    allowed = set(fields) | other
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise InputError(f"{where}: unknown key {unknown[0]!r}", file=str(path), expected=", ".join(sorted(allowed)))
+    for key, spec in fields.items():
+        if key in table and (problem := spec.problem(table[key])):
+            raise InputError(f"{where}: {key!r} {problem}", file=str(path))
 
 
-def _normalise(job: dict, index: int, defaults: dict, path: Path) -> dict:
-    name = str(job.get("name") or f"job-{index}")
-    _check_keys(job, JOB_KEYS, path, f"job {name}")
+def _table(value, path: Path, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise InputError(f"{where} must be a table", file=str(path), found=repr(value)[:60])
+    return value
+
+
+def _normalise(job, index: int, defaults: dict, path: Path) -> dict:
+    job = _table(job, path, f"job {index}")
+    name = job.get("name", f"job-{index}")
+    where = f"job {name}" if isinstance(name, str) else f"job {index}"
+    _check_table(job, JOB_FIELDS, {"outputs", "publish"}, path, where)
     if "source" not in job:
-        raise InputError(f"job {name}: 'source' is required", file=str(path))
-    source = str(job["source"])
+        raise InputError(f"{where}: 'source' is required", file=str(path))
+    source = _source(job, path, where)
+    raw_outputs = job.get("outputs", [{k: v for k, v in job.items() if k in OUTPUT_KEYS}])
+    if not isinstance(raw_outputs, list) or not raw_outputs:
+        raise InputError(f"{where}: 'outputs' must be an array of one or more tables", file=str(path),
+                         found=repr(raw_outputs)[:60])
+    return {"name": name, "source": source,
+            "outputs": [_output(_table(raw, path, f"{where}: each of 'outputs'"), defaults, path, where)
+                        for raw in raw_outputs]}
+
+
+def _source(job: dict, path: Path, where: str) -> str:
+    """Local sources resolved against the job file's folder; hub sources checked, with `revision` applied."""
+    from ktconvert.ops.hub import parse_source
+
+    source = job["source"]
     if "://" not in source:
-        source = str((path.parent / source).resolve()) if not Path(source).is_absolute() else source
-    elif job.get("revision"):
-        source = f"{source.split('@')[0]}@{job['revision']}"
-    raw_outputs = job.get("outputs") or [{k: v for k, v in job.items() if k in OUTPUT_KEYS}]
-    outputs = []
-    for raw in raw_outputs:
-        _check_keys(raw, OUTPUT_KEYS, path, f"job {name} output")
-        merged = {**defaults, **raw}
-        if "out" not in merged or "method" not in merged:
-            raise InputError(f"job {name}: each output needs 'out' and 'method'", file=str(path))
-        publish = merged.get("publish", [])
-        publish = [publish] if isinstance(publish, dict) else list(publish)
-        for target in publish:
-            _check_keys(target, PUBLISH_KEYS, path, f"job {name} publish")
-            if "repo" not in target:
-                raise InputError(f"job {name}: publish target needs 'repo'", file=str(path))
-        outputs.append({"out": str(path.parent / merged["out"]),
-                        "cpu": {k: merged[k] for k in CPU_KEYS if k in merged},
-                        "publish": publish,
-                        "bundle": str(path.parent / merged["bundle"]) if merged.get("bundle") else None})
-    return {"name": name, "source": source, "outputs": outputs}
+        if "revision" in job:
+            raise InputError(f"{where}: 'revision' applies to hub sources (hf://, ms://) only", file=str(path),
+                             found=f"local source {source!r}")
+        return str((path.parent / source).resolve()) if not Path(source).is_absolute() else source
+    try:
+        parse_source(source)
+    except InputError as exc:
+        raise InputError(f"{where}: 'source' {exc}", file=str(path)) from None
+    return f"{source.split('@')[0]}@{job['revision']}" if job.get("revision") else source
+
+
+def _output(raw: dict, defaults: dict, path: Path, where: str) -> dict:
+    _check_table(raw, OUTPUT_FIELDS, {"publish"}, path, f"{where} output")
+    merged = {**defaults, **raw}
+    if "out" not in merged or "method" not in merged:
+        raise InputError(f"{where}: each output needs 'out' and 'method'", file=str(path))
+    publish = merged.get("publish", [])
+    publish = [publish] if isinstance(publish, dict) else publish
+    if not isinstance(publish, list) or not all(isinstance(t, dict) for t in publish):
+        raise InputError(f"{where}: 'publish' must be a table or an array of tables", file=str(path),
+                         found=repr(publish)[:60])
+    for target in publish:
+        _check_table(target, PUBLISH_FIELDS, set(), path, f"{where} publish")
+        if "repo" not in target:
+            raise InputError(f"{where}: publish target needs 'repo'", file=str(path))
+    return {"out": str(path.parent / merged["out"]), "cpu": {k: merged[k] for k in CPU_KEYS if k in merged},
+            "publish": publish, "bundle": str(path.parent / merged["bundle"]) if merged.get("bundle") else None}
 
 
 def plan_jobs(jobs: list[dict]) -> list[dict]:
@@ -109,7 +201,7 @@ def plan_jobs(jobs: list[dict]) -> list[dict]:
             else:
                 cpu = output["cpu"]
                 entry["plan"] = plan(job["source"], method=cpu["method"], numa=cpu.get("numa", 1),
-                                     layout=cpu.get("layout", "safetensors"), group_size=cpu.get("group_size", 128),
+                                     layout=cpu.get("layout", "safetensors"), group_size=cpu.get("group_size"),
                                      include_mtp=cpu.get("include_mtp", False), out=output["out"])
             plans.append(entry)
     return plans

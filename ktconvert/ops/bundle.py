@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
+import re
 import shutil
 import tarfile
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from ktconvert.errors import InputError, OutputError, VerifyError
+from ktconvert.ops.hub import files_digest
+from ktconvert.safe_read import MAX_MANIFEST_BYTES, open_regular, parse_json, unsafe_name
 
 MANIFEST_NAME = "ktconvert.json"
 CHUNK = 4 << 20
 DEFAULT_LEVEL = 3
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 class _HashingReader(io.RawIOBase):
@@ -101,12 +104,9 @@ def bundle(out, dest, level: int = DEFAULT_LEVEL, progress=None) -> dict:
 
 def _add_checked(tar: tarfile.TarFile, out: Path, rel: str, entry: dict) -> None:
     path = out / rel
-    try:
-        size = path.stat().st_size
-        fh = open(path, "rb")
-    except OSError as exc:
-        raise VerifyError(f"cannot read file listed in {MANIFEST_NAME} ({exc.strerror})", file=str(path)) from None
-    with fh:
+    fd = open_regular(path, f"file listed in {MANIFEST_NAME}", error=VerifyError)
+    size = os.fstat(fd).st_size
+    with os.fdopen(fd, "rb") as fh:
         reader = _HashingReader(fh, size)
         tar.addfile(_tarinfo(rel, size), reader)
     if not _same(entry, reader.entry()):
@@ -117,91 +117,130 @@ def _add_checked(tar: tarfile.TarFile, out: Path, rel: str, entry: dict) -> None
 def _open_stream(path: Path):
     import zstandard
 
-    try:
-        fh = open(path, "rb")
-    except OSError as exc:
-        raise InputError(f"cannot open bundle ({exc.strerror})", file=str(path)) from None
+    fh = os.fdopen(open_regular(path, "bundle"), "rb")     # a FIFO named *.tar.zst would block open()
     return fh, zstandard.ZstdDecompressor().stream_reader(fh, read_size=CHUNK)
 
 
-def _safe_name(name: str, bundle_path: Path) -> str:
-    """Reject absolute names, '..', empty parts and backslashes; returns the normalised posix path."""
-    pure = PurePosixPath(name)
-    if not name or "\\" in name or pure.is_absolute() or any(p in ("..", "") for p in name.split("/")):
-        raise InputError("unsafe member name in bundle (path traversal)", file=str(bundle_path), tensor=name)
-    return pure.as_posix()
+def _check_member_name(name: str, bundle_path: Path, what: str = "member name in bundle") -> str:
+    """A member name must be a plain relative path (no absolute path, '..', backslash, NUL, over-long part)."""
+    reason = unsafe_name(name)
+    if reason:
+        raise InputError(f"unsafe {what} (path traversal or unusable name: {reason})", file=str(bundle_path),
+                         tensor=repr(name)[1:-1])
+    return name
 
 
-def _walk(path: Path, on_member, progress=None) -> dict:
-    """Stream the bundle: parse the leading manifest, hand each other member to `on_member(rel, fileobj, size)` which
-    returns its {"bytes","sha256","git_sha1"}, and compare with the manifest. Returns the report dict."""
+def _check_files_table(manifest, path: Path) -> dict:
+    """The manifest's files table {name: {"bytes", "sha256"[, "git_sha1"]}}: at least one file, every name plain
+    and relative, no name both a file and a folder of another, sizes non-negative integers, sha256 present."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise InputError(f"{MANIFEST_NAME} in bundle has no files table", file=str(path))
+    if not files:
+        raise InputError(f"{MANIFEST_NAME} in bundle lists no file; nothing to verify", file=str(path))
+    for name, entry in files.items():
+        _check_member_name(name, path, f"file name in {MANIFEST_NAME}")
+        if name == MANIFEST_NAME:
+            raise InputError(f"{MANIFEST_NAME} in bundle lists itself", file=str(path))
+        ok = (isinstance(entry, dict) and type(entry.get("bytes")) is int and entry["bytes"] >= 0
+              and isinstance(entry.get("sha256"), str) and _HEX64.fullmatch(entry["sha256"])
+              and (entry.get("git_sha1") is None or isinstance(entry["git_sha1"], str)))
+        if not ok:
+            raise InputError(f"{MANIFEST_NAME} in bundle: bad entry", file=str(path), tensor=name,
+                             expected='{"bytes": int >= 0, "sha256": 64 hex digits, "git_sha1": 40 hex digits}',
+                             found=repr(entry)[:80])
+    folders = {"/".join(parts[:i]) for parts in (n.split("/") for n in files) for i in range(1, len(parts))}
+    clash = sorted(folders & set(files))
+    if clash:
+        inside = min(n for n in files if n.startswith(clash[0] + "/"))
+        raise InputError(f"{MANIFEST_NAME} in bundle lists {clash[0]} as a file and as the folder of {inside}",
+                         file=str(path), tensor=inside)
+    return files
+
+
+def _walk(path: Path, on_member, progress=None, strict: bool = False) -> tuple[dict, bytes | None]:
+    """Stream the bundle: parse the leading manifest, hand each listed member to `on_member(rel, fileobj, size)`
+    which returns its {"bytes","sha256","git_sha1"}, and compare with the manifest. A member whose tar size differs
+    from the manifest is never handed over. strict: raise VerifyError at the first problem (nothing more is read).
+    Returns (report dict, the manifest's bytes or None)."""
     import zstandard
 
     report = {"ok": False, "path": str(path), "checked": 0, "missing": [], "extra": [], "mismatched": [],
               "problems": []}
     fh, stream = _open_stream(path)
     seen: set[str] = set()
-    manifest = None
+    files, raw = None, None
     try:
         with fh, stream, tarfile.open(fileobj=stream, mode="r|") as tar:
             for member in tar:
-                name = _safe_name(member.name, path)
+                name = _check_member_name(member.name, path)
                 if not member.isfile():
                     raise InputError("bundle member is not a regular file", file=str(path), tensor=name,
                                      found=f"tar type {member.type!r}")
-                if manifest is None:
-                    manifest = _read_manifest(tar, member, path)
+                if files is None:
+                    raw = _read_manifest(tar, member, path)
+                    files = _check_files_table(parse_json(raw, what=f"{MANIFEST_NAME} in bundle", file=path,
+                                                          max_bytes=MAX_MANIFEST_BYTES), path)
                     if progress is not None:
-                        progress.start(sum(int(e["bytes"]) for e in manifest["files"].values()),
-                                       len(manifest["files"]), f"check {path.name}")
+                        progress.start(sum(e["bytes"] for e in files.values()), len(files), f"check {path.name}")
                     continue
-                entry = manifest["files"].get(name)
-                if entry is None or name in seen:
-                    report["extra"].append(name)
+                entry = files.get(name)
+                problem = _member_problem(name, entry, member.size, seen)
+                if problem is not None:
+                    if strict:
+                        raise VerifyError(f"bundle does not verify: {problem[1]}; nothing of it written",
+                                          file=str(path), tensor=name, **problem[2])
+                    report[problem[0]].append(name)
                     continue
                 seen.add(name)
-                got = on_member(name, tar.extractfile(member), member.size)
+                got = on_member(name, tar.extractfile(member), entry["bytes"])
                 report["checked"] += 1
                 if not _same(entry, got):
+                    if strict:
+                        raise VerifyError(f"bundle does not verify: content differs from {MANIFEST_NAME}",
+                                          file=str(path), tensor=name, expected=entry["sha256"], found=got["sha256"])
                     report["mismatched"].append(name)
                 if progress is not None:
                     progress.advance(member.size, 1, name)
     except (zstandard.ZstdError, tarfile.TarError, EOFError) as exc:
         report["problems"].append(f"bundle stream is corrupt: {type(exc).__name__}: {exc}")
-    if manifest is None and not report["problems"]:
+    if files is None and not report["problems"]:
         report["problems"].append(f"bundle holds no {MANIFEST_NAME}")
-    if manifest is not None:
-        report["missing"] = sorted(set(manifest["files"]) - seen)
-        report["files_root"] = _files_root(manifest["files"])
-    report["problems"] += [f"{p}: content differs from {MANIFEST_NAME}" for p in report["mismatched"]]
+    if files is not None:
+        report["missing"] = sorted(set(files) - seen - set(report["mismatched"]))
+        report["files_root"] = files_digest(files)
+    report["problems"] += [f"{p}: content or size differs from {MANIFEST_NAME}" for p in report["mismatched"]]
     report["problems"] += [f"{p}: listed in {MANIFEST_NAME} but not in the bundle" for p in report["missing"]]
-    report["problems"] += [f"{p}: not listed in {MANIFEST_NAME}" for p in report["extra"]]
+    report["problems"] += [f"{p}: not listed in {MANIFEST_NAME} (or stored twice)" for p in report["extra"]]
     report["ok"] = not report["problems"]
-    return report
+    return report, raw
 
 
-def _files_root(files: dict) -> str:
-    from ktconvert.ops.hub import files_digest
+def _member_problem(name: str, entry: dict | None, size: int, seen: set) -> tuple[str, str, dict] | None:
+    """(report list, message, error fields) when member `name` of tar size `size` must not be extracted."""
+    if entry is None or name in seen:
+        return "extra", f"member not listed in {MANIFEST_NAME} (or stored twice)", {}
+    if size != entry["bytes"]:
+        return "mismatched", f"member size differs from {MANIFEST_NAME}", {"expected": f"{entry['bytes']} bytes",
+                                                                           "found": f"{size} bytes"}
+    return None
 
-    return files_digest(files)
 
-
-def _read_manifest(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> dict:
+def _read_manifest(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> bytes:
+    """The first member's bytes, which must be ktconvert.json of at most MAX_MANIFEST_BYTES (checked unread)."""
     if member.name != MANIFEST_NAME:
         raise InputError(f"bundle does not start with {MANIFEST_NAME}", file=str(path), found=member.name)
-    try:
-        manifest = json.loads(tar.extractfile(member).read())
-    except ValueError as exc:
-        raise InputError(f"{MANIFEST_NAME} in bundle is not JSON ({exc})", file=str(path)) from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise InputError(f"{MANIFEST_NAME} in bundle has no files table", file=str(path))
-    return manifest
+    if member.size > MAX_MANIFEST_BYTES:
+        raise InputError(f"{MANIFEST_NAME} in bundle is larger than {MAX_MANIFEST_BYTES} bytes", file=str(path),
+                         found=f"{member.size} bytes")
+    return tar.extractfile(member).read(MAX_MANIFEST_BYTES + 1)
 
 
 def _hash_stream(fileobj, size: int, sink=None) -> dict:
+    """Hash (and copy to `sink`) at most `size` bytes of `fileobj`."""
     reader = _HashingReader(fileobj, size)
-    while True:
-        chunk = reader.read(CHUNK)
+    while reader.nbytes < size:
+        chunk = reader.read(min(CHUNK, size - reader.nbytes))
         if not chunk:
             break
         if sink is not None:
@@ -213,42 +252,54 @@ def verify_bundle(path, progress=None) -> dict:
     """Check every member of bundle `path` against its embedded ktconvert.json while streaming (nothing extracted).
 
     Returns {"ok", "path", "checked", "missing", "extra", "mismatched", "problems", "files_root"}; a damaged zstd
-    frame or tar stream is reported in "problems" (ok False)."""
+    frame or tar stream is reported in "problems" (ok False). InputError for a manifest that is missing, too large,
+    too deep, lists no file or lists an unsafe name."""
     path = Path(path)
     try:
-        return _walk(path, lambda name, fobj, size: _hash_stream(fobj, size), progress)
+        return _walk(path, lambda name, fobj, size: _hash_stream(fobj, size), progress)[0]
     finally:
         if progress is not None:
             progress.close()
 
 
 def unbundle(path, dest, progress=None) -> dict:
-    """Restore bundle `path` into new folder `dest` (must not exist or be empty), verifying every file.
+    """Restore bundle `path` into new folder `dest` (must not exist or be empty, and not be a symlink), verifying
+    every file.
 
-    Writes into a temporary folder beside `dest` and renames it into place only when the whole bundle verified;
-    VerifyError (nothing left behind) otherwise. Returns verify_bundle's report + "dest"."""
+    Writes into a temporary folder beside `dest` (a stale one, or a symlink in its place, is removed first, never
+    followed) and renames it into place only when the whole bundle verified. The first problem stops it: a member
+    whose size differs from the manifest is refused before a byte of it is written, and no file grows past the
+    size the manifest states. VerifyError / InputError (nothing left behind) otherwise. Returns verify_bundle's
+    report + "dest"."""
     path, dest = Path(path), Path(dest)
+    if dest.is_symlink():
+        raise OutputError("destination is a symlink; refusing to write through it", file=str(dest))
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise OutputError("destination exists and is not empty", file=str(dest))
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    _fresh_dir(tmp)
 
     def write_member(name: str, fobj, size: int) -> dict:
         target = tmp / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "wb") as out:
-            return _hash_stream(fobj, size, out)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "xb") as out:
+                return _hash_stream(fobj, size, out)
+        except OSError as exc:
+            raise OutputError(f"cannot write bundle member ({exc.strerror})", file=str(dest), tensor=name) from None
 
     try:
-        report = _walk(path, write_member, progress)
+        report, raw = _walk(path, write_member, progress, strict=True)
         if not report["ok"]:
             raise VerifyError(f"bundle does not verify: {report['problems'][0]}", file=str(path))
-        _restore_manifest(path, tmp)
+        (tmp / MANIFEST_NAME).write_bytes(raw)
         if dest.exists():
             dest.rmdir()
         os.replace(tmp, dest)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(f"cannot move the restored folder into place ({exc.strerror})", file=str(dest)) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -258,9 +309,14 @@ def unbundle(path, dest, progress=None) -> dict:
     return {**report, "dest": str(dest)}
 
 
-def _restore_manifest(path: Path, tmp: Path) -> None:
-    """Write the bundle's ktconvert.json (its first member) byte for byte into the restored folder."""
-    fh, stream = _open_stream(path)
-    with fh, stream, tarfile.open(fileobj=stream, mode="r|") as tar:
-        member = tar.next()
-        (tmp / MANIFEST_NAME).write_bytes(tar.extractfile(member).read())
+def _fresh_dir(tmp: Path) -> None:
+    """An empty new folder at `tmp`; whatever was there (a stale folder, a file, a symlink) is removed, not
+    followed."""
+    try:
+        if tmp.is_symlink() or (tmp.exists() and not tmp.is_dir()):
+            tmp.unlink()
+        elif tmp.exists():
+            shutil.rmtree(tmp)
+        os.mkdir(tmp)
+    except OSError as exc:
+        raise OutputError(f"cannot make the temporary folder ({exc.strerror})", file=str(tmp)) from None

@@ -1,280 +1,31 @@
 """Hugging Face Hub and ModelScope: publish an output folder, verify a repo against a manifest, download a source.
 
-Both hubs sit behind one small interface (`HubClient`, registered by name in `HUBS`: "hf" and "modelscope", alias
-"ms") built on the real clients: huggingface_hub's `HfApi` (create_repo, upload_folder — resumable, Xet or LFS —,
-list_repo_tree, snapshot_download) and modelscope-hub's `HubApi` (create_repo, upload_folder with its resume tracker
-kept outside the folder, list_repo_files, download_repo).
+The clients sit behind `hub_clients.HubClient` ("hf", "modelscope"); names and ids are checked first
+(`remote_names`): a repo id the hub would refuse, a token that cannot be sent, or a repo listing a file name that
+would leave the download folder stop the command before any request (files) or any download (listings).
 
 Remote hashes (docs publish.md §2, §3): HF gives `lfs.sha256` for LFS/Xet files and only the git blob SHA-1
 (`blob_id`) for small files; ModelScope gives `Sha256`. A manifest entry carries both `sha256` and `git_sha1`, so
 every remote file is compared with whatever hash the hub has, keyed by its full path. No weight bytes are downloaded
-to verify. Tokens come from the clients' usual sources (HF_TOKEN, MODELSCOPE_API_TOKEN, stored logins) and are never
-printed or written; error messages are scrubbed of them.
+to verify. Tokens are never printed or written; error messages are scrubbed of them.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
 import re
-import sys
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
-from ktconvert.errors import InputError, KtConvertError, RemoteError, VerifyError
-from ktconvert.registry import Registry
+from ktconvert.errors import InputError, RemoteError, VerifyError
+from ktconvert.ops.hub_clients import HUBS, HubClient, RemoteFile, client_for, remote_call  # noqa: F401  (API)
+from ktconvert.ops.remote_names import check_remote_names, check_repo_id
+from ktconvert.safe_read import MAX_MANIFEST_BYTES, parse_json
 
 MANIFEST_NAME = "ktconvert.json"
 CARD_NAME = "README.md"
 EXEMPT_EXTRA = (MANIFEST_NAME, CARD_NAME, ".gitattributes")   # published alongside the manifest's files
-UPLOAD_IGNORE = [".ktconvert-journal.json", "*.partial"]
 SOURCE_PATTERNS = ["*.json", "*.safetensors", "*.gguf"]
 SOURCE_RE = re.compile(r"^(hf|ms)://([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([\w./-]+))?$")
-
-HUBS: Registry[type] = Registry("hub")
-
-
-@dataclass(frozen=True)
-class RemoteFile:
-    """One file on a hub: size, and the hashes the hub reports (sha256 for LFS/Xet/ModelScope, git SHA-1 else)."""
-
-    path: str
-    size: int
-    sha256: str | None
-    git_sha1: str | None
-
-
-class HubClient:
-    """What ktconvert needs from a hub. Subclasses wrap one real client; `endpoint`/`token` None = its defaults."""
-
-    name = ""
-    default_revision = ""
-
-    def __init__(self, endpoint: str | None = None, token: str | None = None):
-        self.endpoint = endpoint
-        self.token = token
-
-    def repo_url(self, repo: str) -> str:
-        return f"{self.endpoint.rstrip('/')}/{repo}"
-
-    def create(self, repo: str, private: bool) -> None:
-        raise NotImplementedError
-
-    def upload(self, folder: Path, repo: str, revision: str, message: str, progress, fresh: bool = False) -> None:
-        raise NotImplementedError
-
-    def put_bytes(self, repo: str, revision: str, path: str, data: bytes, message: str) -> None:
-        raise NotImplementedError
-
-    def list_remote(self, repo: str, revision: str) -> dict[str, RemoteFile]:
-        raise NotImplementedError
-
-    def read_small(self, repo: str, revision: str, path: str) -> bytes:
-        raise NotImplementedError
-
-    def snapshot(self, repo: str, revision: str, cache_dir, patterns: list[str], progress) -> tuple[Path, str]:
-        """Download (resumably, into the hub's cache) the files matching `patterns`; (local root, pinned revision)."""
-        raise NotImplementedError
-
-
-@HUBS.register("hf", aliases=["huggingface"])
-class HFHub(HubClient):
-    name = "hf"
-    default_revision = "main"
-
-    def __init__(self, endpoint: str | None = None, token: str | None = None):
-        from huggingface_hub import HfApi
-
-        endpoint = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-        super().__init__(endpoint.rstrip("/"), token)
-        self.api = HfApi(endpoint=self.endpoint, token=token)
-
-    def create(self, repo, private):
-        self.api.create_repo(repo, repo_type="model", exist_ok=True, private=private)
-
-    def _ensure_branch(self, repo, revision):
-        if revision != self.default_revision:
-            self.api.create_branch(repo, branch=revision, exist_ok=True)
-
-    def upload(self, folder, repo, revision, message, progress, fresh=False):
-        self._ensure_branch(repo, revision)
-        with _hf_bars(getattr(progress, "draws_bars", False)):
-            self.api.upload_folder(repo_id=repo, folder_path=str(folder), revision=revision, commit_message=message,
-                                   ignore_patterns=UPLOAD_IGNORE)
-
-    def put_bytes(self, repo, revision, path, data, message):
-        self._ensure_branch(repo, revision)
-        self.api.upload_file(path_or_fileobj=data, path_in_repo=path, repo_id=repo, revision=revision,
-                             commit_message=message)
-
-    def list_remote(self, repo, revision):
-        from huggingface_hub.hf_api import RepoFile
-
-        out = {}
-        for item in self.api.list_repo_tree(repo, recursive=True, revision=revision):
-            if isinstance(item, RepoFile):
-                lfs = item.lfs
-                out[item.path] = RemoteFile(item.path, int(item.size), lfs.sha256 if lfs else None,
-                                            None if lfs else item.blob_id)
-        return out
-
-    def read_small(self, repo, revision, path):
-        with tempfile.TemporaryDirectory(prefix="ktconvert-hub-") as tmp:
-            local = self.api.hf_hub_download(repo, path, revision=revision, local_dir=tmp)
-            return Path(local).read_bytes()
-
-    def snapshot(self, repo, revision, cache_dir, patterns, progress):
-        commit = self.api.repo_info(repo, revision=revision).sha
-        with _hf_bars(getattr(progress, "draws_bars", False)):
-            root = self.api.snapshot_download(repo, revision=commit, cache_dir=cache_dir, allow_patterns=patterns)
-        return Path(root), commit
-
-
-@HUBS.register("modelscope", aliases=["ms"])
-class ModelScopeHub(HubClient):
-    name = "modelscope"
-    default_revision = "master"
-
-    def __init__(self, endpoint: str | None = None, token: str | None = None):
-        try:
-            import modelscope_hub
-        except ImportError as exc:
-            raise RemoteError("the ModelScope client is not installed", hint="pip install modelscope-hub") from exc
-        endpoint = endpoint or os.environ.get("MODELSCOPE_ENDPOINT") or "https://modelscope.cn"
-        super().__init__(endpoint.rstrip("/"), token)
-        self.api = modelscope_hub.HubApi(endpoint=self.endpoint, token=token)
-
-    def create(self, repo, private):
-        from modelscope_hub.errors import AlreadyExistsError
-
-        try:
-            self.api.create_repo(repo, "model", visibility="private" if private else None)
-        except AlreadyExistsError:
-            pass
-
-    def upload(self, folder, repo, revision, message, progress, fresh=False):
-        def on_batch(event: dict) -> None:
-            if event.get("event") == "batch_committed":
-                progress.advance(int(event.get("batch_bytes") or 0), int(event.get("batch_files") or 0),
-                                 f"batch {event.get('batch_index')}/{event.get('num_batches')}")
-
-        bars = getattr(progress, "draws_bars", False)
-        with _ms_quiet(bars), open(os.devnull, "w") as devnull, \
-                contextlib.redirect_stdout(sys.stderr if bars else devnull):  # its report is printed to stdout
-            self.api.upload_folder(repo, "model", folder, revision=revision, commit_message=message,
-                                   ignore_patterns=UPLOAD_IGNORE, use_cache=not fresh,
-                                   tracker_path=_ms_tracker(folder, self.endpoint, repo, revision),
-                                   disable_tqdm=not bars, progress_callback=on_batch)
-
-    def put_bytes(self, repo, revision, path, data, message):
-        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):  # it prints "Committing ..."
-            self.api.upload_file(repo, "model", data, path, commit_message=message, revision=revision,
-                                 disable_tqdm=True)
-
-    def list_remote(self, repo, revision):
-        out = {}
-        for info in self.api.list_repo_files(repo, "model", revision=revision, recursive=True):
-            if info.type in ("tree", "dir", "directory"):
-                continue
-            sha256 = info.sha256 or None
-            blob = info.blob_id if info.blob_id and len(info.blob_id) == 40 else None
-            out[info.path] = RemoteFile(info.path, int(info.size), sha256, blob)
-        return out
-
-    def read_small(self, repo, revision, path):
-        with tempfile.TemporaryDirectory(prefix="ktconvert-hub-") as tmp:
-            return Path(self.api.download_file(repo, "model", path, revision=revision, local_dir=tmp)).read_bytes()
-
-    def snapshot(self, repo, revision, cache_dir, patterns, progress):
-        root = self.api.download_repo(repo, "model", revision=revision, cache_dir=cache_dir, allow_patterns=patterns)
-        return Path(root), revision
-
-
-# helpers -----------------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _hf_bars(enabled: bool):
-    """huggingface_hub's own progress bars on only when our reporter draws bars (a terminal)."""
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
-    was_disabled = are_progress_bars_disabled()
-    if not enabled:
-        disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not was_disabled:
-            enable_progress_bars()
-
-
-@contextlib.contextmanager
-def _ms_quiet(bars: bool):
-    """modelscope_hub logs every upload step at INFO; keep that off CI logs and JSON-lines output."""
-    import logging
-
-    logger = logging.getLogger("modelscope_hub")
-    level = logger.level
-    if not bars:
-        logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def _cache_root() -> Path:
-    base = os.environ.get("KTCONVERT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ktconvert")
-    return Path(base)
-
-
-def _ms_tracker(folder, endpoint: str, repo: str, revision: str) -> Path:
-    """ModelScope's resume tracker, kept outside the output folder (which must hold only the manifest's files)."""
-    key = hashlib.sha256(f"{Path(folder).resolve()}|{endpoint}|{repo}|{revision}".encode()).hexdigest()[:24]
-    path = _cache_root() / "ms-upload" / f"{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _remote_errors() -> tuple:
-    """Exception types the hub clients raise for API / network failures."""
-    types: list[type] = [OSError, RuntimeError]
-    with contextlib.suppress(ImportError):
-        import httpx
-        types.append(httpx.HTTPError)
-    with contextlib.suppress(ImportError):
-        import requests
-        types.append(requests.RequestException)
-    with contextlib.suppress(ImportError):
-        from modelscope_hub.errors import HubError
-        types.append(HubError)
-    return tuple(types)
-
-
-def _scrub(text: str, token: str | None) -> str:
-    for secret in {token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN"),
-                   os.environ.get("MODELSCOPE_API_TOKEN")}:
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, "***")
-    return text.splitlines()[0] if text else text
-
-
-@contextlib.contextmanager
-def remote_call(client: HubClient, action: str, repo: str):
-    """Turn the clients' API/network exceptions into RemoteError (exit 5) naming the hub, repo and action."""
-    try:
-        yield
-    except KtConvertError:
-        raise
-    except _remote_errors() as exc:
-        raise RemoteError(f"{client.name}: {action} failed: {type(exc).__name__}: "
-                          f"{_scrub(str(exc), client.token)}", file=repo) from None
-
-
-def client_for(hub: str = "hf", endpoint: str | None = None, token: str | None = None) -> HubClient:
-    """The HubClient registered as `hub` ("hf", "modelscope"/"ms")."""
-    return HUBS.get(hub)(endpoint=endpoint, token=token)
 
 
 def files_digest(files: dict) -> str:
@@ -313,10 +64,8 @@ def compare_listing(expected: dict, remote: dict[str, RemoteFile]) -> dict:
 def fetch_manifest(client: HubClient, repo: str, revision: str) -> dict:
     with remote_call(client, f"download {MANIFEST_NAME}", repo):
         data = client.read_small(repo, revision, MANIFEST_NAME)
-    try:
-        manifest = json.loads(data)
-    except ValueError as exc:
-        raise VerifyError(f"remote {MANIFEST_NAME} is not JSON ({exc})", file=f"{repo}/{MANIFEST_NAME}") from None
+    manifest = parse_json(data, what=f"remote {MANIFEST_NAME}", file=f"{repo}/{MANIFEST_NAME}",
+                          max_bytes=MAX_MANIFEST_BYTES, error=VerifyError)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise VerifyError(f"remote {MANIFEST_NAME} has no files table", file=f"{repo}/{MANIFEST_NAME}")
     return manifest
@@ -330,6 +79,7 @@ def verify_remote(manifest: dict | None, repo: str, hub: str = "hf", revision: s
     "problems"}: lists of full repo paths; "ok" is False on any missing, extra or mismatched file (a remote
     ktconvert.json different from `manifest` counts as mismatched). Downloads only ktconvert.json.
     """
+    check_repo_id(repo, client.name if client else HUBS.get(hub).name)
     client = client or client_for(hub, endpoint)
     revision = revision or client.default_revision
     with remote_call(client, "list files", repo):
@@ -398,11 +148,14 @@ def publish(out, repo: str, hub: str = "hf", revision: str | None = None, privat
     """Verify folder `out` against its ktconvert.json, create `repo` if needed, upload (resumable: rerunning uploads
     only what the hub lacks), add a model card, then verify the remote. Returns verify_remote's dict + "bytes",
     "files". VerifyError if the local folder or the remote does not match; RemoteError on hub failures."""
-    from ktconvert.formats.out_manifest import load_manifest, verify_hashes
+    from ktconvert.formats.out_manifest import load_manifest
+    from ktconvert.verify.hashes import verify_hashes
     from ktconvert.progress import Progress
 
     progress = progress or Progress()
     out = Path(out)
+    check_repo_id(repo, HUBS.get(hub).name)
+    client = client_for(hub, endpoint, token)      # refuses an unusable token before the long local check
     manifest = load_manifest(out)
     files = manifest["files"]
     total = sum(int(e["bytes"]) for e in files.values())
@@ -411,7 +164,6 @@ def publish(out, repo: str, hub: str = "hf", revision: str | None = None, privat
     if not local["ok"]:
         raise VerifyError(f"refusing to publish: {len(local['problems'])} problem(s); first: {local['problems'][0]}",
                           file=str(out), hint="re-run the conversion (--resume) or `ktconvert verify OUT --hashes`")
-    client = client_for(hub, endpoint, token)
     revision = revision or client.default_revision
     with remote_call(client, "create repo", repo):
         client.create(repo, private)
@@ -430,7 +182,7 @@ def publish(out, repo: str, hub: str = "hf", revision: str | None = None, privat
 
 def _put_card(client: HubClient, repo: str, revision: str, card: bytes) -> None:
     """Upload README.md unless the hub already holds these exact bytes (no empty commit on a rerun)."""
-    from ktconvert.formats.out_manifest import hash_bytes
+    from ktconvert.formats.fileio import hash_bytes
 
     size, sha256, git_sha1 = hash_bytes(card)
     with remote_call(client, f"upload {CARD_NAME}", repo):
@@ -477,8 +229,12 @@ def resolve_source(src: str, revision: str | None = None, endpoint: str | None =
                    progress=None) -> tuple[Path, dict]:
     """Download hub source `src` (hf://ORG/NAME[@REV], ms://...) with the client's resumable snapshot download into
     its cache, check every downloaded file against the hub's hashes, and return (local snapshot folder,
-    {"hub", "repo", "revision"}) — revision pinned to the commit for HF. `revision` overrides an @REV in `src`."""
-    from ktconvert.formats.out_manifest import hash_file
+    {"hub", "repo", "revision"}) — revision pinned to the commit for HF. `revision` overrides an @REV in `src`.
+
+    The repo's listing is read first and every name in it checked (remote_names.check_remote_names): a repo naming
+    a file outside the download folder is refused (RemoteError) before any file is requested; then exactly the
+    listed *.json / *.safetensors / *.gguf files are downloaded."""
+    from ktconvert.formats.fileio import hash_file
     from ktconvert.progress import Progress
 
     progress = progress or Progress()
@@ -486,16 +242,19 @@ def resolve_source(src: str, revision: str | None = None, endpoint: str | None =
     client = client_for(hub, endpoint)
     revision = revision or rev_in_src or client.default_revision
     cache_dir = cache_dir or os.environ.get("KTCONVERT_HUB_CACHE") or None
-    with remote_call(client, "download", repo):
-        root, pinned = client.snapshot(repo, revision, cache_dir, SOURCE_PATTERNS, progress)
+    with remote_call(client, "list files", repo):
+        pinned = client.pin(repo, revision)
         remote = client.list_remote(repo, pinned)
+    check_remote_names(remote, src)
+    wanted = {p: f for p, f in remote.items() if any(_match(p, pat) for pat in SOURCE_PATTERNS)}
+    with remote_call(client, "download", repo):
+        root = client.snapshot(repo, pinned, cache_dir, wanted, progress)
     local = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-    wanted = [p for p in remote if any(_match(p, pat) for pat in SOURCE_PATTERNS)]
     missing = sorted(set(wanted) - set(local))
     if missing:
         raise RemoteError(f"download incomplete: {len(missing)} file(s) missing, first {missing[0]}", file=src,
                           hint="run the same command again to resume the download")
-    progress.start(sum(remote[p].size for p in wanted), len(wanted), f"verify {src}")
+    progress.start(sum(f.size for f in wanted.values()), len(wanted), f"verify {src}")
     for rel in sorted(wanted):
         size, sha256, git_sha1 = hash_file(root / rel)
         entry = {"bytes": size, "sha256": sha256, "git_sha1": git_sha1}

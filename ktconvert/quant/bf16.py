@@ -20,3 +20,11 @@ def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
     """uint16 [...] BF16 bits -> float32 [...] (exact widening)."""
     b = np.asarray(b, dtype=np.uint16)
     return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def float_to_bf16_bits(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """A float tensor as read (safetensors dtype "BF16": uint16 bits, "F16": float16, "F32": float32) -> uint16
+    BF16 bits, same shape. F16 widens exactly to F32; F32 rounds to BF16 nearest-even."""
+    if dtype == "BF16":
+        return arr
+    return f32_to_bf16_bits(arr.astype(np.float32, copy=False))

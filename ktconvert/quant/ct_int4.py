@@ -175,3 +175,14 @@ def quantize_sym_groups(w_bf16: np.ndarray, group_size: int, num_bits: int = 4,
     scale[scale == 0] = np.float32(BF16_EPS)
     q = np.rint(np.clip(_bf16_round(w / scale[:, :, None]), qmin, qmax)).astype(np.int8)
     return q.reshape(n, k), f32_to_bf16_bits(scale)
+
+
+def pack_quantized_config(group_size: int, targets: list[str], ignore: list[str] | None = None) -> dict:
+    """quantization_config of a symmetric INT4 pack-quantized checkpoint (as llmcompressor 0.14 writes it)."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
+               "dynamic": False, "actorder": None, "block_structure": None, "observer": None,
+               "observer_kwargs": {}, "scale_dtype": None, "zp_dtype": None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": targets, "format": "pack-quantized", "weights": weights,
+                                          "input_activations": None, "output_activations": None}},
+            "ignore": list(ignore or ["lm_head"]), "kv_cache_scheme": None, "global_compression_ratio": None}

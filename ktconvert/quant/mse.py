@@ -38,9 +38,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ktconvert import native
 from ktconvert.errors import ShapeError
+from ktconvert.native import mse as native_mse
 from ktconvert.quant import amx_rows as amx
 from ktconvert.quant.amx_rows import bf16_rows_ftz
+from ktconvert.quant.row_quant import ROW_QUANT
 
 GRID = {4: (7, 0.5, 16), 8: (127, 0.25, 16)}   # bits -> (qmax, step, grid points)
 ZERO_ROW_AMAX = np.float32(2.0 ** -118)         # rows with a smaller amax quantize to d = 0, codes 0
@@ -143,45 +146,26 @@ def search_rows(w_bf16: np.ndarray, bits: int, where: str = "") -> tuple[np.ndar
     return codes, d
 
 
-def search_int4_rows(w_bf16: np.ndarray, where: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """AMXINT4: uint16 [n, k] BF16 bits -> (codes int8 [n, k] in -7..7, d float32 [n]); w ~= codes * 16 * d."""
-    return search_rows(w_bf16, 4, where)
-
-
-def search_int8_rows(w_bf16: np.ndarray, where: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """AMXINT8: uint16 [n, k] BF16 bits -> (codes int8 [n, k] in -127..127, d float32 [n]); w ~= codes * d."""
-    return search_rows(w_bf16, 8, where)
-
-
 def _native_mse():
     """ktconvert.native.mse when the native library is usable and has the search, else None (numpy then)."""
-    try:
-        from ktconvert import native
-        from ktconvert.native import mse as native_mse
-    except ImportError:
-        return None
     return native_mse if native.available() and native_mse.mse_available() else None
 
 
-def _register() -> None:
-    from ktconvert.quant.methods import ROW_QUANT
-
-    @ROW_QUANT.register("mse")
-    def mse_rows(w_bf16: np.ndarray, bits: int, where: str = "") -> tuple[np.ndarray, np.ndarray]:
-        """ROW_QUANT entry: (codes, d) of the search, native when built (bit-identical), numpy otherwise."""
-        fast = _native_mse()
-        if fast is not None and isinstance(w_bf16, np.ndarray) and w_bf16.dtype == np.uint16 and w_bf16.ndim == 2:
-            return fast.mse_rows(w_bf16, bits, name=where or None)   # NaN/Inf: NumericError naming `where`
-        return search_rows(w_bf16, bits, where)
-
-    def quantize_packed(w_bf16: np.ndarray, bits: int, threads: int = 1, where: str = ""):
-        """(blob, scale) straight from C (search + tile packing), or None when the native library is missing."""
-        fast = _native_mse()
-        if fast is None or not isinstance(w_bf16, np.ndarray) or w_bf16.dtype != np.uint16:
-            return None
-        return fast.amx_mse_quantize(w_bf16, bits, threads=threads, name=where or None)
-
-    mse_rows.quantize_packed = quantize_packed
+@ROW_QUANT.register("mse")
+def mse_rows(w_bf16: np.ndarray, bits: int, where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """ROW_QUANT entry: (codes, d) of the search, native when built (bit-identical), numpy otherwise."""
+    fast = _native_mse()
+    if fast is not None and isinstance(w_bf16, np.ndarray) and w_bf16.dtype == np.uint16 and w_bf16.ndim == 2:
+        return fast.mse_rows(w_bf16, bits, name=where or None)   # NaN/Inf: NumericError naming `where`
+    return search_rows(w_bf16, bits, where)
 
 
-_register()
+def _quantize_packed(w_bf16: np.ndarray, bits: int, threads: int = 1, where: str = ""):
+    """(blob, scale) straight from C (search + tile packing), or None when the native library is missing."""
+    fast = _native_mse()
+    if fast is None or not isinstance(w_bf16, np.ndarray) or w_bf16.dtype != np.uint16:
+        return None
+    return fast.amx_mse_quantize(w_bf16, bits, threads=threads, name=where or None)
+
+
+mse_rows.quantize_packed = _quantize_packed

@@ -12,218 +12,36 @@ CAS, + NDJSON commit; ModelScope: LFS batch/PUT + JSON commit), list files with 
     MS   POST /api/v1/models   GET /api/v1/models/{repo}   POST /api/v1/repos/models/{repo}/info/lfs/objects/batch
          POST /api/v1/repos/models/{repo}/commit/{rev}  GET /api/v1/models/{repo}/repo/files  GET /api/v1/models/{repo}/repo
 
-Files uploaded through Xet are recorded by the sha256 the client reports (their bytes stay in the client-side CAS
-folder) and cannot be downloaded back. State lives under ROOT (blobs by sha256 + state.json), so `ktconvert hub-server
---root DIR` keeps repos across restarts. Tests drive it through `HubServer` (start/stop, `faults`, `requests`,
-`put_file` / `delete_file` to tamper with a remote repo).
+Files uploaded through Xet (huggingface_hub's default) are read back from the local CAS when their commit arrives
+(`hub_xet.read_back`) and kept only if they hash to the committed sha256, so they download like LFS files; a commit
+whose Xet files cannot be read back is refused (422) with the hint to set HF_HUB_DISABLE_XET=1. Requests are
+checked before they touch the store: JSON bodies bounded (safe_read), blob names 64 lowercase hex characters, file
+paths plain relative names; anything else is a 400. State lives under ROOT (`hub_store.HubStore`: blobs by sha256 +
+state.json), so `ktconvert hub-server --root DIR` keeps repos across restarts. Tests drive it through `HubServer`
+(start/stop, `fail`, `requests`, `store.put_file` / `delete_file` to tamper with a remote repo).
 """
 from __future__ import annotations
 
-import base64
 import hashlib
-import json
 import re
+import shutil
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs
 
-LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".kt", ".gguf", ".zst", ".npy", ".h5", ".msgpack")
-LFS_MIN_BYTES = 10 * 1024 * 1024
-DEFAULT_BRANCH = {"hf": "main", "ms": "master"}
+from ktconvert.testing import hub_xet
+from ktconvert.testing.hub_protocol import (BadRequest, WireHandler, b64, field, hf_commit_ops, hf_entry, hf_listing,
+                                            lfs_objects, load_json, ms_commit_actions, path_of)
+from ktconvert.testing.hub_store import (DEFAULT_BRANCH, HubStore, git_blob_sha1, is_lfs_path,  # noqa: F401  (API)
+                                         lfs_pointer, valid_oid)
 
-
-def git_blob_sha1(data: bytes) -> str:
-    """Git blob id: sha1(b"blob <len>\\0" + data)."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def lfs_pointer(sha256: str, size: int) -> bytes:
-    return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
+XET_HINT = "set HF_HUB_DISABLE_XET=1 to upload through LFS"
 
 
-def is_lfs_path(path: str, size: int, sample: bytes = b"") -> bool:
-    """The stand-in's LFS rule (HF's server decides; this mirrors its default .gitattributes + size + binary)."""
-    return path.endswith(LFS_SUFFIXES) or size >= LFS_MIN_BYTES or b"\0" in sample
-
-
-class HubStore:
-    """Repos per hub ("hf" / "ms"): branch → commit id, commit id → {path: entry}. Blobs on disk by sha256."""
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        self.blob_dir = self.root / "blobs"
-        self.blob_dir.mkdir(parents=True, exist_ok=True)
-        self.lock = threading.RLock()
-        state = self.root / "state.json"
-        self.state = json.loads(state.read_text()) if state.exists() else {"hf": {}, "ms": {}}
-
-    def _save(self) -> None:
-        tmp = self.root / "state.json.tmp"
-        tmp.write_text(json.dumps(self.state, sort_keys=True))
-        tmp.replace(self.root / "state.json")
-
-    # repos --------------------------------------------------------------------------------------------------
-    def repo(self, hub: str, repo_id: str) -> dict | None:
-        return self.state[hub].get(repo_id)
-
-    def create(self, hub: str, repo_id: str, private: bool = False) -> bool:
-        """Create an empty repo; False if it already exists."""
-        with self.lock:
-            if repo_id in self.state[hub]:
-                return False
-            commit = hashlib.sha1(f"{hub}:{repo_id}:init".encode()).hexdigest()
-            self.state[hub][repo_id] = {"private": private, "branches": {DEFAULT_BRANCH[hub]: commit},
-                                        "commits": {commit: {"files": {}, "title": "initial commit"}},
-                                        "xet": False}
-            self._save()
-            return True
-
-    def resolve(self, hub: str, repo_id: str, rev: str | None) -> str | None:
-        """Branch name or commit id → commit id (None if unknown)."""
-        repo = self.repo(hub, repo_id)
-        if repo is None:
-            return None
-        rev = rev or DEFAULT_BRANCH[hub]
-        if rev in repo["branches"]:
-            return repo["branches"][rev]
-        return rev if rev in repo["commits"] else None
-
-    def files(self, hub: str, repo_id: str, rev: str | None) -> dict | None:
-        commit = self.resolve(hub, repo_id, rev)
-        return None if commit is None else self.repo(hub, repo_id)["commits"][commit]["files"]
-
-    # blobs --------------------------------------------------------------------------------------------------
-    def has_blob(self, sha256: str) -> bool:
-        return (self.blob_dir / sha256).exists()
-
-    def put_blob(self, data: bytes) -> str:
-        sha = hashlib.sha256(data).hexdigest()
-        path = self.blob_dir / sha
-        if not path.exists():
-            tmp = self.blob_dir / f"{sha}.{threading.get_ident()}.tmp"
-            tmp.write_bytes(data)
-            tmp.replace(path)
-        return sha
-
-    def blob_path(self, sha256: str) -> Path:
-        return self.blob_dir / sha256
-
-    # commits ------------------------------------------------------------------------------------------------
-    def commit(self, hub: str, repo_id: str, rev: str | None, adds: dict, deletes=(), title: str = "") -> str:
-        """Apply `adds` {path: entry} and `deletes` on top of branch `rev`; returns the new commit id."""
-        with self.lock:
-            repo = self.repo(hub, repo_id)
-            branch = rev or DEFAULT_BRANCH[hub]
-            parent = repo["branches"].get(branch) or repo["branches"][DEFAULT_BRANCH[hub]]
-            files = dict(repo["commits"][parent]["files"])
-            for path in deletes:
-                for key in [k for k in files if k == path or k.startswith(path.rstrip("/") + "/")]:
-                    del files[key]
-            files.update(adds)
-            body = json.dumps({"parent": parent, "files": files, "title": title, "n": len(repo["commits"])},
-                              sort_keys=True)
-            commit = hashlib.sha1(body.encode()).hexdigest()
-            repo["commits"][commit] = {"files": files, "title": title}
-            repo["branches"][branch] = commit
-            self._save()
-            return commit
-
-    def entry(self, data: bytes | None, path: str, *, sha256: str | None = None, size: int | None = None,
-              lfs: bool | None = None) -> dict:
-        """A file entry from bytes (stored) or from a client-reported sha256/size (Xet: bytes not here)."""
-        if data is not None:
-            sha256 = self.put_blob(data)
-            size = len(data)
-        lfs = is_lfs_path(path, size, (data or b"")[:512]) if lfs is None else lfs
-        git_sha1 = git_blob_sha1(lfs_pointer(sha256, size)) if lfs else git_blob_sha1(data)
-        return {"sha256": sha256, "size": size, "lfs": lfs, "git_sha1": git_sha1}
-
-    def put_file(self, hub: str, repo_id: str, path: str, data: bytes, rev: str | None = None) -> str:
-        """Test helper: add or replace one file in a commit of its own."""
-        self.create(hub, repo_id)
-        return self.commit(hub, repo_id, rev, {path: self.entry(data, path)}, title=f"put {path}")
-
-    def delete_file(self, hub: str, repo_id: str, path: str, rev: str | None = None) -> str:
-        return self.commit(hub, repo_id, rev, {}, [path], title=f"delete {path}")
-
-    def seed(self, hub: str, repo_id: str, folder: Path, rev: str | None = None) -> str:
-        """Test helper: commit every file under `folder` at once."""
-        self.create(hub, repo_id)
-        folder = Path(folder)
-        adds = {p.relative_to(folder).as_posix(): self.entry(p.read_bytes(), p.relative_to(folder).as_posix())
-                for p in sorted(folder.rglob("*")) if p.is_file()}
-        return self.commit(hub, repo_id, rev, adds, title="seed")
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: "_Server"
-
-    def log_message(self, fmt, *args) -> None:  # quiet: requests are recorded in server.requests instead
-        pass
-
-    # plumbing -----------------------------------------------------------------------------------------------
-    def _body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            chunks = []
-            while True:
-                size = int(self.rfile.readline().strip().split(b";")[0], 16)
-                if size == 0:
-                    self.rfile.readline()
-                    break
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline()
-            return b"".join(chunks)
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
-
-    def _send(self, status: int, body: bytes = b"", ctype: str = "application/json", headers=None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _json(self, status: int, obj, headers=None) -> None:
-        self._send(status, json.dumps(obj).encode(), headers=headers)
-
-    def _ms(self, data, status: int = 200, ok: bool = True, message: str = "") -> None:
-        self._json(status, {"Code": status, "Data": data, "Success": ok, "Message": message,
-                            "RequestId": "local"})
-
-    def _error(self, status: int, message: str) -> None:
-        if self.path.startswith("/api/v1/"):
-            self._ms(None, status, False, message)
-        else:
-            self._json(status, {"error": message}, headers={"X-Error-Message": message})
-
-    def _dispatch(self) -> None:
-        url = urlsplit(self.path)
-        self.query = parse_qs(url.query)
-        self.body = self._body() if self.command in ("POST", "PUT") else b""
-        fault = self.server.take_fault(self.command, url.path)
-        self.server.requests.append((self.command, url.path))
-        if fault is not None:
-            self._error(fault, "injected fault")
-            return
-        for method, pattern, name in ROUTES:
-            if method == self.command or (method == "GET" and self.command == "HEAD"):
-                match = pattern.fullmatch(url.path)
-                if match:
-                    args = [None if g is None else unquote(g) for g in match.groups()]
-                    try:
-                        getattr(self, name)(*args)
-                    except Exception as exc:  # a stand-in bug must show up as a 500, not a dropped connection
-                        self._error(500, f"{type(exc).__name__}: {exc}")
-                    return
-        self._error(404, f"no route for {self.command} {url.path}")
-
-    do_GET = do_POST = do_PUT = do_HEAD = _dispatch
+class _Handler(WireHandler):
+    """The HF and ModelScope endpoints (see the module docstring); routes in ROUTES below."""
 
     @property
     def store(self) -> HubStore:
@@ -245,8 +63,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     # HF -----------------------------------------------------------------------------------------------------
     def hf_create(self) -> None:
-        req = json.loads(self.body or b"{}")
-        repo_id = f"{req.get('organization') or 'user'}/{req['name']}"
+        req = load_json(self.body or b"{}")
+        name = field(req, "name", str)
+        org = field(req, "organization", (str, type(None)), None) or "user"
+        repo_id = f"{org}/{name}"
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
+            raise BadRequest(f"invalid repo id {repo_id[:100]!r}")
         created = self.store.create("hf", repo_id, bool(req.get("private")))
         self._json(200 if created else 409, {"url": f"{self._base()}/{repo_id}", "name": repo_id,
                                              **({} if created else {"error": "You already created this model repo"})})
@@ -276,17 +98,18 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"errors": [], "warnings": []})
 
     def hf_preupload(self, repo_id: str, rev: str) -> None:
+        items = field(load_json(self.body), "files", list)
         files = self._need_repo("hf", repo_id, rev)
         if files is None:
             return
         out = []
-        for item in json.loads(self.body)["files"]:
-            sample = base64.b64decode(item.get("sample") or "")
-            lfs = item["size"] > 0 and is_lfs_path(item["path"], item["size"], sample)
-            remote = files.get(item["path"])
+        for item in items:
+            path, size = path_of(item), field(item, "size", int)
+            sample = b64(field(item, "sample", str, ""))
+            lfs = size > 0 and is_lfs_path(path, size, sample)
+            remote = files.get(path)
             oid = None if remote is None else (remote["sha256"] if remote["lfs"] else remote["git_sha1"])
-            out.append({"path": item["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False,
-                        "oid": oid})
+            out.append({"path": path, "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
         self._json(200, {"files": out})
 
     def hf_xet_token(self, repo_id: str, rev: str) -> None:
@@ -295,18 +118,17 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with self.store.lock:
             self.store.repo("hf", repo_id)["xet"] = True
-        cas = (self.store.root / "xet-cas").resolve()
+        cas = self.store.inside(self.store.root / "xet-cas")
         cas.mkdir(parents=True, exist_ok=True)
         self._json(200, {"accessToken": "local", "exp": int(time.time()) + 3600, "casUrl": f"local://{cas}"})
 
     def hf_lfs_batch(self, repo_id: str) -> None:
-        req = json.loads(self.body)
         objects = []
-        for obj in req.get("objects", []):
-            entry = {"oid": obj["oid"], "size": obj["size"]}
-            if not self.store.has_blob(obj["oid"]):
-                entry["actions"] = {"upload": {"href": f"{self._base()}/_lfs/{obj['oid']}", "header": {}},
-                                    "verify": {"href": f"{self._base()}/_lfs/{obj['oid']}/verify", "header": {}}}
+        for oid, size in lfs_objects(self.body):
+            entry = {"oid": oid, "size": size}
+            if not self.store.has_blob(oid):
+                entry["actions"] = {"upload": {"href": f"{self._base()}/_lfs/{oid}", "header": {}},
+                                    "verify": {"href": f"{self._base()}/_lfs/{oid}/verify", "header": {}}}
             objects.append(entry)
         self._json(200, {"transfer": "basic", "objects": objects})
 
@@ -321,64 +143,52 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200 if self.store.has_blob(oid) else 404, {})
 
     def hf_commit(self, repo_id: str, rev: str) -> None:
+        title, ops = hf_commit_ops(self.body)
         if self._need_repo("hf", repo_id, rev) is None:
             return
-        adds, deletes, title = {}, [], ""
-        xet = self.store.repo("hf", repo_id)["xet"]
-        for line in self.body.decode().splitlines():
-            if not line.strip():
-                continue
-            item = json.loads(line)
-            key, value = item["key"], item["value"]
-            if key == "header":
-                title = value.get("summary", "")
-            elif key == "file":
-                adds[value["path"]] = self.store.entry(base64.b64decode(value["content"]), value["path"], lfs=False)
+        lfs = {value["oid"]: value["size"] for key, value in ops if key == "lfsFile"}
+        missing = {oid: size for oid, size in lfs.items() if not self.store.has_blob(oid)}
+        if missing and self.store.repo("hf", repo_id)["xet"]:
+            missing = self._adopt_xet(missing)
+        if missing:
+            oid = next(iter(missing))
+            path = next(v["path"] for k, v in ops if k == "lfsFile" and v["oid"] == oid)
+            hint = f" ({XET_HINT})" if self.store.repo("hf", repo_id)["xet"] else ""
+            self._error(422, f"LFS object {oid} for {path} was never uploaded{hint}")
+            return
+        adds, deletes = {}, []
+        for key, value in ops:
+            if key == "file":
+                adds[value["path"]] = self.store.entry(b64(value["content"]), value["path"], lfs=False)
             elif key == "lfsFile":
-                if not xet and not self.store.has_blob(value["oid"]):
-                    self._error(422, f"LFS object {value['oid']} for {value['path']} was never uploaded")
-                    return
                 adds[value["path"]] = self.store.entry(None, value["path"], sha256=value["oid"],
                                                        size=value["size"], lfs=True)
-            elif key in ("deletedFile", "deletedFolder"):
+            else:
                 deletes.append(value["path"])
         commit = self.store.commit("hf", repo_id, rev, adds, deletes, title)
         self._json(200, {"commitOid": commit, "commitUrl": f"{self._base()}/{repo_id}/commit/{commit}"})
 
-    def _hf_entry(self, path: str, entry: dict) -> dict:
-        out = {"type": "file", "path": path, "size": entry["size"], "oid": entry["git_sha1"]}
-        if entry["lfs"]:
-            out["lfs"] = {"oid": entry["sha256"], "size": entry["size"],
-                          "pointerSize": len(lfs_pointer(entry["sha256"], entry["size"]))}
-        return out
-
-    def _hf_listing(self, files: dict, prefix: str, recursive: bool) -> list:
-        prefix = prefix.strip("/")
-        base = prefix + "/" if prefix else ""
-        out, dirs = [], set()
-        for path in sorted(files):
-            if not path.startswith(base):
-                continue
-            rest = path[len(base):].split("/")
-            for depth in range(1, len(rest)):
-                dirs.add(base + "/".join(rest[:depth]))
-            if recursive or len(rest) == 1:
-                out.append(self._hf_entry(path, files[path]))
-        dir_entries = [{"type": "directory", "path": d, "oid": hashlib.sha1(d.encode()).hexdigest()}
-                       for d in sorted(dirs) if recursive or "/" not in d[len(base):]]
-        return dir_entries + out
+    def _adopt_xet(self, wanted: dict[str, int]) -> dict[str, int]:
+        """Read Xet-uploaded files back from the local CAS into the blob store; {oid: size} of those still missing."""
+        scratch = self.store.scratch()
+        try:
+            for sha, file in hub_xet.read_back(self.store.root / "xet-cas", wanted, scratch).items():
+                self.store.adopt_blob(sha, file)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return {oid: size for oid, size in wanted.items() if not self.store.has_blob(oid)}
 
     def hf_tree(self, repo_id: str, rev: str, path: str | None = None) -> None:
         files = self._need_repo("hf", repo_id, rev)
         if files is not None:
             recursive = self.query.get("recursive", ["false"])[0].lower() == "true"
-            self._json(200, self._hf_listing(files, path or "", recursive))
+            self._json(200, hf_listing(files, path or "", recursive))
 
     def hf_paths_info(self, repo_id: str, rev: str) -> None:
         files = self._need_repo("hf", repo_id, rev)
         if files is not None:
             form = parse_qs(self.body.decode())
-            self._json(200, [self._hf_entry(p, files[p]) for p in form.get("paths", []) if p in files])
+            self._json(200, [hf_entry(p, files[p]) for p in form.get("paths", []) if p in files])
 
     def hf_resolve(self, repo_id: str, rev: str, path: str) -> None:
         files = self._need_repo("hf", repo_id, rev)
@@ -396,8 +206,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_blob(entry, headers)
 
     def _send_blob(self, entry: dict, headers: dict) -> None:
+        if not valid_oid(entry.get("sha256")):
+            raise BadRequest("the stored entry names no valid blob")
         if not self.store.has_blob(entry["sha256"]):
-            self._error(501, "file was uploaded through Xet; the stand-in holds only its hash")
+            self._error(501, f"the stand-in holds only the hash of this file ({XET_HINT})")
             return
         data = self.store.blob_path(entry["sha256"]).read_bytes()
         status = 200
@@ -411,12 +223,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ModelScope ---------------------------------------------------------------------------------------------
     def ms_create(self) -> None:
-        req = json.loads(self.body or b"{}")
-        repo_id = f"{req['Path']}/{req['Name']}"
+        req = load_json(self.body or b"{}")
+        owner, name = field(req, "Path", str), field(req, "Name", str)
+        repo_id = f"{owner}/{name}"
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
+            raise BadRequest(f"invalid repo id {repo_id[:100]!r}")
         if not self.store.create("ms", repo_id, req.get("Visibility") == 1):
             self._ms(None, 409, False, "repo already exists")
             return
-        self._ms({"Path": req["Path"], "Name": req["Name"], "Id": 1})
+        self._ms({"Path": owner, "Name": name, "Id": 1})
 
     def ms_repo_info(self, repo_id: str) -> None:
         if self.store.repo("ms", repo_id) is None:
@@ -427,19 +242,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def ms_lfs_batch(self, repo_id: str) -> None:
         objects = []
-        for obj in json.loads(self.body).get("objects", []):
-            entry = {"oid": obj["oid"], "size": obj["size"]}
-            if not self.store.has_blob(obj["oid"]):
-                entry["actions"] = {"upload": {"href": f"{self._base()}/_lfs/{obj['oid']}", "header": {}}}
+        for oid, size in lfs_objects(self.body):
+            entry = {"oid": oid, "size": size}
+            if not self.store.has_blob(oid):
+                entry["actions"] = {"upload": {"href": f"{self._base()}/_lfs/{oid}", "header": {}}}
             objects.append(entry)
         self._json(200, {"objects": objects})
 
     def ms_commit(self, repo_id: str, rev: str) -> None:
+        message, actions = ms_commit_actions(self.body)
         if self._need_repo("ms", repo_id, rev) is None:
             return
-        req = json.loads(self.body)
         adds, deletes = {}, []
-        for action in req.get("actions", []):
+        for action in actions:
             path = action["path"]
             if action.get("action") == "delete":
                 deletes.append(path)
@@ -447,11 +262,10 @@ class _Handler(BaseHTTPRequestHandler):
                 if not self.store.has_blob(action["sha256"]):
                     self._ms(None, 400, False, f"lfs object {action['sha256']} for {path} was never uploaded")
                     return
-                adds[path] = self.store.entry(None, path, sha256=action["sha256"], size=int(action["size"]),
-                                              lfs=True)
+                adds[path] = self.store.entry(None, path, sha256=action["sha256"], size=action["size"], lfs=True)
             else:
-                adds[path] = self.store.entry(base64.b64decode(action.get("content") or ""), path, lfs=False)
-        commit = self.store.commit("ms", repo_id, rev, adds, deletes, req.get("commit_message", ""))
+                adds[path] = self.store.entry(b64(action.get("content") or ""), path, lfs=False)
+        commit = self.store.commit("ms", repo_id, rev, adds, deletes, message)
         self._ms({"CommitId": commit, "Revision": rev})
 
     def ms_files(self, repo_id: str) -> None:
@@ -478,7 +292,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 _REPO = r"([^/]+/[^/]+)"
-ROUTES = [(m, re.compile(p), n) for m, p, n in [
+_Handler.routes = ROUTES = [(m, re.compile(p), n) for m, p, n in [
     ("POST", r"/api/repos/create", "hf_create"),
     ("POST", r"/api/validate-yaml", "hf_validate_yaml"),
     ("GET", rf"/api/models/{_REPO}", "hf_repo_info"),
@@ -551,7 +365,8 @@ class HubServer:
         self._server.faults.append([method, path_regex, status, times])
 
     def start(self) -> "HubServer":
-        self._thread = threading.Thread(target=self._server.serve_forever, name="hub-server", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="hub-server", daemon=True)
         self._thread.start()
         return self
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ktconvert.formats.inplace_sink import ct_int4_config
+from ktconvert.quant.ct_int4 import pack_quantized_config as ct_int4_config
 from ktconvert.quant import ct_int4, fp8, mxfp4
 from ktconvert.quant.bf16 import f32_to_bf16_bits
 from ktconvert.testing.tiny import DTYPE_WRITERS, TensorSpec

@@ -21,39 +21,40 @@ import os
 
 import numpy as np
 
-from ktconvert.errors import InputError, KtConvertError
+from ktconvert.errors import InputError, KtConvertError, VerifyError
+from ktconvert.formats.sources import open_source
+from ktconvert.native import forward as native_rt
+from ktconvert.quant.bf16 import bf16_bits_to_f32
+from ktconvert.verify.reader import KtOutput
 
 KERNEL_TOL = 1e-5
-# Default limits on the layer's MoE output against the source weights (relative L2 max / cosine min). Measured
-# (fp32 activations, 16 tokens, top-2, E=8): honest RTN AMXINT4 0.44-0.63 rel L2 / cosine >= 0.83 on Gaussian with
-# 1% 12-sigma outliers, Student-t(1.5, 2, 3) and the tiny models; AMXINT8 0.03 / 0.9996. Garbage (tile layout misread
-# as row-major, experts swapped) lands at 1.3-2.1 / cosine <= 0.15 for both. The limits sit between the two.
-DEFAULT_THRESHOLDS = {
-    "AMXINT4": {"moe_rel_l2": 1.0, "moe_cosine": 0.5},
-    "AMXINT8": {"moe_rel_l2": 0.2, "moe_cosine": 0.97},
-}
-RTN_BOUND = {"AMXINT4": 8.5, "AMXINT8": 0.5}   # |w_deq - w| <= bound * d for round-to-nearest (kt-format §2.1/2.2)
+# The limits on the layer's MoE output against the source weights (relative L2 max / cosine min) are the method's
+# ``thresholds``. Measured (fp32 activations, 16 tokens, top-2, E=8): honest RTN per-row INT4 0.44-0.63 rel L2 /
+# cosine >= 0.83 on Gaussian with 1% 12-sigma outliers, Student-t(1.5, 2, 3) and the tiny models; per-row INT8
+# 0.03 / 0.9996. Garbage (tile layout misread as row-major, experts swapped) lands at 1.3-2.1 / cosine <= 0.15 for
+# both. The limits sit between the two.
 MAX_PROBLEMS = 20
 
 
 def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=None, experts="4", threshold=None,
-                   *, impl: str | None = None, threads: int | None = None, seed: int = 0) -> dict:
+                   *, methods, impl: str | None = None, threads: int | None = None, seed: int = 0,
+                   folder=None) -> dict:
     """Numeric verification of output folder ``out`` described by ``manifest`` (see module doc).
 
     source:    path of the original checkpoint, or None for check (a) and hashes only
     tokens:    activations per layer; layers: None (first/middle/last), "all", "1,3" or a list of ints
-    experts:   experts per layer ("4", 4 or "all"); threshold: None (DEFAULT_THRESHOLDS) or the MoE relative L2 limit
+    experts:   experts per layer ("4", 4 or "all")
+    threshold: None (the method's thresholds) or the MoE relative L2 limit
+    methods:   the CPU method registry (ktconvert.methods.METHODS): the manifest's method and its thresholds
+    folder:    the folder's verify.folder.OutputFolder when already walked
     returns:   {"ok", "problems": [str], "summary", "thresholds", "variant", "layers": [row per layer],
                 "verification": compact dict for the manifest}
     """
-    from ktconvert.native import forward as native_rt
-    from ktconvert.verify.reader import KtOutput
-
     report = {"ok": False, "problems": [], "layers": [], "summary": ""}
     try:
-        rt = KtOutput.open(out, manifest)
+        rt = KtOutput.open(out, manifest, folder, methods=methods)
         variant = native_rt.variant(impl)
-        thresholds = _thresholds(rt.kt_method, threshold)
+        thresholds = _thresholds(rt.method, threshold)
         src = _open_source(source)
         chosen = choose_layers(rt.layers, layers)
     except KtConvertError as exc:
@@ -73,8 +74,8 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
     return report
 
 
-def _thresholds(kt_method: str, threshold) -> dict:
-    limits = dict(DEFAULT_THRESHOLDS.get(kt_method, DEFAULT_THRESHOLDS["AMXINT4"]))
+def _thresholds(method, threshold) -> dict:
+    limits = dict(method.thresholds)
     if threshold is not None:
         limits["moe_rel_l2"] = float(threshold)
         limits["moe_cosine"] = None
@@ -83,11 +84,7 @@ def _thresholds(kt_method: str, threshold) -> dict:
 
 
 def _open_source(source):
-    if source is None:
-        return None
-    from ktconvert.formats.base import open_source
-
-    return open_source(source)
+    return None if source is None else open_source(source)
 
 
 def choose_layers(all_layers: list[int], layers) -> list[int]:
@@ -158,8 +155,6 @@ class _Layer:
 
 
 def _check_layer(rt, src, layer: int, tokens: int, experts, thresholds: dict, impl, threads: int, seed: int) -> dict:
-    from ktconvert.errors import VerifyError
-
     rng = np.random.default_rng([seed, layer])
     row = {"layer": layer, "experts": [], "problems": [], "ok": False}
     try:
@@ -186,8 +181,6 @@ def _check_layer(rt, src, layer: int, tokens: int, experts, thresholds: dict, im
 
 def _check_expert(rt, src, layer: int, e: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, acc: _Layer,
                   impl, threads: int) -> None:
-    from ktconvert.native import forward as native_rt
-
     blobs = rt.read_expert(layer, e)
     _check_hashes(rt.manifest, blobs.sha256, acc)
     parts = blobs.parts
@@ -239,8 +232,6 @@ def _expert_ref(deq_parts, x64: np.ndarray) -> np.ndarray:
 
 def _kernel_check(rt, parts, deq, x: np.ndarray, impl, threads: int) -> float:
     """Largest relative L2 between the native GEMMs and numpy's dequantized weights, over every projection."""
-    from ktconvert.native import forward as native_rt
-
     worst = 0.0
     for part, (gate, up, down) in zip(parts, deq):
         ys = []
@@ -257,8 +248,6 @@ def _kernel_check(rt, parts, deq, x: np.ndarray, impl, threads: int) -> float:
 
 
 def _source_weights(ew) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    from ktconvert.quant.bf16 import bf16_bits_to_f32
-
     return bf16_bits_to_f32(ew.gate), bf16_bits_to_f32(ew.up), bf16_bits_to_f32(ew.down)
 
 
@@ -273,9 +262,9 @@ def _weight_errors(rt, deq, parts, full, acc: _Layer) -> None:
         err[0] += float(((wq64 - w64) ** 2).sum())
         err[1] += float((w64 ** 2).sum())
         err[2] += float((wq64 * w64).sum())
-    if rt.manifest.get("quant", "rtn") != "rtn" or rt.kt_method not in RTN_BOUND:
+    bound = getattr(rt.method, "rtn_bound", 0.0)
+    if rt.manifest.get("quant", "rtn") != "rtn" or not bound:
         return
-    bound = RTN_BOUND[rt.kt_method]
     for t, part in enumerate(parts):
         i0, i1 = t * rt.inter_part, (t + 1) * rt.inter_part
         for (w, s), wq, ws in zip(part, deq[t], (full[0][i0:i1], full[1][i0:i1], full[2][:, i0:i1])):

@@ -1,7 +1,7 @@
 """Numeric part of ``ktconvert verify`` for the in-place outputs (bf16, rawint4, fp8).
 
 These files are ordinary HF tensors that kt-kernel's native loaders read and slice themselves, so the check decodes
-each sampled expert matrix with the input decoders (``formats/quantized.py``: compressed-tensors int4 and FP8 block
+each sampled expert matrix with the input decoders (``formats/decoders``: compressed-tensors int4 and FP8 block
 dequantization, the same code that reads such checkpoints as inputs) and compares, with ``source``, against the
 source weights: relative L2 and cosine per projection and of the layer's MoE output on seeded random activations.
 Without a source only decodability, finiteness and the hashes of what was read are checked.
@@ -13,36 +13,34 @@ import hashlib
 import numpy as np
 
 from ktconvert.errors import KtConvertError
+from ktconvert.formats.sources import open_source
+from ktconvert.formats.inplace_sink import EXPERT_PREFIX, PROJ_NAMES
+from ktconvert.formats.decoders import decode_matrix, detect_scheme
+from ktconvert.quant.bf16 import bf16_bits_to_f32
+from ktconvert.verify.folder import OutputFolder
 from ktconvert.verify.numeric_amx import choose_experts, choose_layers, rel_l2, silu_mul
 
-# MoE-output relative L2 limits against the source. bf16 copies the source, fp8 block and group-wise int4 are far
-# more accurate than per-row AMXINT4 (measured on the tiny heavy-tailed models: fp8 0.045, rawint4 g64 0.34;
-# honest per-row AMXINT4 is 0.44-0.63 there).
-DEFAULT_LIMITS = {"BF16": 0.0, "FP8": 0.1, "RAWINT4": 0.6}
-PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
 def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=None, experts="4",
-                           threshold=None, seed: int = 0) -> dict:
-    """{"ok", "problems", "summary", "layers": [...]} for an in-place output folder (see module doc)."""
-    from ktconvert.formats.base import open_source
-    from ktconvert.formats.quantized import decode_matrix, detect_scheme
-    from ktconvert.formats.safetensors_reader import Checkpoint
-
+                           threshold=None, seed: int = 0, folder: OutputFolder | None = None, *, method) -> dict:
+    """{"ok", "problems", "summary", "layers": [...]} for an in-place output folder (see module doc).
+    folder: the folder's verify.folder.OutputFolder when already walked (its shard headers are reused);
+    method: the manifest's CPU method (its thresholds["moe_rel_l2"] is the default MoE-output limit)."""
     report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run"}
     try:
-        ck = Checkpoint.open(out)
+        ck = (folder or OutputFolder.scan(out)).checkpoint()
         scheme = detect_scheme(ck.config)
         src = open_source(source) if source is not None else None
         chosen = choose_layers([int(x) for x in manifest["model"]["layers"]], layers)
     except KtConvertError as exc:
         report["problems"].append(str(exc))
         return report
-    limit = DEFAULT_LIMITS.get(manifest["method"], 0.3) if threshold is None else float(threshold)
+    limit = method.thresholds["moe_rel_l2"] if threshold is None else float(threshold)
     rng = np.random.default_rng(seed)
     for layer in chosen:
         sample = choose_experts(rng, int(manifest["model"]["experts"]), experts)
-        row = _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng, decode_matrix)
+        row = _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng)
         if src is not None and row["moe_rel_l2"] > limit:
             row["problems"].append(f"MoE output rel L2 {row['moe_rel_l2']:.4g} above the limit {limit:g}")
         report["layers"].append(row)
@@ -54,7 +52,7 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     return report
 
 
-def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng, decode_matrix) -> dict:
+def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng) -> dict:
     hidden = int(manifest["model"]["hidden"])
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     got_y = np.zeros((tokens, hidden), np.float64)
@@ -63,7 +61,7 @@ def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng, decode_m
     for e in sample:
         mats = {}
         for proj, name in PROJ_NAMES.items():
-            base = f"model.layers.{layer}.mlp.experts.{e}.{name}"
+            base = EXPERT_PREFIX.format(L=layer, E=e, proj=name)
             _check_hashes(ck, base, manifest, row["problems"])
             mats[proj] = _f32(decode_matrix(ck, base, scheme))
             if not np.isfinite(mats[proj]).all():
@@ -91,8 +89,6 @@ def _check_hashes(ck, base: str, manifest: dict, problems: list) -> None:
 
 
 def _f32(bits: np.ndarray) -> np.ndarray:
-    from ktconvert.quant.bf16 import bf16_bits_to_f32
-
     return bf16_bits_to_f32(bits)
 
 

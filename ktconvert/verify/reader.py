@@ -15,7 +15,6 @@ silently garbage). Here every blob is checked against the byte formulas of the m
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from ktconvert.errors import InputError, UnknownNameError, VerifyError
+from ktconvert.formats.out_manifest import load_manifest
+from ktconvert.layouts.naming import PROJS, kt_relpath, merged_key, parse_kt_relpath, part_shape
+from ktconvert.verify.folder import OutputFolder
 
-PROJS = ("gate", "up", "down")
 _NUMA_DIR = re.compile(r"^_numa_(\d+)$")
 
 
@@ -39,20 +40,10 @@ class ExpertBlobs:
     sha256: dict = field(default_factory=dict)
 
 
-def _merged_key(layer: int, proj: str, expert: int, t: int, part: str) -> str:
-    from ktconvert.formats.kt_sink import merged_key
-
-    return merged_key(layer, proj, expert, t, part)
-
-
-def _method_hint(proj: str, nbytes: int, hidden: int, intermediate: int, kind: str) -> str | None:
-    """"looks like AMXINT8 with numa 2" when another (method, NUMA count) gives exactly nbytes, else None."""
-    from ktconvert.formats.kt_sink import part_shape
-    from ktconvert.quant.methods import METHODS
-
+def _method_hint(methods, proj: str, nbytes: int, hidden: int, intermediate: int, kind: str) -> str | None:
+    """"looks like AMXINT8 with numa 2" when another (method of `methods`, NUMA count) gives exactly nbytes."""
     guesses = []
-    for name in METHODS.names():
-        method = METHODS.get(name)
+    for name, method in methods.items():
         if not hasattr(method, "quant_bytes"):
             continue
         for numa in (1, 2, 3, 4, 6, 8, 16):
@@ -68,15 +59,13 @@ def _method_hint(proj: str, nbytes: int, hidden: int, intermediate: int, kind: s
 class KtOutput:
     """A converted folder plus its manifest. Attributes: root, manifest, method (CpuMethod), kt_method
     ("AMXINT4"), numa, layers, experts, hidden, intermediate, inter_part (I / numa), mode ("safetensors" | "kt"),
-    shapes {proj: (n, k, quant bytes, scale bytes)} per NUMA part."""
+    shapes {proj: (n, k, quant bytes, scale bytes)} per NUMA part. `methods`: the CPU method registry (name ->
+    method class, with .get and .items), for the manifest's method and for hints naming what the sizes fit."""
 
-    def __init__(self, root, manifest: dict):
-        from ktconvert.formats.kt_sink import part_shape
-        from ktconvert.quant.methods import METHODS
-
-        self.root, self.manifest = Path(root), manifest
+    def __init__(self, root, manifest: dict, methods, folder: OutputFolder | None = None):
+        self.root, self.manifest, self.methods = Path(root), manifest, methods
         try:
-            self.method = METHODS.get(manifest["method"])
+            self.method = methods.get(manifest["method"])
             model = manifest["model"]
             self.numa, self.experts = int(manifest["numa"]), int(model["experts"])
             self.hidden, self.intermediate = int(model["hidden"]), int(model["intermediate"])
@@ -84,8 +73,9 @@ class KtOutput:
         except (KeyError, TypeError, ValueError, UnknownNameError) as exc:
             raise InputError(f"manifest lacks what the runtime needs ({exc})", file="ktconvert.json") from None
         if not hasattr(self.method, "quant_bytes"):
+            tiles = [m.kt_method for _, m in methods.items() if hasattr(m, "quant_bytes")]
             raise InputError("method is not a converted kt-kernel format", file="ktconvert.json",
-                             found=str(manifest["method"]), expected="AMXINT4 or AMXINT8")
+                             found=str(manifest["method"]), expected=" or ".join(tiles))
         self.kt_method = self.method.kt_method
         self.inter_part = self.intermediate // max(self.numa, 1)
         self.shapes = {}
@@ -94,34 +84,28 @@ class KtOutput:
             self.shapes[proj] = (n, k, int(self.method.quant_bytes(n, k)), int(self.method.scale_bytes(n)))
         top = [p for p in self.root.iterdir() if p.name.endswith(".safetensors")] if self.root.is_dir() else []
         self.mode = "safetensors" if top else "kt"
-        self._index = self._index_merged() if self.mode == "safetensors" else None
+        self._index = self._index_merged(folder or OutputFolder.scan(self.root)) if self.mode == "safetensors" \
+            else None
 
     @classmethod
-    def open(cls, out, manifest: dict | None = None) -> "KtOutput":
-        """Open folder ``out``; reads ``ktconvert.json`` unless ``manifest`` is given."""
-        if manifest is None:
-            from ktconvert.formats.out_manifest import load_manifest
-
-            manifest = load_manifest(out)
-        return cls(out, manifest)
+    def open(cls, out, manifest: dict | None = None, folder: OutputFolder | None = None, *,
+             methods) -> "KtOutput":
+        """Open folder ``out``; reads ``ktconvert.json`` unless ``manifest`` is given, walks the folder unless
+        ``folder`` (its verify.folder.OutputFolder) is given."""
+        return cls(out, load_manifest(out) if manifest is None else manifest, methods, folder)
 
     # ---- merged safetensors -------------------------------------------------------------------------------------
 
-    def _index_merged(self) -> dict:
+    def _index_merged(self, folder: OutputFolder) -> dict:
         """{key: TensorRef} of every *.safetensors under root, recursively (kt-kernel keys files by basename)."""
-        from ktconvert.formats.safetensors_reader import parse_header
-
-        index, seen = {}, {}
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames.sort()
-            for name in sorted(f for f in filenames if f.endswith(".safetensors")):
-                path = Path(dirpath) / name
-                if name in seen:
-                    raise VerifyError("two shards share a file name (kt-kernel keys shards by name)",
-                                      file=path.relative_to(self.root).as_posix(), found=f"also {seen[name]}")
-                seen[name] = path.relative_to(self.root).as_posix()
-                index.update(parse_header(path).tensors)
-        return index
+        if folder.duplicate_names:
+            rel, first = folder.duplicate_names[0]
+            raise VerifyError("two shards share a file name (kt-kernel keys shards by name)", file=rel,
+                              found=f"also {first}")
+        if folder.header_errors:
+            rel, message = sorted(folder.header_errors.items())[0]
+            raise InputError(message)
+        return {key: ref for key, (_, ref) in folder.entries.items()}
 
     def _probe(self, fmt: str) -> int:
         i = 0
@@ -142,7 +126,7 @@ class KtOutput:
         if ref.nbytes != want:
             raise VerifyError(f"tensor size does not match {self.kt_method} with numa {self.numa}", file=where,
                               tensor=key, expected=f"{want} bytes", found=f"{ref.nbytes} bytes",
-                              hint=_method_hint(proj, ref.nbytes, self.hidden, self.intermediate, kind))
+                              hint=_method_hint(self.methods, proj, ref.nbytes, self.hidden, self.intermediate, kind))
         return _pread(Path(ref.file), ref.offset, ref.nbytes, key)
 
     # ---- .kt tree -----------------------------------------------------------------------------------------------
@@ -151,8 +135,6 @@ class KtOutput:
         return self.root / f"_layer_{layer}" / f"_numa_{t}"
 
     def _read_kt(self, layer: int, t: int, proj: str, expert: int, kind: str) -> np.ndarray:
-        from ktconvert.formats.kt_sink import kt_relpath
-
         part = "quant" if kind == "weight" else "scale"
         want = self.shapes[proj][2] if kind == "weight" else self.shapes[proj][3]
         rel = kt_relpath(layer, t, self.method.file_prefix, proj, expert, want, part)
@@ -167,8 +149,6 @@ class KtOutput:
 
     def _kt_missing(self, layer: int, t: int, proj: str, expert: int, part: str, rel: str, kind: str) -> VerifyError:
         """The error for an absent .kt file, naming what is there instead (another method's prefix or size)."""
-        from ktconvert.formats.kt_sink import parse_kt_relpath
-
         folder = self._kt_dir(layer, t)
         others = []
         if folder.is_dir():
@@ -179,7 +159,7 @@ class KtOutput:
         if not others:
             return VerifyError("file missing", file=rel, hint=None if folder.is_dir() else f"no folder {folder.name}")
         o = others[0]
-        hint = _method_hint(proj, o["bytes"], self.hidden, self.intermediate, kind)
+        hint = _method_hint(self.methods, proj, o["bytes"], self.hidden, self.intermediate, kind)
         return VerifyError(f"file missing; the folder holds {o['prefix']}_{proj}_{expert}_{o['bytes']}Byte_{part}_.kt",
                            file=rel, expected=f"{self.method.file_prefix} files for {self.kt_method} numa {self.numa}",
                            found=f"{o['prefix']}, {o['bytes']} bytes", hint=hint)
@@ -224,7 +204,7 @@ class KtOutput:
             for proj in PROJS:
                 pair = []
                 for kind in ("weight", "scale"):
-                    key = _merged_key(layer, proj, expert, t, kind)
+                    key = merged_key(layer, proj, expert, t, kind)
                     data = self._read_merged(key, kind, proj) if self.mode == "safetensors" \
                         else self._read_kt(layer, t, proj, expert, kind)
                     blobs.sha256[key] = hashlib.sha256(data).hexdigest()

@@ -1,0 +1,96 @@
+"""FP8 (e4m3) weights with scales: DeepSeek / Kimi / GLM ``quant_method: fp8`` block checkpoints
+(``W.weight`` F8_E4M3 [n, k] + ``W.weight_scale_inv`` F32 or BF16 [ceil(n/bn), ceil(k/bk)]) and compressed-tensors
+``float-quantized`` groups (llmcompressor FP8_BLOCK / FP8 channel / tensor: ``W.weight_scale``, often BF16).
+Product in float32 (compressed-tensors ``FP8BlockDequantizer``; F16 scales of float-quantized multiply in F16)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ktconvert.formats.decoders.base import (FLOAT_DTYPES, Decoder, MatrixRefs, QuantGroup, QuantScheme, bad_config,
+                                             float_values, matrix_shape, per_expert_shape, read_partner, shape_error,
+                                             tensor_ref)
+from ktconvert.quant import fp8
+
+
+def _block_of(value, what: str) -> tuple[int, int]:
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(type(v) is int and v > 0 for v in value)):
+        raise bad_config(f"bad {what}", expected="[block_n, block_k] positive ints", found=repr(value))
+    return int(value[0]), int(value[1])
+
+
+def effective_block(group: QuantGroup, n: int, k: int) -> tuple[int, int]:
+    """The (bn, bk) block the scale grid is made of: channel = (1, k), tensor = (n, k)."""
+    if group.strategy == "channel":
+        return 1, k
+    if group.strategy == "tensor":
+        return n, k
+    return group.block
+
+
+class Fp8BlockDecoder(Decoder):
+    """``quant_method: fp8`` with ``weight_block_size``: DeepSeek-convention block FP8."""
+
+    scheme, quant_method = "fp8-block", "fp8"
+
+    @classmethod
+    def parse_config(cls, qc: dict) -> QuantScheme:
+        fmt = str(qc.get("fmt", "e4m3")).lower()
+        if fmt not in ("e4m3", "float8_e4m3fn"):
+            raise bad_config("unsupported fp8 fmt", expected="e4m3", found=repr(qc.get("fmt")))
+        if "weight_block_size" not in qc:
+            raise bad_config("fp8 checkpoint without weight_block_size", expected="weight_block_size [bn, bk]",
+                             found="per-tensor fp8 (not supported)")
+        block = _block_of(qc["weight_block_size"], "weight_block_size")
+        ignore = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+        return QuantScheme("fp8", "fp8-block", (QuantGroup(cls.scheme, block=block),), ignore)
+
+    @classmethod
+    def input_format(cls, group, dtype: str) -> str:
+        return "fp8-block" if group is None or group.strategy == "block" else f"fp8-{group.strategy}"
+
+    @classmethod
+    def locate(cls, checkpoint, base: str, group: QuantGroup, expert: int | None) -> MatrixRefs:
+        w = tensor_ref(checkpoint, f"{base}.weight")
+        scale_name = f"{base}.weight_scale_inv" if f"{base}.weight_scale_inv" in checkpoint.tensors \
+            else f"{base}.weight_scale"
+        s = tensor_ref(checkpoint, scale_name)
+        if w.dtype != "F8_E4M3":
+            raise shape_error(w, "FP8 weight has the wrong dtype", "F8_E4M3", w.dtype)
+        if s.dtype not in FLOAT_DTYPES:
+            raise shape_error(s, "FP8 scale has the wrong dtype", "F32, BF16 or F16", s.dtype)
+        n, k = shape = matrix_shape(w, expert)
+        s_shape = per_expert_shape(s, expert)
+        want = fp8.block_scale_shape(n, k, effective_block(group, n, k))
+        ok = tuple(s_shape) == want or (group.strategy == "channel" and tuple(s_shape) in ((n,), (n, 1))) \
+            or (group.strategy == "tensor" and int(np.prod(s_shape)) == 1)
+        if not ok:
+            raise shape_error(s, f"scale shape does not match weight [{n}, {k}] in "
+                                 f"{list(effective_block(group, n, k))} blocks", str(list(want)), str(list(s_shape)))
+        return MatrixRefs(group.fmt, w.name, {"scale": scale_name}, expert, shape, group)
+
+    @classmethod
+    def decode(cls, checkpoint, refs: MatrixRefs, data: np.ndarray, where: str) -> np.ndarray:
+        s_name = refs.partners["scale"]
+        s_dtype = checkpoint.tensors[s_name].dtype
+        scale = float_values(read_partner(checkpoint, s_name, refs.index0), s_dtype)
+        n, k = refs.shape
+        block = effective_block(refs.group, n, k)
+        scale = scale.reshape(fp8.block_scale_shape(n, k, block))
+        product = np.float16 if refs.kind == "float-quantized" and s_dtype == "F16" else np.float32
+        return fp8.dequant_block(data, scale, block, product_dtype=product, where=where)
+
+
+class FloatQuantizedDecoder(Fp8BlockDecoder):
+    """compressed-tensors ``float-quantized`` 8-bit float groups: block / channel / tensor strategies."""
+
+    scheme, quant_method, ct_format = "float-quantized", None, "float-quantized"
+    ct_description = "float-quantized 8-bit float (block/channel/tensor)"
+
+    @classmethod
+    def parse_ct_group(cls, name: str, group: dict, weights: dict) -> QuantGroup | None:
+        strategy = str(weights.get("strategy", "tensor")).lower()
+        if str(weights.get("type", "int")).lower() != "float" or int(weights.get("num_bits", 8)) != 8 \
+                or strategy not in ("block", "channel", "tensor"):
+            return None
+        block = _block_of(weights.get("block_structure"), "block_structure") if strategy == "block" else None
+        return QuantGroup(cls.scheme, tuple(group.get("targets") or ("Linear",)), 8, strategy, block=block)

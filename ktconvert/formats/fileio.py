@@ -1,0 +1,167 @@
+"""Files on disk, the leaf every writer and checker builds on: hashing, atomic writes, fsync, temporary names.
+
+* ``FileRecord``: one output file (relative posix path, size, sha256, git blob SHA-1). ``LayerResult``: what a
+  finished layer (or any shard) wrote: its FileRecords and {tensor key: sha256 of its bytes}.
+* Hashes: ``hash_bytes`` / ``hash_file`` give (size, sha256 hex, git blob SHA-1 hex) in one pass
+  (hubs report sha256 only for LFS files and a git blob SHA-1 for the others, publish.md §2);
+  ``hash_safetensors`` adds the sha256 of every tensor of a .safetensors file in the same sequential read.
+* ``write_atomic(path, data)``: written as ``.NAME.partial`` in the same folder, renamed when complete
+  (``temp_path_for``), fsynced with its folder (``fsync_dir``) unless the caller fsyncs in bulk.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from ktconvert.errors import InputError, OutputError
+from ktconvert.formats.safetensors_reader import ShardHeader, parse_header
+
+HASH_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One output file: path relative to the output folder (posix), size, sha256 hex, git blob SHA-1 hex."""
+
+    path: str
+    bytes: int
+    sha256: str
+    git_sha1: str
+
+    def entry(self) -> dict:
+        """The manifest's per-file entry: {"bytes", "sha256", "git_sha1"}."""
+        return {"bytes": self.bytes, "sha256": self.sha256, "git_sha1": self.git_sha1}
+
+
+class LayerResult(NamedTuple):
+    """What a finished layer (or the dense shard) wrote: its files and {tensor key: sha256}."""
+
+    files: list[FileRecord]
+    tensors: dict[str, str]
+
+
+class _DualHash:
+    """sha256 and git blob SHA-1 (``sha1(b"blob <size>\\0" + content)``) fed together; size known up front."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.sha256 = hashlib.sha256()
+        self.git = hashlib.sha1(b"blob %d\0" % size)
+
+    def update(self, data) -> None:
+        self.sha256.update(data)
+        self.git.update(data)
+
+    def hexdigests(self) -> tuple[str, str]:
+        return self.sha256.hexdigest(), self.git.hexdigest()
+
+
+def hash_bytes(data) -> tuple[int, str, str]:
+    """(size, sha256 hex, git blob SHA-1 hex) of a bytes-like object."""
+    view = memoryview(data).cast("B")
+    hasher = _DualHash(len(view))
+    hasher.update(view)
+    return (len(view), *hasher.hexdigests())
+
+
+def _read_chunks(path: Path, size: int):
+    """Yield the file's bytes in HASH_CHUNK pieces, one sequential pass; InputError if its size changes."""
+    buf = bytearray(min(HASH_CHUNK, max(size, 1)))
+    view = memoryview(buf)
+    done = 0
+    with open(path, "rb", buffering=0) as fh:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while True:
+            got = fh.readinto(view)
+            if not got:
+                break
+            done += got
+            yield view[:got]
+    if done != size:
+        raise InputError("file changed while hashing", file=str(path), expected=f"{size} bytes", found=str(done))
+
+
+def hash_file(path) -> tuple[int, str, str]:
+    """(size, sha256 hex, git blob SHA-1 hex) of a file, read once sequentially in 8 MiB chunks."""
+    path = Path(path)
+    size = os.stat(path).st_size
+    hasher = _DualHash(size)
+    for chunk in _read_chunks(path, size):
+        hasher.update(chunk)
+    return (size, *hasher.hexdigests())
+
+
+def hash_safetensors(path, header: ShardHeader | None = None) -> tuple[int, str, str, dict[str, str]]:
+    """(size, sha256, git_sha1, {tensor: sha256 of its bytes}) of a .safetensors file in one sequential read.
+
+    header: the file's already parsed header (else parsed here). InputError if the header does not parse (the
+    caller can still compare the file hash via ``hash_file``).
+    """
+    path = Path(path)
+    header = parse_header(path) if header is None else header
+    spans = sorted((ref.offset, ref.offset + ref.nbytes, name) for name, ref in header.tensors.items())
+    size = os.stat(path).st_size
+    hasher, tensor_hashes = _DualHash(size), {}
+    pos, i, current = 0, 0, hashlib.sha256()
+    for chunk in _read_chunks(path, size):
+        hasher.update(chunk)
+        end = pos + len(chunk)
+        while i < len(spans) and spans[i][0] <= end:
+            begin, stop, name = spans[i]
+            current.update(chunk[max(begin, pos) - pos:min(stop, end) - pos])
+            if stop > end:
+                break
+            tensor_hashes[name], current, i = current.hexdigest(), hashlib.sha256(), i + 1
+        pos = end
+    for _begin, _stop, name in spans[i:]:  # only empty tensors at the very end can remain
+        tensor_hashes[name] = hashlib.sha256(b"").hexdigest()
+    return (size, *hasher.hexdigests(), tensor_hashes)
+
+
+def record_for(out_dir, rel_path: str) -> FileRecord:
+    """FileRecord of an existing file `rel_path` (posix, relative to out_dir), hashed from disk."""
+    size, sha256, git_sha1 = hash_file(Path(out_dir) / rel_path)
+    return FileRecord(rel_path, size, sha256, git_sha1)
+
+
+def temp_path_for(path: Path) -> Path:
+    """``dir/.NAME.partial``: hidden and not ending in ``.safetensors``, so no ``*.safetensors`` glob matches it."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory so a rename inside it is durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data, durable: bool = True) -> None:
+    """Write bytes-like `data` to `path` via ``.NAME.partial`` in the same folder, then rename.
+
+    durable: fsync the file before and its folder after the rename (False: the caller fsyncs later, in bulk).
+    """
+    tmp = temp_path_for(path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write file ({exc.strerror})", file=str(path)) from None
+    if durable:
+        fsync_dir(path.parent)

@@ -1,0 +1,30 @@
+"""Every registered source format, and opening a checkpoint path with the one that reads it.
+
+Importing this module imports the source modules (each registers its class in ``formats.base.SOURCES``); a new
+container format is one Source subclass in a new module, imported here.
+"""
+from __future__ import annotations
+
+import os
+
+from ktconvert.errors import InputError
+from ktconvert.formats import gguf_source, hf_source  # noqa: F401  (register the sources)
+from ktconvert.formats.base import SOURCES, Source
+from ktconvert.safe_read import check_regular
+
+
+def source_class(path) -> type[Source]:
+    """The first registered source class whose sniff(path) accepts `path`; InputError listing the formats."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        check_regular(path, "input")      # a FIFO or device named *.safetensors / *.gguf would block or never end
+    for _name, cls in SOURCES.items():
+        if cls.sniff(path):
+            return cls
+    raise InputError("no reader recognises this input", file=str(path),
+                     expected="a directory with *.safetensors (+ config.json), a .safetensors file or a GGUF model",
+                     hint="known input formats: " + ", ".join(SOURCES.names()))
+
+
+def open_source(path) -> Source:
+    """Open checkpoint `path` with the source format that recognises it (headers and config only)."""
+    return source_class(path).open(path)

@@ -1,0 +1,224 @@
+"""The base of every CPU output method (a kt-kernel ``--kt-method`` value) and the registry ``METHODS``.
+
+A method is one class, the single source of truth for everything that depends on it: its sizes and alignment
+rules (n/k multiples, the NUMA counts and group sizes that work), the sink it writes with, the checks it is
+verified with and their thresholds, the kt-kernel / SGLang flags, the ``quantization_config`` of its output, what
+kt-kernel needs at run time (``needs_amx``) and which inputs kt-kernel reads in place with it (``reads_as_is``).
+Classes register themselves when defined (``__init_subclass__``, as gguf-py's quant classes do): a class that
+sets its own ``name`` is in ``METHODS`` under that name and its ``aliases``. Everything else (plan, inspect,
+verify, the command line, the sources and sinks) asks the registry and never names a method.
+
+Sizes are per matrix in HF orientation [n, k] = [out, in]: gate/up [I, H], down [H, I]; a NUMA part t of T holds
+gate/up rows [t*I/T, (t+1)*I/T) and down columns of the same range.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ktconvert.errors import ShapeError, UsageError
+from ktconvert.layouts.naming import PROJS, part_shape
+from ktconvert.registry import Registry
+
+
+def check(name: str, ok: bool, detail: str) -> dict:
+    """One alignment check as plan reports it: {"check", "ok", "detail"}."""
+    return {"check": name, "ok": bool(ok), "detail": detail}
+
+
+class CpuMethod:
+    """Base of every CPU method: names and rules as class data, behaviour as classmethods (no instances)."""
+
+    name: ClassVar[str] = ""                 # registry name ("" on abstract bases: not registered)
+    aliases: ClassVar[tuple[str, ...]] = ()
+    kt_method: ClassVar[str] = ""            # kt-kernel's method= / SGLang --kt-method value
+    file_prefix: ClassVar[str] = ""          # .kt file name prefix ("INT4" -> INT4_gate_0_..Byte_quant_.kt)
+    writable: ClassVar[bool] = True          # False: kt-kernel reads the source itself; ktconvert writes nothing
+    needs_conversion: ClassVar[bool] = True  # False: the output is HF tensors kt-kernel reads in place
+    needs_amx: ClassVar[bool] = False        # kt-kernel 0.7.2 runs this method only on CPUs with AMX
+    n_multiple: ClassVar[int] = 1
+    k_multiple: ClassVar[int] = 1
+    layouts: ClassVar[tuple[str, ...]] = ("safetensors",)
+    group_sizes: ClassVar[tuple[int, ...]] = ()   # the --group-size values that work (empty: no groups)
+    group_size: ClassVar[int | None] = None
+    thresholds: ClassVar[dict] = {}          # verification limits against the source (relative L2, cosine)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name"):
+            METHODS.register(cls.name, cls.aliases)(cls)
+
+    # ---------------------------------------------------------------- options
+
+    @classmethod
+    def configured(cls, group_size: int | None = None) -> type["CpuMethod"]:
+        """This method with its options applied: a group size, where the method has groups (elsewhere it is
+        ignored, so one set of batch defaults serves every method). UsageError for a method ktconvert cannot write,
+        or a group size the method does not have (listing those that work)."""
+        if not cls.writable:
+            raise UsageError(f"ktconvert does not write {cls.kt_method}: kt-kernel reads it from the source as is",
+                             hint="choose one of " + ", ".join(writable_names()))
+        if group_size is None or group_size == cls.group_size or not cls.group_sizes:
+            return cls
+        if group_size not in cls.group_sizes:
+            raise UsageError(f"unsupported group size for {cls.kt_method}",
+                             expected=" or ".join(map(str, cls.group_sizes)), found=str(group_size))
+        return type(f"{cls.__name__}G{group_size}", (cls,), {"group_size": group_size, "k_multiple": group_size})
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> type["CpuMethod"]:
+        """The method a ``ktconvert.json`` records (with its group size)."""
+        return METHODS.get(manifest["method"]).configured(manifest.get("group_size"))
+
+    @classmethod
+    def manifest_fields(cls) -> dict:
+        """Method options recorded in ktconvert.json next to "method" (the group size of grouped methods)."""
+        return {"group_size": int(cls.group_size)} if cls.group_sizes else {}
+
+    # ---------------------------------------------------------------- shape rules
+
+    @classmethod
+    def check_shape(cls, n: int, k: int, where: str = "") -> None:
+        """ShapeError unless n % n_multiple == 0 and k % k_multiple == 0 (and both positive)."""
+        if n <= 0 or k <= 0 or n % cls.n_multiple or k % cls.k_multiple:
+            raise ShapeError(f"matrix shape incompatible with {cls.kt_method or cls.name}", tensor=where or None,
+                             expected=f"[n, k] with n % {cls.n_multiple} == 0 and k % {cls.k_multiple} == 0",
+                             found=f"[{n}, {k}]")
+
+    @classmethod
+    def part_checks(cls, hidden: int, part: int) -> list[dict]:
+        """Checks of one NUMA part's matrices: gate/up [n=I/T, k=H], down [n=H, k=I/T]."""
+        out = []
+        for label, (n, k), n_what, k_what in (("gate/up", (part, hidden), "I/T", "H"),
+                                              ("down", (hidden, part), "H", "I/T")):
+            if cls.n_multiple > 1:
+                out.append(check(f"{label} part n % {cls.n_multiple} == 0", n % cls.n_multiple == 0,
+                                 f"n = {n} ({n_what})"))
+            if cls.k_multiple > 1:
+                out.append(check(f"{label} part k % {cls.k_multiple} == 0", k % cls.k_multiple == 0,
+                                 f"k = {k} ({k_what})"))
+        return out
+
+    @classmethod
+    def alignment_checks(cls, hidden: int, inter: int, numa: int) -> list[dict]:
+        """kt-kernel's rules for experts [I, H] / [H, I] split into `numa` parts (kt-format.md §2.0 item 5,
+        §2.6, §2.7): one entry per rule, the first failing rule ends the list."""
+        checks = [check("NUMA count T >= 1", numa >= 1, f"T = {numa}")]
+        if numa < 1:
+            return checks
+        checks.append(check("I % T == 0", inter % numa == 0, f"{inter} % {numa} = {inter % numa}"))
+        if inter % numa:
+            return checks
+        return checks + cls.part_checks(hidden, inter // numa)
+
+    @classmethod
+    def valid_numa(cls, hidden: int, inter: int) -> list[int]:
+        """Every NUMA count T (ascending) for which alignment_checks passes."""
+        return [t for t in range(1, inter + 1) if inter % t == 0
+                and all(c["ok"] for c in cls.part_checks(hidden, inter // t))]
+
+    @classmethod
+    def check_numa(cls, hidden: int, inter: int, numa: int) -> list[dict]:
+        """alignment_checks, raising ShapeError on the first failure with the NUMA counts that work."""
+        checks = cls.alignment_checks(hidden, inter, numa)
+        failed = [c for c in checks if not c["ok"]]
+        if failed:
+            good = cls.valid_numa(hidden, inter)
+            hint = (f"use --numa {' or '.join(map(str, good))}" if good else
+                    f"no NUMA count works for {cls.name} with H={hidden}, I={inter}")
+            raise ShapeError(f"--numa {numa} cannot work for --method {cls.name} (H={hidden}, I={inter})",
+                             expected=failed[0]["check"], found=failed[0]["detail"],
+                             hint=hint + f"; valid NUMA counts: {good}")
+        return checks
+
+    # ---------------------------------------------------------------- sizes
+
+    @classmethod
+    def matrix_bytes(cls, n: int, k: int) -> dict[str, int]:
+        """Bytes of one stored [n, k] matrix, per stored tensor."""
+        raise NotImplementedError
+
+    @classmethod
+    def expert_bytes(cls, hidden: int, inter: int, numa: int) -> int:
+        """Output bytes of one expert: every NUMA part of converted tiles, or the whole HF matrices."""
+        if cls.needs_conversion:
+            return numa * sum(sum(cls.matrix_bytes(*part_shape(p, hidden, inter, numa)).values()) for p in PROJS)
+        return sum(sum(cls.matrix_bytes(n, k).values()) for n, k in ((inter, hidden), (inter, hidden),
+                                                                     (hidden, inter)))
+
+    # ---------------------------------------------------------------- what kt-kernel / SGLang need
+
+    @classmethod
+    def flags(cls, numa: int) -> dict:
+        """The kt-kernel / SGLang options an output needs; "." is the folder holding ktconvert.json."""
+        return {"kt-method": cls.kt_method, "kt-weight-path": ".", "kt-threadpool-count": int(numa)}
+
+    @classmethod
+    def quantization_config(cls) -> dict | None:
+        """The output config.json's quantization_config (None: the output has no config.json of its own)."""
+        return None
+
+    @classmethod
+    def runtime_notes(cls, cpu_flags: list[str]) -> list[str]:
+        """What kt-kernel needs to run this method that this CPU (its /proc/cpuinfo flags) lacks."""
+        if cls.needs_amx and not {"amx_tile", "amx_int8"} <= set(cpu_flags):
+            return [f"kt-kernel 0.7.2's {cls.kt_method} backend needs AMX (amx_tile, amx_int8), which this CPU "
+                    "lacks: there it returns NaN; run the output on an AMX CPU (Sapphire Rapids or later)"]
+        return []
+
+    @classmethod
+    def reads_as_is(cls, source) -> str | None:
+        """How kt-kernel reads `source` (an opened formats.base.Source) as is with this method, or None."""
+        return None
+
+    @classmethod
+    def inspect_line(cls, source) -> str:
+        """inspect's verdict for `source`: "as is (...)", "convert: ..." or "no: ..."."""
+        as_is = cls.reads_as_is(source)
+        if as_is:
+            return f"as is ({as_is})"
+        if not cls.writable:
+            return f"no: {cls.cannot_read(source)}"
+        via = "" if source.input_format in ("bf16", "fp16", "fp32") else f" (decodes {source.input_format} " \
+                                                                            "to BF16 first)"
+        return f"convert: ktconvert cpu MODEL OUT --method {cls.name}{via}"
+
+    @classmethod
+    def cannot_read(cls, source) -> str:
+        """Why kt-kernel cannot read `source` with this (read-only) method."""
+        return "not readable"
+
+    # ---------------------------------------------------------------- writing and checking
+
+    @classmethod
+    def open_sink(cls, out_dir, layers, info, numa: int, layout: str, include_dense: bool):
+        """The sink writing this method's files for the MoE `layers` of model `info` (architecture.ModelInfo)."""
+        raise NotImplementedError
+
+    @classmethod
+    def write_matrix(cls, writer, proj: str, expert: int, w_bf16, *, numa: int, quant: str, where: str) -> None:
+        """Encode one expert matrix (uint16 BF16 bits, HF orientation) into one layer writer of open_sink's sink."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_structure(cls, folder, manifest: dict) -> tuple[list[str], str]:
+        """(problems, detail) of an output folder (verify.folder.OutputFolder) against its manifest."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_numerics(cls, out, manifest: dict, source, tokens: int, layers, experts, threshold,
+                       folder=None) -> dict:
+        """The numeric verification of an output of this method: {"ok", "problems", "summary", ...}."""
+        raise NotImplementedError
+
+
+METHODS: Registry = Registry("CPU method", base=CpuMethod)
+
+
+def all_methods() -> list[type[CpuMethod]]:
+    """Every registered method, by name."""
+    return [cls for _, cls in METHODS.items()]
+
+
+def writable_names() -> list[str]:
+    """The methods ktconvert writes (the choices of --method)."""
+    return [cls.name for cls in all_methods() if cls.writable]

@@ -1,0 +1,72 @@
+"""``verify --hashes`` (and ``publish``'s local check): every file and tensor of an output re-hashed against the
+sha256 / git blob SHA-1 its ``ktconvert.json`` records."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ktconvert.errors import InputError
+from ktconvert.formats.fileio import hash_file, hash_safetensors
+from ktconvert.formats.out_manifest import load_manifest, output_files
+from ktconvert.layouts.naming import key_for_kt_path
+
+
+def verify_hashes(out_dir, manifest: dict | None = None, folder=None) -> dict:
+    """Re-hash every file the manifest lists (and every tensor of its safetensors shards / .kt files).
+
+    folder: the verify.folder.OutputFolder already scanned (its parsed shard headers are reused), or None.
+    Returns {"ok", "files_checked", "tensors_checked", "mismatched", "missing", "extra", "tensor_mismatched",
+    "tensor_missing", "tensor_extra", "problems"}: lists of relative paths / tensor names, and one line per problem.
+    """
+    root = Path(out_dir)
+    manifest = load_manifest(root) if manifest is None else manifest
+    headers = folder.shards if folder is not None else {}
+    listed, on_disk = manifest["files"], set(output_files(root))
+    report = {"mismatched": [], "missing": [], "extra": sorted(on_disk - set(listed)), "tensor_mismatched": [],
+              "tensor_extra": [], "files_checked": 0, "tensors_checked": 0, "problems": []}
+    seen_tensors: dict[str, str] = {}
+    for rel in sorted(listed):
+        if rel not in on_disk:
+            report["missing"].append(rel)
+            continue
+        _check_file(root, rel, listed[rel], headers.get(rel), report, seen_tensors)
+    _compare_tensors(manifest["tensors"], seen_tensors, report)
+    report["problems"] = _hash_problems(report)
+    report["ok"] = not report["problems"]
+    return report
+
+
+def _check_file(root: Path, rel: str, entry: dict, header, report: dict, seen_tensors: dict) -> None:
+    tensor_hashes = {}
+    if rel.endswith(".safetensors"):
+        try:
+            size, sha256, git_sha1, tensor_hashes = hash_safetensors(root / rel, header)
+        except InputError:
+            size, sha256, git_sha1 = hash_file(root / rel)
+    else:
+        size, sha256, git_sha1 = hash_file(root / rel)
+        key = key_for_kt_path(rel)
+        if key is not None:
+            tensor_hashes = {key: sha256}
+    report["files_checked"] += 1
+    if (size, sha256, git_sha1) != (entry.get("bytes"), entry.get("sha256"), entry.get("git_sha1")):
+        report["mismatched"].append(rel)
+    seen_tensors.update(tensor_hashes)
+
+
+def _compare_tensors(expected: dict, seen: dict, report: dict) -> None:
+    report["tensors_checked"] = len(seen)
+    report["tensor_mismatched"] = sorted(n for n, h in seen.items() if n in expected and expected[n] != h)
+    report["tensor_extra"] = sorted(set(seen) - set(expected))
+    report["tensor_missing"] = sorted(set(expected) - set(seen))
+
+
+def _hash_problems(report: dict) -> list[str]:
+    lines = [f"{p}: content differs from ktconvert.json (sha256/git_sha1/bytes)" for p in report["mismatched"]]
+    lines += [f"{p}: listed in ktconvert.json but missing" for p in report["missing"]]
+    lines += [f"{p}: extra file not listed in ktconvert.json" for p in report["extra"]]
+    lines += [f"{n}: tensor bytes differ from ktconvert.json" for n in report["tensor_mismatched"]]
+    lines += [f"{n}: tensor not listed in ktconvert.json" for n in report["tensor_extra"]]
+    missing = report["tensor_missing"]
+    if missing and not report["missing"]:
+        lines.append(f"{missing[0]}: {len(missing)} tensor(s) listed in ktconvert.json found in no file")
+    return lines

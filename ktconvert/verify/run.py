@@ -1,0 +1,113 @@
+"""``ktconvert verify OUT``: is a converted folder loadable as its manifest says, and unchanged?
+
+Checks, in order: manifest (``ktconvert.json`` present and parseable), structure (CPU outputs: every expected
+expert tensor or .kt file present with the byte count that the recorded method, NUMA count and model dims give,
+probed the way kt-kernel's loader probes, nothing extra; GPU outputs: ``gpu.verify``), hashes (``--hashes``: every
+file and tensor re-hashed against the manifest), numerics (the method's own numeric check, against ``--source``
+when given) and remote (``--remote``: ``ops.hub.verify_remote``). The folder is walked once
+(``verify.folder.OutputFolder``) and every check reads that walk. Returns a dict; ``render`` makes the table.
+"""
+from __future__ import annotations
+
+from ktconvert.errors import InputError, ShapeError, UnknownNameError
+from ktconvert.formats.out_manifest import load_manifest
+from ktconvert.gpu import verify as gpu_verify
+from ktconvert.ops import bundle as ops_bundle, hub as ops_hub
+from ktconvert.methods import METHODS, CpuMethod
+from ktconvert.verify.folder import OutputFolder
+from ktconvert.verify.hashes import verify_hashes
+
+
+def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None, experts="4", threshold=None,
+           remote=None, hub: str = "hf", revision=None, endpoint=None) -> dict:
+    """Verify output folder `out`. Returns {"ok": bool, "out", "problems": [one-line str], "checks": [{name,
+    status ("ok" | "failed" | "skipped"), detail}], plus "hashes" / "numerics" / "remote" reports
+    when those ran}."""
+    result = {"ok": True, "out": str(out), "problems": [], "checks": []}
+    if str(out).endswith(".tar.zst"):
+        report = ops_bundle.verify_bundle(out)
+        result["bundle"] = report
+        _add_check(result, "bundle", report["problems"], f"{report['checked']} members hashed while streaming")
+        return result
+    if remote == "":  # `verify REPO --remote`: OUT names a hub repo; its own ktconvert.json is the reference
+        _add_report(result, "remote", ops_hub.verify_remote(None, str(out), hub, revision, endpoint))
+        return result
+    try:
+        manifest = load_manifest(out)
+    except InputError as exc:
+        _add_check(result, "manifest", [str(exc)], "")
+        return result
+    _add_check(result, "manifest", [], _manifest_summary(manifest))
+    folder = OutputFolder.scan(out)
+    kind = manifest.get("kind", "cpu")
+    if kind == "cpu":
+        problems, detail = check_structure(folder, manifest)
+        _add_check(result, "structure", problems, detail)
+    elif kind == "gpu":
+        result["gpu"] = gpu_verify.check_gpu_checkpoint(out, source=source, experts=experts, folder=folder)
+        for check in result["gpu"]["checks"]:
+            _add_check(result, check["name"], check["problems"], check["detail"])
+    else:
+        _skip(result, "structure", "skipped", f"no structure rules for kind {kind!r}")
+    if hashes:
+        report = verify_hashes(out, manifest, folder)
+        result["hashes"] = report
+        _add_check(result, "hashes", report["problems"],
+                   f"{report['files_checked']} files, {report['tensors_checked']} tensors re-hashed")
+    else:
+        _skip(result, "hashes", "skipped", "use --hashes")
+    if kind == "cpu" and manifest.get("method", "") in METHODS:
+        method = CpuMethod.from_manifest(manifest)
+        _add_report(result, "numerics", method.check_numerics(out, manifest, source, tokens, layers, experts,
+                                                              threshold, folder=folder))
+    if remote is not None:
+        _add_report(result, "remote", ops_hub.verify_remote(manifest, remote, hub, revision, endpoint))
+    else:
+        _skip(result, "remote", "skipped", "use --remote REPO")
+    return result
+
+
+def check_structure(folder: OutputFolder, manifest: dict) -> tuple[list[str], str]:
+    """(problems, detail) of the folder's layout against the manifest's method / NUMA count / model."""
+    try:
+        return CpuMethod.from_manifest(manifest).check_structure(folder, manifest)
+    except (KeyError, TypeError, ValueError, UnknownNameError, ShapeError) as exc:
+        return [f"ktconvert.json: cannot derive the expected tensors ({exc})"], ""
+
+
+def _add_check(result: dict, name: str, problems: list[str], detail: str) -> None:
+    result["checks"].append({"name": name, "status": "failed" if problems else "ok", "detail": detail})
+    result["problems"].extend(problems)
+    result["ok"] = result["ok"] and not problems
+
+
+def _skip(result: dict, name: str, status: str, detail: str) -> None:
+    result["checks"].append({"name": name, "status": status, "detail": detail})
+
+
+def _add_report(result: dict, name: str, report: dict) -> None:
+    """Record a sub-check's report ({"ok", "problems", "summary"}) as one row."""
+    result[name] = report
+    problems = list(report.get("problems", []))
+    if not report.get("ok", False) and not problems:
+        problems = [f"{name}: check failed"]
+    _add_check(result, name, problems, str(report.get("summary", report.get("detail", ""))))
+
+
+def _manifest_summary(manifest: dict) -> str:
+    model = manifest["model"]
+    return (f"{manifest.get('method')}, numa {manifest['numa']}, layout {manifest['layout']}, "
+            f"{len(model.get('layers', []))} MoE layers x {model.get('experts')} experts, "
+            f"{len(manifest['files'])} files")
+
+
+def render(result: dict) -> str:
+    """Human-readable summary: one row per check, then the problems."""
+    rows = [("check", "status", "detail")] + [(c["name"], c["status"], c["detail"]) for c in result["checks"]]
+    width = [max(len(str(r[i])) for r in rows) for i in range(2)]
+    lines = [f"verify {result.get('out', '')}"]
+    lines += [f"  {r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}".rstrip() for r in rows]
+    problems = result.get("problems", [])
+    lines.append("result: OK" if result.get("ok") else f"result: FAILED ({len(problems)} problem line(s))")
+    lines += [f"  - {p}" for p in problems]
+    return "\n".join(lines)

@@ -1,0 +1,108 @@
+"""The method registry: classes register themselves, the registry refuses duplicates and foreign classes, and the
+rules plan / inspect / the command line report come from the method classes (issue 12 items 8 and 9)."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from ktconvert.cli import cli
+from ktconvert.errors import EXIT_USAGE, ShapeError, UsageError
+from ktconvert.methods import METHODS, CpuMethod, all_methods, writable_names
+from ktconvert.methods.inplace import InplaceMethod
+from ktconvert.registry import Registry
+
+
+def test_subclass_with_a_name_registers_and_duplicates_are_refused(monkeypatch):
+    monkeypatch.setattr(METHODS, "_items", dict(METHODS._items))
+    monkeypatch.setattr(METHODS, "_aliases", dict(METHODS._aliases))
+
+    class Int2(CpuMethod):
+        name, aliases, kt_method = "test-int2", ("t-int2",), "TESTINT2"
+
+    assert METHODS.get("TEST_INT2") is Int2 and METHODS.get("t-int2") is Int2
+    with pytest.raises(ValueError, match="registered twice"):
+        class Again(CpuMethod):
+            name, kt_method = "test-int2", "X"
+    with pytest.raises(ValueError, match="registered twice"):
+        class AliasTaken(CpuMethod):
+            name, aliases = "test-int3", ("amxint4",)
+
+    class Abstract(InplaceMethod):     # no name of its own: not registered
+        pass
+
+    assert "abstract" not in METHODS
+
+
+def test_registry_refuses_non_subclasses():
+    registry = Registry("thing", base=CpuMethod)
+    with pytest.raises(ValueError, match="not a subclass of CpuMethod"):
+        registry.register("x")(object)
+    with pytest.raises(ValueError, match="not a subclass"):
+        registry.register("y")(lambda: None)
+
+
+def test_every_registered_method_is_complete():
+    for method in all_methods():
+        assert method.kt_method and method.name == method.kt_method.lower()
+        if method.writable:
+            assert method.layouts and method.thresholds
+            assert method.expert_bytes(256, 256, 1) > 0
+    assert writable_names() == ["amxint4", "amxint8", "bf16", "fp8", "rawint4"]
+
+
+def test_group_sizes_are_validated_and_listed():
+    raw = METHODS.get("rawint4")
+    assert raw.configured(64).group_size == 64 and raw.configured(None) is raw
+    with pytest.raises(UsageError) as info:
+        raw.configured(100)
+    assert "expected 32 or 64 or 128, found 100" in str(info.value) and info.value.exit_code == EXIT_USAGE
+    assert METHODS.get("amxint8").configured(64) is METHODS.get("amxint8")   # no groups: the value is unused
+    with pytest.raises(UsageError, match="does not write LLAMAFILE"):
+        METHODS.get("llamafile").configured()
+
+
+def test_cpu_rawint4_bad_group_size_is_a_usage_error_before_writing(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["cpu", str(tiny_model("qwen3_moe")), str(out), "--method", "rawint4",
+                                      "--group-size", "100", "--quiet"])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert "unsupported group size for RAWINT4" in result.output and "32 or 64 or 128" in result.output
+    assert "NUMA" not in result.output and not out.exists()
+
+
+@pytest.mark.parametrize("name", ["amxint4", "fp8"])
+def test_bad_numa_lists_the_counts_that_work(name):
+    # H = 2048, I = 768: AMXINT4 needs I/T % 128 (k of down) and % 32; FP8 whole 128-blocks of I/T
+    with pytest.raises(ShapeError, match=r"--numa 4 .*valid NUMA counts: \[1, 2, 3, 6\]"):
+        METHODS.get(name).check_numa(2048, 768, 4)
+
+
+def test_runtime_notes_name_amx_only_where_it_is_missing():
+    raw = METHODS.get("rawint4")
+    assert any("needs AMX" in n for n in raw.runtime_notes(["avx512f", "avx512bw"]))
+    assert raw.runtime_notes(["avx512f", "amx_tile", "amx_int8"]) == []
+    assert all(m.runtime_notes(["avx2"]) == [] for m in all_methods() if not m.needs_amx)
+
+
+def test_plan_says_rawint4_needs_amx(tiny_model, monkeypatch):
+    from ktconvert.cpu import plan as plan_module
+
+    model = tiny_model("qwen3_moe")
+    monkeypatch.setattr(plan_module, "cpu_flags", lambda: ["avx2", "avx512f"])
+    notes = plan_module.plan(model, method="rawint4", numa=1)["notes"]
+    assert any("RAWINT4 backend needs AMX" in n for n in notes)
+    monkeypatch.setattr(plan_module, "cpu_flags", lambda: ["avx512f", "amx_tile", "amx_int8"])
+    assert not any("AMX" in n for n in plan_module.plan(model, method="rawint4", numa=1)["notes"])
+    monkeypatch.setattr(plan_module, "cpu_flags", lambda: ["avx2"])
+    assert not any("needs AMX" in n for n in plan_module.plan(model, method="fp8", numa=1)["notes"])
+
+
+def test_inspect_offers_every_writable_method_for_a_bf16_model(tiny_model):
+    """A BF16 model is not FP8 / RAWINT4 as is, but `cpu` converts it into both (issue 12 item 8)."""
+    from ktconvert.inspect import inspect
+
+    lines = inspect(tiny_model("qwen3_moe"))["kt_methods"]
+    assert lines["BF16"].startswith("as is")
+    for kt_method in ("FP8", "RAWINT4", "AMXINT4", "AMXINT8"):
+        assert lines[kt_method].startswith("convert: ktconvert cpu MODEL OUT --method " + kt_method.lower())
+    assert lines["LLAMAFILE"].startswith("no: needs GGUF")
