@@ -22,6 +22,7 @@ from ktconvert.formats.fileio import FileRecord, hash_file, write_atomic
 
 MANIFEST_NAME = "ktconvert.json"
 JOURNAL_NAME = ".ktconvert-journal.json"
+LOCK_NAME = ".ktconvert.lock"
 FORMAT = "ktconvert-manifest"
 FORMAT_VERSION = 1
 BYTE_PACKAGES = ("ktconvert", "numpy", "safetensors")  # the packages whose version can change output bytes
@@ -53,12 +54,18 @@ def kt_flags(kt_method: str, numa: int) -> dict:
     return {"kt-method": kt_method, "kt-weight-path": ".", "kt-threadpool-count": int(numa)}
 
 
+FLAG_ORDER = ("model", "kt-method", "kt-weight-path", "kt-threadpool-count")
+PATH_FLAGS = ("model", "kt-weight-path")     # flags naming the output folder ("." in the manifest)
+
+
 def sglang_args(manifest: dict, weight_path: str | None = None) -> str:
-    """``--kt-method M --kt-weight-path P --kt-threadpool-count T`` (P = weight_path, else the manifest's ".")."""
+    """The manifest's flags as SGLang arguments, e.g. ``--kt-method M --kt-weight-path P --kt-threadpool-count T``
+    or ``--model P`` (P = weight_path, else the manifest's ".")."""
     flags = dict(manifest["flags"])
     if weight_path is not None:
-        flags["kt-weight-path"] = str(weight_path)
-    return " ".join(f"--{k} {flags[k]}" for k in ("kt-method", "kt-weight-path", "kt-threadpool-count"))
+        flags.update({k: str(weight_path) for k in PATH_FLAGS if k in flags})
+    order = [k for k in FLAG_ORDER if k in flags] + sorted(k for k in flags if k not in FLAG_ORDER)
+    return " ".join(f"--{k} {flags[k]}" for k in order)
 
 
 def package_versions(names: Iterable[str] = BYTE_PACKAGES) -> dict[str, str]:
@@ -76,10 +83,11 @@ def package_versions(names: Iterable[str] = BYTE_PACKAGES) -> dict[str, str]:
 
 def build_manifest(*, method: str, numa: int, layout: str, model: dict, source: dict, files, tensors: dict,
                    quant: str = "rtn", kind: str = "cpu", include_dense: bool = False,
-                   packages: dict | None = None) -> dict:
+                   packages: dict | None = None, flags: dict | None = None) -> dict:
     """The ktconvert.json dict. method: kt-kernel method name ("AMXINT4"); files: FileRecords or
     {path: {"bytes", "sha256", "git_sha1"}}; tensors: {name: sha256}; model must hold layers, experts, hidden,
-    intermediate (family and model_type recommended)."""
+    intermediate (family and model_type recommended); flags: the options the output needs (default: kt-kernel's
+    kt_flags(method, numa))."""
     from ktconvert import __version__
 
     missing = [k for k in MODEL_KEYS if k not in model]
@@ -92,7 +100,7 @@ def build_manifest(*, method: str, numa: int, layout: str, model: dict, source: 
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "tool": "ktconvert", "tool_version": __version__,
         "kind": kind, "method": method, "numa": int(numa), "layout": layout, "quant": quant,
-        "include_dense": bool(include_dense), "flags": kt_flags(method, numa),
+        "include_dense": bool(include_dense), "flags": kt_flags(method, numa) if flags is None else dict(flags),
         "model": {**model, "layers": sorted(int(x) for x in model["layers"])},
         "source": source, "files": file_entries, "tensors": dict(tensors),
         "packages": package_versions() if packages is None else dict(packages),
@@ -135,13 +143,14 @@ def load_manifest(out_dir) -> dict:
 
 
 def output_files(out_dir) -> list[str]:
-    """Every file under out_dir as a sorted relative posix path, except the manifest and the resume journal."""
+    """Every file under out_dir as a sorted relative posix path, except the manifest, the resume journal and the
+    writer's lock."""
     root = Path(out_dir)
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for name in filenames:
             rel = (Path(dirpath) / name).relative_to(root).as_posix()
-            if rel not in (MANIFEST_NAME, JOURNAL_NAME):
+            if rel not in (MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME):
                 found.append(rel)
     return sorted(found)
