@@ -181,7 +181,7 @@ def test_amx_output_verifies(tmp_path, tiny_model):
     from ktconvert.formats.out_manifest import load_manifest
     from ktconvert.gptq.cpu import convert_cpu_gptq
     from ktconvert.gptq.loop import GptqOptions
-    from ktconvert.verify.run import verify
+    from ktconvert.verification.run import verify
 
     calib = tmp_path / "c.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": s.tolist()}) + "\n" for s in _samples(2, 16)))
@@ -364,7 +364,7 @@ def test_gptq_gpu_checkpoint_of_every_family_verifies(tiny_model, tmp_path, arch
     import json
 
     from ktconvert.api import convert_gpu
-    from ktconvert.verify.run import verify
+    from ktconvert.verification.run import verify
 
     model = tiny_model(arch, dtype=dtype)
     calib = tmp_path / "calib.jsonl"

@@ -85,21 +85,22 @@ def test_runtime_notes_name_amx_only_where_it_is_missing():
 
 
 def test_plan_says_rawint4_needs_amx(tiny_model, monkeypatch):
+    from ktconvert import api
     from ktconvert.cpu import plan as plan_module
 
     model = tiny_model("qwen3_moe")
     monkeypatch.setattr(plan_module, "cpu_flags", lambda: ["avx2", "avx512f"])
-    notes = plan_module.plan(model, method="rawint4", numa=1)["notes"]
+    notes = api.plan(model, method="rawint4", numa=1).cpu["notes"]
     assert any("RAWINT4 backend needs AMX" in n for n in notes)
     monkeypatch.setattr(plan_module, "cpu_flags", lambda: ["avx512f", "amx_tile", "amx_int8"])
-    assert not any("AMX" in n for n in plan_module.plan(model, method="rawint4", numa=1)["notes"])
+    assert not any("AMX" in n for n in api.plan(model, method="rawint4", numa=1).cpu["notes"])
     monkeypatch.setattr(plan_module, "cpu_flags", lambda: ["avx2"])
-    assert not any("needs AMX" in n for n in plan_module.plan(model, method="fp8", numa=1)["notes"])
+    assert not any("needs AMX" in n for n in api.plan(model, method="fp8", numa=1).cpu["notes"])
 
 
 def test_inspect_offers_every_writable_method_for_a_bf16_model(tiny_model):
     """A BF16 model is not FP8 / RAWINT4 as is, but `cpu` converts it into both (issue 12 item 8)."""
-    from ktconvert.inspect import inspect
+    from ktconvert.inspection import inspect
 
     lines = inspect(tiny_model("qwen3_moe"))["kt_methods"]
     assert lines["BF16"].startswith("as is")

@@ -351,7 +351,7 @@ class GGUFSource(Source):
 
 
 def describe(source: GGUFSource) -> dict:
-    """`ktconvert inspect` for an opened GGUF model: the keys ktconvert.inspect.render reads (headers only)."""
+    """`ktconvert inspect` for an opened GGUF model: the keys ktconvert.inspection.render reads (headers only)."""
     info = source.info
     dtypes: dict[str, int] = {}
     components: dict[str, int] = {}

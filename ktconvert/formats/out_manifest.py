@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from ktconvert import __version__
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.fileio import FileRecord, hash_file, write_atomic
 
@@ -88,8 +89,6 @@ def build_manifest(*, method: str, numa: int, layout: str, model: dict, source: 
     {path: {"bytes", "sha256", "git_sha1"}}; tensors: {name: sha256}; model must hold layers, experts, hidden,
     intermediate (family and model_type recommended); flags: the options the output needs (default: kt-kernel's
     kt_flags(method, numa))."""
-    from ktconvert import __version__
-
     missing = [k for k in MODEL_KEYS if k not in model]
     if missing:
         raise OutputError("model summary incomplete", file=MANIFEST_NAME, expected=", ".join(MODEL_KEYS),

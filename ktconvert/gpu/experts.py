@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ktconvert.errors import ShapeError
+from ktconvert.errors import ShapeError, UnknownNameError
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
 EXPERT_SCHEMES = {"w4a16": 4, "w8a16": 8}
@@ -27,8 +27,6 @@ GROUP_SIZES = (32, 64, 128)
 
 def bits_of(experts: str) -> int:
     """4 for "w4a16", 8 for "w8a16" (case-insensitive)."""
-    from ktconvert.errors import UnknownNameError
-
     try:
         return EXPERT_SCHEMES[experts.lower()]
     except KeyError:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ktconvert.errors import NumericError, ShapeError
+from ktconvert.native.decode import route
 from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 
 E4M3_MAX = 448.0
@@ -101,8 +102,6 @@ def dequant_block(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], 
     bn, bk = block
     check_block_scale(n, k, block, np.shape(scale), where)
     scale = np.asarray(scale, dtype=np.float32)
-    from ktconvert.native.decode import route
-
     native = route(impl)
     if native is not None and codes.dtype == np.uint8 and codes.size:
         return native.fp8_block_dequant(codes, scale, block, np.dtype(product_dtype) == np.float16,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ktconvert.errors import ShapeError
+from ktconvert.native.decode import route
 from ktconvert.quant.bf16 import f32_to_bf16_bits
 
 BLOCK = 32                      # values per scale
@@ -44,8 +45,6 @@ def dequant(blocks: np.ndarray, scales: np.ndarray, where: str = "", *, threads:
     """blocks uint8 [n, G, 16] + scales uint8 [n, G] -> uint16 [n, G*32] BF16 bits (exact).
     impl: None (native C when built, else this numpy code), "numpy", or "scalar" | "avx2" | "avx512"."""
     n, k = check_shapes(blocks.shape, scales.shape, where)
-    from ktconvert.native.decode import route
-
     native = route(impl)
     if native is not None and blocks.dtype == np.uint8 and scales.dtype == np.uint8 and n and k:
         return native.mxfp4_dequant(blocks, scales, threads=threads, impl=impl, name=where or None)
