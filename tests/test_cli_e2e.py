@@ -23,7 +23,7 @@ def run(*args: str, ok: bool = True):
 
 
 def _expected_expert_bytes(model, layer: int, expert: int, proj: str, t: int, numa: int, method: str):
-    """Quantize the source matrix with the spec-derived numpy reference (quant/amx.py + layouts/tiles.py)."""
+    """Quantize the source matrix with the spec-derived numpy reference (quant/amx_rows.py + layouts/tiles.py)."""
     from ktconvert.formats.hf_source import HFSource
     from ktconvert.layouts import tiles
     from ktconvert.layouts.numa import numa_slices

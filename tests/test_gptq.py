@@ -1,7 +1,7 @@
 """GPTQ through llmcompressor, one layer at a time (ktconvert/gptq, ktconvert/gpu/gptq.py).
 
 Golden values: plain transformers forwards (router choices, per-layer inputs), compressed-tensors RTN
-(``quantize_expert_rtn``, itself byte-equal to model_free_ptq), kt-kernel's per-row formula (quant/amx.py),
+(``quantize_expert_rtn``, itself byte-equal to model_free_ptq), kt-kernel's per-row formula (quant/amx_rows.py),
 llmcompressor's own ``LengthAwareSampler`` (sample order), and in the slow tests llmcompressor ``oneshot`` itself,
 run with ``shuffle_calibration_samples=False`` (its default shuffles with torch's global generator, an order
 nothing else reproduces; the order sets the float32 summation order of every Hessian) at one torch thread.

@@ -107,3 +107,17 @@ def test_inspect_offers_every_writable_method_for_a_bf16_model(tiny_model):
     for kt_method in ("FP8", "RAWINT4", "AMXINT4", "AMXINT8"):
         assert lines[kt_method].startswith("convert: ktconvert cpu MODEL OUT --method " + kt_method.lower())
     assert lines["LLAMAFILE"].startswith("no: needs GGUF")
+
+
+def test_cpu_rawint4_says_it_needs_amx_where_the_cpu_lacks_it(tiny_model, tmp_path, monkeypatch):
+    from ktconvert.cpu import output as cpu_output
+
+    monkeypatch.setattr(cpu_output, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_vnni"])
+    result = CliRunner().invoke(cli, ["cpu", str(tiny_model("qwen3_moe")), str(tmp_path / "raw"), "--method",
+                                      "RAWINT4", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "kt-kernel 0.7.2's RAWINT4 backend needs AMX" in result.stdout
+    monkeypatch.setattr(cpu_output, "cpu_flags", lambda: ["avx512f", "amx_tile", "amx_int8"])
+    result = CliRunner().invoke(cli, ["cpu", str(tiny_model("qwen3_moe")), str(tmp_path / "raw2"), "--method",
+                                      "rawint4", "--quiet"])
+    assert result.exit_code == 0 and "AMX" not in result.stdout
