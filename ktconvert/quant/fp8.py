@@ -40,11 +40,6 @@ def _e4m3_table() -> np.ndarray:
 E4M3_TO_F32: np.ndarray = _e4m3_table()
 
 
-def e4m3_to_f32(codes: np.ndarray) -> np.ndarray:
-    """uint8 [...] e4m3fn codes -> float32 [...] (exact)."""
-    return E4M3_TO_F32[np.asarray(codes, dtype=np.uint8)]
-
-
 def f32_to_e4m3(x: np.ndarray) -> np.ndarray:
     """float32 [...] -> uint8 [...] e4m3fn codes: round-to-nearest-even, saturating at +-448, NaN -> 0x7F.
 

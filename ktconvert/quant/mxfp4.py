@@ -55,9 +55,3 @@ def dequant(blocks: np.ndarray, scales: np.ndarray, where: str = "", *, threads:
         values = E2M1_TO_F32[nibbles] * e8m0_to_f32(scales)[:, :, None]
     return f32_to_bf16_bits(values.reshape(n, k))
 
-
-def split_interleaved(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[2I, k] with gate on even rows and up on odd rows -> (gate [I, k], up [I, k]) (also works on [2I] biases)."""
-    if w.shape[0] % 2:
-        raise ShapeError("interleaved gate/up has an odd row count", expected="2 * I rows", found=str(w.shape[0]))
-    return np.ascontiguousarray(w[0::2]), np.ascontiguousarray(w[1::2])
