@@ -26,6 +26,7 @@ from ktconvert.formats.base import ExpertWeights, Source, TensorRef
 from ktconvert.formats.gguf_header import read_header
 from ktconvert.formats.stream import MatrixJob
 from ktconvert.quant import ggml
+from ktconvert.safe_read import open_regular
 
 GGUF_MAGIC = b"GGUF"
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -254,6 +255,8 @@ class GGUFSource(Source):
         for layer in self.all_layers(include_mtp):
             for name, projs in self._layer_tensors(layer):
                 self._check_tensor(name, projs)
+            for proj, name in self._bias_names(layer).items():
+                self._check_bias(name, proj)
 
     def _check_tensor(self, name: str, projs: tuple[str, ...]) -> TensorRef:
         ref = self.tensors.get(name)
@@ -278,6 +281,18 @@ class GGUFSource(Source):
                              found=f"file size {ref.file.stat().st_size}")
         return ref
 
+    def _check_bias(self, name: str, proj: str) -> TensorRef:
+        """An expert bias: [E, I] (gate, up) or [E, H] (down) of a dequantizable type (its span was checked with
+        the header)."""
+        ref = self.tensors[name]
+        E, H, I = self.info.n_experts, self.info.hidden, self.info.intermediate
+        want = (E, H if proj == "down" else I)
+        if ref.shape != want or not ggml.supported(ref.dtype):
+            raise ShapeError("expert bias disagrees with the GGUF metadata", file=ref.file.name, tensor=name,
+                             expected=f"{list(want)} of a dequantizable type",
+                             found=f"{list(ref.shape)} {ref.dtype}")
+        return ref
+
     # -- reading
 
     def slice_range(self, name: str, expert: int) -> tuple[TensorRef, int, int]:
@@ -288,7 +303,7 @@ class GGUFSource(Source):
 
     def _pread(self, path: Path, offset: int, nbytes: int) -> np.ndarray:
         buf = np.empty(nbytes, dtype=np.uint8)
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path, "GGUF file")
         try:
             view, done = memoryview(buf), 0
             while done < nbytes:
@@ -333,7 +348,7 @@ class GGUFSource(Source):
         name = self._bias_names(layer).get(proj)
         if name is None:
             return None
-        ref = self.tensors[name]
+        ref = self._check_bias(name, proj)
         if expert is None:
             return ggml.dequantize(self._pread(ref.file, ref.offset, ref.nbytes), ref.dtype, name=name)
         _, offset, nbytes = self.slice_range(name, expert)

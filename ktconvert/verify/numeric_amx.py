@@ -50,16 +50,19 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
     returns:   {"ok", "problems": [str], "summary", "thresholds", "variant", "layers": [row per layer],
                 "verification": compact dict for the manifest}
     """
-    report = {"ok": False, "problems": [], "layers": [], "summary": ""}
+    report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run"}
     try:
         rt = KtOutput.open(out, manifest, folder, methods=methods)
         variant = native_rt.variant(impl)
         thresholds = _thresholds(rt.method, threshold)
-        src = _open_source(source)
         chosen = choose_layers(rt.layers, layers)
     except KtConvertError as exc:
         report["problems"].append(str(exc))
-        report["summary"] = "numerics not run"
+        return report
+    src = open_checked_source(source, rt.layers)
+    mismatch = source_mismatch(src, rt.hidden, rt.intermediate, rt.experts, rt.layers)
+    if mismatch:
+        report["problems"].append(mismatch)
         return report
     report.update(variant=variant, thresholds=thresholds, method=rt.kt_method, tokens=int(tokens), seed=seed)
     threads = threads or min(4, os.cpu_count() or 1)
@@ -83,8 +86,31 @@ def _thresholds(method, threshold) -> dict:
     return limits
 
 
-def _open_source(source):
-    return None if source is None else open_source(source)
+def open_checked_source(source, layers):
+    """The opened source (None without one) with every expert tensor header of its MoE layers, and of the `layers`
+    among its MTP layers, checked as the conversion's plan checks them (dtype, shape, partners, data inside the
+    file): the numerics sample experts, so a broken source must not pass unseen. Raises InputError (exit 3, bad
+    input) instead of reporting a verification problem."""
+    if source is None:
+        return None
+    src = open_source(source)
+    src.validate(include_mtp=bool(set(layers) & set(src.info.mtp_layers)))
+    return src
+
+
+def source_mismatch(src, hidden: int, intermediate: int, experts: int, layers) -> str | None:
+    """Why `src` is not the model the output was converted from (dims, experts, layers), or None."""
+    if src is None:
+        return None
+    info = src.info
+    theirs, ours = (info.hidden, info.intermediate, info.n_experts), (hidden, intermediate, experts)
+    if theirs != ours:
+        return (f"--source is another model: hidden, intermediate, experts {list(theirs)}, the output's "
+                f"ktconvert.json says {list(ours)}")
+    missing = sorted(set(layers) - set(src.all_layers(include_mtp=True)))
+    if missing:
+        return f"--source has no routed experts in layer(s) {missing}, which the output holds"
+    return None
 
 
 def choose_layers(all_layers: list[int], layers) -> list[int]:
