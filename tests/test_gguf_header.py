@@ -198,3 +198,25 @@ def test_big_endian_file_is_refused(tmp_path):
     w.close()
     with pytest.raises(InputError, match="be.gguf: big-endian GGUF files are not supported"):
         read_header(path)
+
+
+@pytest.mark.parametrize("shape", [(0,), (32,), (2, 31), (1, 32), (2, 32, 1)])
+def test_misshapen_expert_bias_is_refused(tmp_path, shape):
+    """Before: a [0] bias was a ZeroDivisionError traceback in verify --source, [1, 32] a read past the tensor,
+    [32] and [2, 31] were read as wrong slices without a word."""
+    import numpy as np
+
+    path = tmp_path / "bias.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    for key, (value, vtype) in GOOD_META.items():
+        w.add_key_value(key.replace("qwen3moe", "gpt-oss"), 1 if "block_count" in key else value, vtype)
+    for proj in ("gate", "up", "down"):
+        w.add_tensor(f"blk.0.ffn_{proj}_exps.weight", np.zeros((2, 32, 32), np.float16))
+    w.add_tensor("blk.0.ffn_gate_exps.bias", np.zeros(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    result = _cli("cpu", path, tmp_path / "out", "--method", "bf16", "--quiet", "--allow-drop-bias")
+    _assert_refused(result, "bias.gguf", "blk.0.ffn_gate_exps.bias", r"expert bias disagrees with the GGUF metadata; "
+                    rf"expected \[2, 32\] of a dequantizable type, found \[{', '.join(map(str, shape))}\] F32")

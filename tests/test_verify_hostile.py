@@ -149,3 +149,16 @@ def test_output_readers_refuse_a_fifo(tmp_path):
     os.mkfifo(fifo)
     _refused(lambda: hash_file(fifo), [fifo])
     _refused(lambda: _pread(fifo, 0, 4, "x.kt"), [fifo], error=VerifyError)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("option, value", [("--tokens", "0"), ("--tokens", "-1"), ("--experts", "x"),
+                                           ("--experts", "0"), ("--threshold", "nan"), ("--layers", "x"),
+                                           ("--layers", ",")])
+def test_unusable_numeric_option_is_a_usage_error(converted, method, option, value):
+    """Before: --tokens 0 / -1 and --experts x were ValueError tracebacks, --threshold nan passed everything."""
+    src, outs = converted
+    result = _cli("verify", outs[method], "--source", src, option, value)
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert "Traceback" not in result.output and line.startswith(f"error: {option} is not usable"), line

@@ -12,13 +12,13 @@ import hashlib
 
 import numpy as np
 
-from ktconvert.errors import KtConvertError
+from ktconvert.errors import InputError, KtConvertError
 from ktconvert.formats.inplace_sink import EXPERT_PREFIX, PROJ_NAMES
 from ktconvert.formats.decoders import decode_matrix, detect_scheme, validate_matrix
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verify.folder import OutputFolder
-from ktconvert.verify.numeric_amx import (choose_experts, choose_layers, open_checked_source, rel_l2, silu_mul,
-                                          source_mismatch)
+from ktconvert.verify.numeric_amx import (choose_experts, choose_layers, numeric_options, open_checked_source, rel_l2,
+                                          silu_mul, source_mismatch)
 
 
 
@@ -27,6 +27,7 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     """{"ok", "problems", "summary", "layers": [...]} for an in-place output folder (see module doc).
     folder: the folder's verify.folder.OutputFolder when already walked (its shard headers are reused);
     method: the manifest's CPU method (its thresholds["moe_rel_l2"] is the default MoE-output limit)."""
+    tokens, layers, experts, threshold = numeric_options(tokens, layers, experts, threshold)
     report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run"}
     try:
         ck = (folder or OutputFolder.scan(out)).checkpoint()
@@ -34,12 +35,16 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
         model = manifest["model"]
         all_layers = [int(x) for x in model["layers"]]
         dims = (int(model["hidden"]), int(model["intermediate"]), int(model["experts"]))
-        chosen = choose_layers(all_layers, layers)
     except KtConvertError as exc:
         report["problems"].append(str(exc))
         return report
     except (KeyError, TypeError, ValueError) as exc:
         report["problems"].append(f"ktconvert.json: model lacks what the numerics need ({exc!r})")
+        return report
+    try:
+        chosen = choose_layers(all_layers, layers)
+    except InputError as exc:
+        report["problems"].append(str(exc))
         return report
     src = open_checked_source(source, all_layers)
     mismatch = source_mismatch(src, *dims, all_layers)
@@ -49,7 +54,7 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     limit = method.thresholds["moe_rel_l2"] if threshold is None else float(threshold)
     rng = np.random.default_rng(seed)
     for layer in chosen:
-        sample = choose_experts(rng, int(manifest["model"]["experts"]), experts)
+        sample = choose_experts(rng, dims[2], experts)
         row = _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng)
         if src is not None and row["moe_rel_l2"] > limit:
             row["problems"].append(f"MoE output rel L2 {row['moe_rel_l2']:.4g} above the limit {limit:g}")
