@@ -17,11 +17,12 @@ Memory: one expert's blobs, dequantized and source weights at a time.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 
-from ktconvert.errors import InputError, KtConvertError, VerifyError
+from ktconvert.errors import InputError, KtConvertError, UsageError, VerifyError
 from ktconvert.formats.sources import open_source
 from ktconvert.native import forward as native_rt
 from ktconvert.quant.bf16 import bf16_bits_to_f32
@@ -50,16 +51,24 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
     returns:   {"ok", "problems": [str], "summary", "thresholds", "variant", "layers": [row per layer],
                 "verification": compact dict for the manifest}
     """
-    report = {"ok": False, "problems": [], "layers": [], "summary": ""}
+    tokens, layers, experts, threshold = numeric_options(tokens, layers, experts, threshold)
+    report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run"}
     try:
         rt = KtOutput.open(out, manifest, folder, methods=methods)
         variant = native_rt.variant(impl)
         thresholds = _thresholds(rt.method, threshold)
-        src = _open_source(source)
-        chosen = choose_layers(rt.layers, layers)
     except KtConvertError as exc:
         report["problems"].append(str(exc))
-        report["summary"] = "numerics not run"
+        return report
+    try:
+        chosen = choose_layers(rt.layers, layers)
+    except InputError as exc:
+        report["problems"].append(str(exc))
+        return report
+    src = open_checked_source(source, rt.layers)
+    mismatch = source_mismatch(src, rt.hidden, rt.intermediate, rt.experts, rt.layers)
+    if mismatch:
+        report["problems"].append(mismatch)
         return report
     report.update(variant=variant, thresholds=thresholds, method=rt.kt_method, tokens=int(tokens), seed=seed)
     threads = threads or min(4, os.cpu_count() or 1)
@@ -83,34 +92,93 @@ def _thresholds(method, threshold) -> dict:
     return limits
 
 
-def _open_source(source):
-    return None if source is None else open_source(source)
+def open_checked_source(source, layers):
+    """The opened source (None without one) with every expert tensor header of its MoE layers, and of the `layers`
+    among its MTP layers, checked as the conversion's plan checks them (dtype, shape, partners, data inside the
+    file): the numerics sample experts, so a broken source must not pass unseen. Raises InputError (exit 3, bad
+    input) instead of reporting a verification problem."""
+    if source is None:
+        return None
+    src = open_source(source)
+    src.validate(include_mtp=bool(set(layers) & set(src.info.mtp_layers)))
+    return src
+
+
+def source_mismatch(src, hidden: int, intermediate: int, experts: int, layers) -> str | None:
+    """Why `src` is not the model the output was converted from (dims, experts, layers), or None."""
+    if src is None:
+        return None
+    info = src.info
+    theirs, ours = (info.hidden, info.intermediate, info.n_experts), (hidden, intermediate, experts)
+    if theirs != ours:
+        return (f"--source is another model: hidden, intermediate, experts {list(theirs)}, the output's "
+                f"ktconvert.json says {list(ours)}")
+    missing = sorted(set(layers) - set(src.all_layers(include_mtp=True)))
+    if missing:
+        return f"--source has no routed experts in layer(s) {missing}, which the output holds"
+    return None
+
+
+def numeric_options(tokens, layers, experts, threshold) -> tuple[int, object, object, float | None]:
+    """The numeric check's options, checked before anything is read: (tokens, an int >= 1; layers, None | "all" |
+    sorted layer numbers; experts, "all" | an int >= 1; threshold, None | a finite float >= 0). UsageError (exit 2)
+    naming the option otherwise (a NaN threshold would pass everything, --tokens 0 was a traceback)."""
+    tokens = _positive_int(tokens, "--tokens", "an integer >= 1")
+    if not (isinstance(experts, str) and experts.strip().lower() == "all"):
+        experts = _positive_int(experts, "--experts", "'all' or an integer >= 1")
+    else:
+        experts = "all"
+    if isinstance(layers, str) and layers.strip().lower() == "all":
+        layers = "all"
+    elif layers is not None:
+        items = layers.replace(" ", "").split(",") if isinstance(layers, str) else list(layers)
+        try:
+            layers = sorted({int(x) for x in items if x != ""})
+        except (TypeError, ValueError):
+            layers = []
+        if not layers:
+            raise UsageError("--layers is not usable", expected="'all' or layer numbers such as 1,3",
+                             found=repr(items))
+    if threshold is not None:
+        try:
+            threshold = float(threshold)
+        except (TypeError, ValueError):
+            threshold = float("nan")
+        if not math.isfinite(threshold) or threshold < 0:
+            raise UsageError("--threshold is not usable", expected="a finite number >= 0", found=repr(threshold))
+    return tokens, layers, experts, threshold
+
+
+def _positive_int(value, option: str, expected: str) -> int:
+    try:
+        number = int(value) if not isinstance(value, (bool, float)) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number < 1:
+        raise UsageError(f"{option} is not usable", expected=expected, found=repr(value))
+    return number
 
 
 def choose_layers(all_layers: list[int], layers) -> list[int]:
-    """None: first, middle and last; "all"; "1,3" / [1, 3]: those (InputError if not converted layers)."""
+    """layers as numeric_options returns it: None: first, middle and last; "all"; a list: those (InputError, a
+    verification problem, naming the converted layers when one is not)."""
     if not all_layers:
         raise InputError("the manifest lists no converted MoE layers", file="ktconvert.json")
     if layers is None:
         return sorted({all_layers[0], all_layers[len(all_layers) // 2], all_layers[-1]})
-    if isinstance(layers, str):
-        if layers.strip().lower() == "all":
-            return list(all_layers)
-        layers = [int(x) for x in layers.replace(" ", "").split(",") if x]
-    chosen = sorted({int(x) for x in layers})
-    bad = [x for x in chosen if x not in all_layers]
+    if layers == "all":
+        return list(all_layers)
+    bad = [x for x in layers if x not in all_layers]
     if bad:
         raise InputError("layers not converted", tensor=f"layers {bad}", expected=f"some of {all_layers}")
-    return chosen
+    return list(layers)
 
 
 def choose_experts(rng: np.random.Generator, n_experts: int, experts) -> list[int]:
-    if isinstance(experts, str) and experts.strip().lower() == "all":
+    """experts as numeric_options returns it: "all" or how many to draw (at most n_experts), sorted."""
+    if experts == "all":
         return list(range(n_experts))
-    count = int(experts)
-    if count < 1:
-        raise InputError("experts per layer must be >= 1 or 'all'", found=str(experts))
-    return sorted(int(e) for e in rng.choice(n_experts, size=min(count, n_experts), replace=False))
+    return sorted(int(e) for e in rng.choice(n_experts, size=min(int(experts), n_experts), replace=False))
 
 
 def _routing(rng: np.random.Generator, sample: list[int], tokens: int, top_k: int):
