@@ -70,6 +70,7 @@ class GpuOutput(Output):
     """The GPU checkpoint of `plan` (gpu.plan.GpuPlan) in `out_dir`."""
 
     kind = "gpu"
+    option_of = {"method": "--experts", "gpu.bits": "--experts", "gpu.algo": "--quant", "gpu.linear_fp8": "--linears"}
 
     def __init__(self, out_dir, plan: GpuPlan, *, resume: bool = False, force: bool = False):
         super().__init__(out_dir, plan, resume=resume, force=force)
