@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from ktconvert.formats.fileio import FileRecord, LayerResult, record_for, write_atomic
-from ktconvert.formats.out_manifest import BYTE_PACKAGES, MANIFEST_NAME, package_versions
+from ktconvert.formats.out_manifest import BYTE_PACKAGES, GPU_FLAGS, MANIFEST_NAME, package_versions
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter, tensor_nbytes
 from ktconvert.gpu import config as gpu_config
 from ktconvert.gpu.experts import SUFFIXES as EXPERT_SUFFIXES, quantize_expert_rtn
@@ -134,5 +134,5 @@ class GpuOutput(Output):
         gpu = {"experts": opts.experts, "bits": opts.bits, "group_size": opts.group_size, "linears": opts.linears,
                "linear_fp8": self.layout.linear_fp8, "algo": opts.quant, "include_mtp": opts.include_mtp}
         return {"method": opts.experts.upper(), "numa": 1, "layout": "compressed-tensors", "quant": opts.quant,
-                "kind": "gpu", "flags": {"model": "."},
+                "kind": "gpu", "flags": dict(GPU_FLAGS),
                 "packages": package_versions(BYTE_PACKAGES + ("torch", "compressed-tensors")), "extra": {"gpu": gpu}}
