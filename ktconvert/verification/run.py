@@ -2,7 +2,8 @@
 
 Checks, in order: manifest (``ktconvert.json`` present and parseable), structure (CPU outputs: every expected
 expert tensor or .kt file present with the byte count that the recorded method, NUMA count and model dims give,
-probed the way kt-kernel's loader probes, nothing extra; GPU outputs: ``gpu.verify``), hashes (``--hashes``: every
+probed the way kt-kernel's loader probes, nothing extra; GPU outputs: ``gpu.verify``), flags (the recorded
+kt-kernel / SGLang flags are the ones the method, NUMA count and files need: ``verification.launch``), hashes (``--hashes``: every
 file and tensor re-hashed against the manifest), numerics (the method's own numeric check, against ``--source``
 when given) and remote (``--remote``: ``ops.hub.verify_remote``). The folder is walked once
 (``verification.folder.OutputFolder``) and every check reads that walk. Returns a dict; ``render`` makes the table.
@@ -17,6 +18,7 @@ from ktconvert.methods import METHODS, CpuMethod
 from ktconvert.ops import bundle as ops_bundle, hub as ops_hub
 from ktconvert.verification.folder import OutputFolder
 from ktconvert.verification.hashes import verify_hashes
+from ktconvert.verification.launch import check_launch
 
 
 def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None, experts="4", threshold=None,
@@ -51,6 +53,7 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
             _add_check(result, check["name"], check["problems"], check["detail"])
     else:
         _skip(result, "structure", "skipped", f"no structure rules for kind {kind!r}")
+    _add_check(result, "flags", *check_launch(manifest))
     if hashes:
         report = verify_hashes(out, manifest, folder)
         result["hashes"] = report
