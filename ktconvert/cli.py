@@ -54,14 +54,22 @@ def cli() -> None:
     """
 
 
+def _orientation_option(fn):
+    return click.option("--expert-orientation", type=click.Choice(["out", "in"]), default=None,
+                        help="How SRC's fused 3-D expert tensors are stored when their shape cannot tell (H == I or "
+                             "H == 2I): out = [E, out, in] (transformers), in = [E, in, out].")(fn)
+
+
 @cli.command()
 @click.argument("src", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect(src: str, as_json: bool) -> None:
-    """Describe checkpoint SRC without reading weights: family, layers, experts, dims, dtypes, bytes per component."""
+@_orientation_option
+def inspect(src: str, as_json: bool, expert_orientation) -> None:
+    """Describe checkpoint SRC without reading weights: family, layers, experts, dims, dtypes, bytes per component,
+    and how the routed experts are stored (layout, orientation and why)."""
     from ktconvert.inspect import inspect as run, render
 
-    _emit(run(src), as_json, render)
+    _emit(run(src, expert_orientation), as_json, render)
 
 
 @cli.command()
@@ -78,8 +86,10 @@ def inspect(src: str, as_json: bool) -> None:
 @click.option("--linears", type=click.Choice(["fp8", "bf16", "keep"]), default="fp8", show_default=True,
               help="GPU linears, with --gpu.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_orientation_option
 @click.argument("out", required=False, type=click.Path())
-def plan(src, method, numa, layout, group_size, include_mtp, gpu_experts, linears, as_json, out) -> None:
+def plan(src, method, numa, layout, group_size, include_mtp, gpu_experts, linears, as_json, expert_orientation,
+         out) -> None:
     """What a conversion of SRC would write: files, bytes, peak RAM, disk, and the alignment checks — for the
     CPU output (--method) and/or the GPU checkpoint (--gpu: sizes per component, VRAM per GPU expert).
 
@@ -92,11 +102,13 @@ def plan(src, method, numa, layout, group_size, include_mtp, gpu_experts, linear
         from ktconvert.cpu.plan import plan as run, render
 
         results["cpu"], renders["cpu"] = run(src, method=method, numa=numa, layout=layout, group_size=group_size,
-                                             include_mtp=include_mtp, out=out), render
+                                             include_mtp=include_mtp, out=out,
+                                             expert_orientation=expert_orientation), render
     if gpu_experts is not None:
         from ktconvert.gpu.plan import plan_gpu, render_gpu
 
-        results["gpu"], renders["gpu"] = plan_gpu(src, gpu_experts, group_size or 128, linears, include_mtp), render_gpu
+        results["gpu"], renders["gpu"] = plan_gpu(src, gpu_experts, group_size or 128, linears, include_mtp,
+                                                  expert_orientation), render_gpu
     if as_json:
         click.echo(json.dumps(results if len(results) > 1 else next(iter(results.values())), indent=2, sort_keys=True))
     else:
@@ -148,8 +160,9 @@ def tiny_model(out, arch, layers, experts, hidden, intermediate, dtype, seed, fo
 @click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option("--json-progress", is_flag=True, help="Progress as JSON lines on stderr.")
+@_orientation_option
 def cpu(src, out, method, numa, layout, quant, group_size, calibration, threads, resume, force, include_dense,
-        include_mtp, allow_drop_bias, quiet, json_progress) -> None:
+        include_mtp, allow_drop_bias, quiet, json_progress, expert_orientation) -> None:
     """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable)."""
     if quant == "gptq":
         require("gpu", "--quant gptq")
@@ -160,7 +173,8 @@ def cpu(src, out, method, numa, layout, quant, group_size, calibration, threads,
         summary = convert_cpu(src, out, method=method, numa=numa, layout=layout, quant=quant,
                               group_size=group_size, threads=threads, resume=resume, force=force,
                               include_dense=include_dense, include_mtp=include_mtp,
-                              allow_drop_bias=allow_drop_bias, calibration=calibration, progress=progress)
+                              allow_drop_bias=allow_drop_bias, calibration=calibration, progress=progress,
+                              expert_orientation=expert_orientation)
     click.echo(summary)
 
 
@@ -371,8 +385,9 @@ def _gpu_options(fn):
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes per component, VRAM per expert) only.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable --dry-run output.")
 @_progress_options
+@_orientation_option
 def gpu(src, out, experts, gpu_group_size, linears, algo, calibration, include_mtp, threads, resume, force, dry_run,
-        as_json, quiet, json_progress) -> None:
+        as_json, quiet, json_progress, expert_orientation) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
     from ktconvert.gpu.writer import convert_gpu
@@ -381,13 +396,14 @@ def gpu(src, out, experts, gpu_group_size, linears, algo, calibration, include_m
     if dry_run:
         from ktconvert.gpu.plan import plan_gpu, render_gpu
 
-        _emit(plan_gpu(src, experts, int(gpu_group_size), linears, include_mtp), as_json, render_gpu)
+        _emit(plan_gpu(src, experts, int(gpu_group_size), linears, include_mtp, expert_orientation), as_json,
+              render_gpu)
         return
     require("gpu", "ktconvert gpu")
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
         summary = convert_gpu(src, out, experts=experts, algo=algo, group_size=int(gpu_group_size), linears=linears,
                               include_mtp=include_mtp, threads=threads, resume=resume, force=force,
-                              calibration=calibration, progress=progress)
+                              calibration=calibration, progress=progress, expert_orientation=expert_orientation)
     click.echo(summary)
 
 
@@ -406,8 +422,9 @@ def gpu(src, out, experts, gpu_group_size, linears, algo, calibration, include_m
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion.")
 @click.option("--force", is_flag=True, help="Delete existing outputs and start over.")
 @_progress_options
+@_orientation_option
 def convert(src, cpu_out, method, numa, layout, gpu_out, experts, gpu_group_size, linears, include_mtp,
-            allow_drop_bias, threads, resume, force, quiet, json_progress) -> None:
+            allow_drop_bias, threads, resume, force, quiet, json_progress, expert_orientation) -> None:
     """Write the CPU and the GPU outputs of SRC in one pass (every source expert read once, RTN on both sides).
     Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write."""
     require("gpu", "ktconvert convert")
@@ -418,7 +435,7 @@ def convert(src, cpu_out, method, numa, layout, gpu_out, experts, gpu_group_size
         lines = convert_both(src, cpu_out, gpu_out, method=method, numa=numa, layout=layout, experts=experts,
                              gpu_group_size=int(gpu_group_size), linears=linears, include_mtp=include_mtp,
                              allow_drop_bias=allow_drop_bias, threads=threads, resume=resume, force=force,
-                             progress=progress)
+                             progress=progress, expert_orientation=expert_orientation)
     click.echo("\n".join(lines))
 
 

@@ -142,7 +142,8 @@ class CpuOutput:
 # ---------------------------------------------------------------------------------------------- entry point
 
 def open_cpu_output(src, out, *, method: str, numa: int, layout: str, quant: str, group_size: int | None,
-                    include_dense: bool, include_mtp: bool, allow_drop_bias: bool, resume: bool, force: bool):
+                    include_dense: bool, include_mtp: bool, allow_drop_bias: bool, resume: bool, force: bool,
+                    expert_orientation: str | None = None):
     """Everything before the first byte is converted: resolve and plan the source (no weights read), check
     biases, prepare OUT, start (or reopen) the journal. Returns (CpuOutput, source), or None when `resume` finds
     OUT already complete."""
@@ -151,9 +152,11 @@ def open_cpu_output(src, out, *, method: str, numa: int, layout: str, quant: str
     from ktconvert.methods import METHODS
 
     src_path, src_extra = resolve_source(str(src))
+    if expert_orientation is not None:       # recorded: verify reopens the source the same way
+        src_extra = {**src_extra, "expert_orientation": expert_orientation}
     the_plan = plan(str(src_path), method=method, numa=numa, layout=layout, group_size=group_size,
-                    include_mtp=include_mtp, out=str(out))
-    source = open_source(src_path)
+                    include_mtp=include_mtp, out=str(out), expert_orientation=expert_orientation)
+    source = open_source(src_path, expert_orientation)
     _check_biases(source, the_plan, allow_drop_bias)
     if include_dense:
         source.dense_tensors()   # InputError where the source has no dense tensors to give
@@ -175,7 +178,7 @@ def open_cpu_output(src, out, *, method: str, numa: int, layout: str, quant: str
 def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetensors", quant: str = "rtn",
                 group_size: int | None = None, threads: int | None = None, resume: bool = False, force: bool = False,
                 include_dense: bool = False, include_mtp: bool = False, allow_drop_bias: bool = False,
-                calibration=None, progress=None, extra_outputs=()) -> str:
+                calibration=None, progress=None, extra_outputs=(), expert_orientation: str | None = None) -> str:
     """Convert the routed experts of checkpoint `src` for kt-kernel into directory `out`. Returns a summary line.
 
     extra_outputs: more outputs fed from the same source read (e.g. ktconvert.gpu's GpuOutput for `convert`), each
@@ -185,13 +188,16 @@ def convert_cpu(src, out, *, method: str, numa: int = 1, layout: str = "safetens
     if quant == "gptq":
         if extra_outputs:
             raise InputError("--quant gptq writes the CPU output on its own", hint="convert the GPU side separately")
+        if expert_orientation is not None:
+            raise InputError("--expert-orientation is not available with --quant gptq yet",
+                             hint="GPTQ reads fused experts whose shapes tell their orientation")
         return _convert_cpu_gptq(src, out, method, numa, layout, calibration, resume, force, include_dense,
                                  include_mtp, allow_drop_bias, progress)
     if calibration is not None:
         raise InputError("--calibration is only used with --quant gptq", found=f"--quant {quant}")
     opened = open_cpu_output(src, out, method=method, numa=numa, layout=layout, quant=quant, group_size=group_size,
                              include_dense=include_dense, include_mtp=include_mtp, allow_drop_bias=allow_drop_bias,
-                             resume=resume, force=force)
+                             resume=resume, force=force, expert_orientation=expert_orientation)
     if opened is None:
         return f"{out}: already complete (ktconvert.json present); nothing to do"
     output, source = opened

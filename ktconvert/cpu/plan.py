@@ -79,8 +79,7 @@ def _manifest_estimate(files: list[dict], n_tensors: int, n_sources: int, tensor
 
 def _peak_ram(source, hidden: int, inter: int, numa: int, threads: int | None) -> dict:
     """A small multiple of one expert matrix per worker: source bytes + BF16 + float32 part work + output."""
-    fused = source.info.manifest.experts.form == "fused"
-    elems = (2 if fused else 1) * inter * hidden
+    elems = max(len(job.projs) for job in source.matrix_jobs(source.all_layers()[:1])) * inter * hidden
     itemsize = {"bf16": 2, "fp16": 2, "fp32": 4}.get(source.input_format, 2)
     part = elems // max(numa, 1)
     per_job = elems * itemsize + 2 * elems + 13 * part + 2 * elems
@@ -100,7 +99,8 @@ def _free_at(path: Path) -> tuple[str, int]:
 # ---------------------------------------------------------------- plan
 
 def plan(src, method: str, numa: int = 1, layout: str = "safetensors", group_size: int | None = None,
-         include_mtp: bool = False, out=None, threads: int | None = None) -> dict:
+         include_mtp: bool = False, out=None, threads: int | None = None,
+         expert_orientation: str | None = None) -> dict:
     """Plan converting the routed experts of `src` with `method` for T = `numa` NUMA parts into `layout`.
 
     Raises ShapeError (bad T: lists the valid ones; bad expert shapes), InputError (missing/unsupported
@@ -112,7 +112,7 @@ def plan(src, method: str, numa: int = 1, layout: str = "safetensors", group_siz
     m = METHODS.get(method).configured(group_size)
     if layout not in m.layouts:
         raise UsageError(f"--layout {layout} does not exist for {m.kt_method}", expected=" or ".join(m.layouts))
-    source = open_source(src)  # HF safetensors or GGUF (formats.base.SOURCES)
+    source = open_source(src, expert_orientation)  # HF safetensors or GGUF (formats.base.SOURCES)
     info = source.info
     H, I, E = info.hidden, info.intermediate, info.n_experts
     checks = m.check_numa(H, I, numa)

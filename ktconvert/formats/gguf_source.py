@@ -180,8 +180,9 @@ class GGUFSource(Source):
             return False
 
     @classmethod
-    def open(cls, path) -> "GGUFSource":
-        """Parse the header(s) of the model at `path`; metadata comes from the first split part."""
+    def open(cls, path, expert_orientation: str | None = None) -> "GGUFSource":
+        """Parse the header(s) of the model at `path`; metadata comes from the first split part. (ggml stores
+        expert tensors [E, out, in] only: expert_orientation is not needed.)"""
         paths = gguf_files(path)
         meta: dict = {}
         tensors: dict[str, TensorRef] = {}

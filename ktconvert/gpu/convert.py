@@ -21,7 +21,7 @@ def convert_both(src, cpu_out, gpu_out, *, method: str, numa: int = 1, layout: s
                  quant: str = "rtn", group_size: int | None = None, experts: str = "w4a16", gpu_group_size: int = 128,
                  linears: str = "fp8", include_mtp: bool = False, allow_drop_bias: bool = False,
                  threads: int | None = None, resume: bool = False, force: bool = False,
-                 progress=None) -> tuple[str, str]:
+                 progress=None, expert_orientation: str | None = None) -> tuple[str, str]:
     """Write the CPU output `cpu_out` and the GPU output `gpu_out` of `src` reading it once (RTN experts).
     Returns (CPU summary, GPU summary)."""
     from ktconvert.gpu.writer import GpuOptions, convert_gpu, open_gpu_output, summary
@@ -31,15 +31,17 @@ def convert_both(src, cpu_out, gpu_out, *, method: str, numa: int = 1, layout: s
     if cpu_out.resolve() == gpu_out.resolve():
         raise OutputError("--cpu and --gpu must be different directories", file=str(cpu_out))
     cpu_kw = dict(method=method, numa=numa, layout=layout, quant=quant, group_size=group_size, threads=threads,
-                  include_mtp=include_mtp, allow_drop_bias=allow_drop_bias, progress=progress)
+                  include_mtp=include_mtp, allow_drop_bias=allow_drop_bias, progress=progress,
+                  expert_orientation=expert_orientation)
     gpu_kw = dict(experts=experts, group_size=gpu_group_size, linears=linears, include_mtp=include_mtp,
-                  threads=threads, progress=progress)
+                  threads=threads, progress=progress, expert_orientation=expert_orientation)
     if _complete(cpu_out, resume):
         return f"{cpu_out}: already complete", convert_gpu(src, gpu_out, resume=resume, force=force, **gpu_kw)
     if _complete(gpu_out, resume):
         return convert_cpu(src, cpu_out, resume=resume, force=force, **cpu_kw), f"{gpu_out}: already complete"
     src_path, src_extra = resolve_source(str(src))
-    options = GpuOptions(experts.lower(), gpu_group_size, "rtn", linears, include_mtp)
+    options = GpuOptions(experts.lower(), gpu_group_size, "rtn", linears, include_mtp,
+                         expert_orientation=expert_orientation)
     prepare_output(gpu_out, src_path, resume, force)
     _, gpu_output, _ = open_gpu_output(src_path, gpu_out, options, resume, src_extra)
     try:

@@ -33,7 +33,7 @@ def _checks(info, bits: int, group_size: int, layout) -> list[dict]:
 
 
 def plan_gpu(src, experts: str = "w4a16", group_size: int = 128, linears: str = "fp8",
-             include_mtp: bool = False) -> dict:
+             include_mtp: bool = False, expert_orientation: str | None = None) -> dict:
     """Plan the GPU checkpoint of `src`. Returns {experts, bits, group_size, linears, linear_fp8, layers, files
     [{path, bytes}], components {routed_experts, linears, embeddings, other: bytes}, total_bytes,
     vram_per_expert_bytes (one routed expert: 3 matrices), vram_per_layer_all_experts_bytes, checks}."""
@@ -43,7 +43,7 @@ def plan_gpu(src, experts: str = "w4a16", group_size: int = 128, linears: str = 
     from ktconvert.gpu.layout import GpuLayout
 
     bits = bits_of(experts)
-    source = HFSource.open(src)
+    source = HFSource.open(src, expert_orientation)
     info = source.info
     layers = list(source.all_layers(include_mtp))
     layout = GpuLayout(source, layers, linears, bits, group_size)

@@ -40,6 +40,7 @@ class GpuOptions:
     linears: str = "fp8"
     include_mtp: bool = False
     calibration: str | None = None   # --algo gptq: JSON lines of texts or token ids
+    expert_orientation: str | None = None   # --expert-orientation for square fused source tensors
 
     @property
     def bits(self) -> int:
@@ -227,7 +228,9 @@ def open_gpu_output(src_path: Path, out_dir: Path, options: GpuOptions, resume: 
     from ktconvert.journal import Journal
 
     _check_options(options)
-    source = HFSource.open(src_path)
+    if options.expert_orientation is not None:     # recorded: verify reopens the source the same way
+        src_extra = {**src_extra, "expert_orientation": options.expert_orientation}
+    source = HFSource.open(src_path, options.expert_orientation)
     source.validate(include_mtp=options.include_mtp)
     layers = list(source.all_layers(options.include_mtp))
     journal = Journal.start(out_dir, options.journal_options(layers, source.config_sha256()), resume)
@@ -264,14 +267,14 @@ def gptq_hook():
 
 def convert_gpu(src, out, *, experts: str = "w4a16", algo: str = "rtn", group_size: int = 128,
                 linears: str = "fp8", include_mtp: bool = False, threads: int | None = None, resume: bool = False,
-                force: bool = False, calibration=None, progress=None) -> str:
+                force: bool = False, calibration=None, progress=None, expert_orientation: str | None = None) -> str:
     """Write the SGLang-KT GPU checkpoint of `src` into `out`. Returns a summary line."""
     from ktconvert.formats.out_manifest import JOURNAL_NAME, MANIFEST_NAME
     from ktconvert.cpu.convert import _NullProgress, prepare_output, resolve_source, run_jobs
 
     progress = progress or _NullProgress()
     options = GpuOptions(experts.lower(), group_size, algo, linears, include_mtp,
-                         str(calibration) if calibration is not None else None)
+                         str(calibration) if calibration is not None else None, expert_orientation)
     src_path, src_extra = resolve_source(str(src))
     out_dir = Path(out)
     _check_options(options)

@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from ktconvert.errors import InputError, KtConvertError, VerifyError
-from ktconvert.formats.sources import open_source
+from ktconvert.formats.sources import open_recorded_source
 from ktconvert.native import forward as native_rt
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verify.reader import KtOutput
@@ -55,7 +55,7 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
         rt = KtOutput.open(out, manifest, folder, methods=methods)
         variant = native_rt.variant(impl)
         thresholds = _thresholds(rt.method, threshold)
-        src = _open_source(source)
+        src = open_recorded_source(source, manifest)
         chosen = choose_layers(rt.layers, layers)
     except KtConvertError as exc:
         report["problems"].append(str(exc))
@@ -81,10 +81,6 @@ def _thresholds(method, threshold) -> dict:
         limits["moe_cosine"] = None
     limits["kernel_rel"] = KERNEL_TOL
     return limits
-
-
-def _open_source(source):
-    return None if source is None else open_source(source)
 
 
 def choose_layers(all_layers: list[int], layers) -> list[int]:

@@ -13,7 +13,7 @@ import hashlib
 import numpy as np
 
 from ktconvert.errors import KtConvertError
-from ktconvert.formats.sources import open_source
+from ktconvert.formats.sources import open_recorded_source
 from ktconvert.formats.inplace_sink import EXPERT_PREFIX, PROJ_NAMES
 from ktconvert.formats.decoders import decode_matrix, detect_scheme
 from ktconvert.quant.bf16 import bf16_bits_to_f32
@@ -31,7 +31,7 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     try:
         ck = (folder or OutputFolder.scan(out)).checkpoint()
         scheme = detect_scheme(ck.config)
-        src = open_source(source) if source is not None else None
+        src = open_recorded_source(source, manifest)
         chosen = choose_layers([int(x) for x in manifest["model"]["layers"]], layers)
     except KtConvertError as exc:
         report["problems"].append(str(exc))
