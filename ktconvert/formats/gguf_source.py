@@ -23,6 +23,7 @@ import numpy as np
 from ktconvert.architecture import ModelInfo, manifest_for
 from ktconvert.errors import InputError, ManifestError, ShapeError
 from ktconvert.safe_read import check_regular
+from ktconvert.formats import gguf_dense
 from ktconvert.formats.base import ExpertWeights, Source, TensorRef
 from ktconvert.formats.stream import MatrixJob
 from ktconvert.quant import ggml
@@ -311,6 +312,11 @@ class GGUFSource(Source):
             mats.update(self._decode(name, projs, self._pread(ref.file, offset, nbytes)))
         biases = {f"{p}_bias": self._bias(layer, p, expert) for p in ("gate", "up", "down")}
         return ExpertWeights(mats["gate"], mats["up"], mats["down"], **biases)
+
+    def dense_tensors(self):
+        """(specs [(HF name, "F32" | "BF16", shape)], read) of every non-expert tensor under its HF name, for
+        ``--include-dense`` (formats/gguf_dense.py; InputError naming a tensor that cannot be written)."""
+        return gguf_dense.dense_tensors(self)
 
     # -- biases (gpt-oss)
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterator
 
 from ktconvert.architecture import ModelInfo, manifest_for
@@ -254,3 +256,29 @@ def build_config(arch: str, layers=None, experts=None, hidden=None, intermediate
             if key in node:
                 node[key] = min(node[key], int(experts))
     return config, tiny
+
+
+# ---------------------------------------------------------------- the family's names
+
+def family_vocabulary(family: str) -> frozenset[str]:
+    """Every tensor name a checkpoint of `family` holds, over all its model types' tiny tables, with the name
+    prefix as "{P}" and decoder layer numbers as "{L}" ("{P}layers.{L}.self_attn.q_norm.weight", "lm_head.weight").
+    Which names a family uses, where other conventions exist (GGUF names mapped back to HF: formats/gguf_dense)."""
+    return _vocabulary(family)
+
+
+@lru_cache(maxsize=None)
+def _vocabulary(family: str) -> frozenset[str]:
+    from ktconvert.architecture import families, resolve
+
+    manifest = families()[family]
+    names = set()
+    for model_type in manifest.tiny:
+        config, tiny = build_config(model_type)
+        info = resolve(config, [tiny.get("name_prefix", manifest.name_prefixes[0]) + "layers.0."])
+        for spec in (s for group in model_specs(info, tiny) for s in group):
+            name = spec.name
+            if name.startswith(info.name_prefix):
+                name = "{P}" + name[len(info.name_prefix):]
+            names.add(re.sub(r"(^|[.}])layers\.\d+\.", r"\1layers.{L}.", name, count=1))
+    return frozenset(names)
