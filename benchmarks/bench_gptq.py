@@ -1,9 +1,12 @@
-"""Peak RSS and wall time: ktconvert's layer-streaming GPTQ against llmcompressor ``oneshot`` (in RAM).
+"""Peak RSS and wall time: ktconvert's layer-streaming GPTQ against llmcompressor ``oneshot`` (in RAM), and
+``expert-stats`` (the same stream without GPTQ: float forward, routed tokens counted) on the same tokens.
 
 Each run happens in a fresh subprocess (peak RSS = that child's VmHWM; ru_maxrss would start from the parent's size). Two tiny Qwen3-MoE sizes that
-differ only in layer count: ours should stay flat, oneshot grows with the model. Prints one JSON line per run.
+differ only in layer count: ours should stay flat, oneshot grows with the model. Prints one JSON line per run;
+wall_s counts from after the imports (torch, transformers, llmcompressor are imported first in every case).
 
     python benchmarks/bench_gptq.py [--layers 2 8] [--hidden 512] [--intermediate 256] [--experts 16]
+        [--which ours oneshot expert-stats expert-stats-bf16]
 """
 from __future__ import annotations
 
@@ -19,8 +22,14 @@ import json, sys, time, torch
 src, which, n, length = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 g = torch.Generator().manual_seed(0)
 samples = [torch.randint(4, 512, (length,), generator=g) for _ in range(n)]
+import transformers, llmcompressor
+from ktconvert.gptq.skeleton import silence_llmcompressor
+silence_llmcompressor()
 t0 = time.perf_counter()
-if which == "ours":
+if which.startswith("expert-stats"):
+    from ktconvert.activation.stats import collect_activation
+    collect_activation(src, samples, dtype="bfloat16" if which.endswith("bf16") else "float32")
+elif which == "ours":
     from ktconvert.gptq.loop import GpuQuantizer, GptqOptions, LayerStream
     for _ in LayerStream(src, samples, GpuQuantizer(4, 128), GptqOptions(causal_mask=False)).layers_results():
         pass

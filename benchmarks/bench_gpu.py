@@ -3,12 +3,22 @@ model_free_ptq and oneshot on two model sizes, and the one-pass `convert` agains
 other. Each measured command runs in its own process (peak RSS = that child's VmHWM).
 
     python benchmarks/bench_gpu.py [--workdir DIR] [--sizes small,large] [--skip-oneshot]
+    python benchmarks/bench_gpu.py --one-pass [--repeats 3] [--baseline-src DIR] [--workdir DIR]
+
+--one-pass: the issue-16 target on the 3.6 GB BF16 model with Qwen3-30B-A3B expert dims (the model of
+bench_convert.py: 3 MoE layers, 128 experts, H 2048, I 768): `cpu` AMXINT4 (numa 2), `gpu` W4A16 and `convert`
+(both) interleaved `--repeats` times, warm cache, then the best and median `convert` / `cpu` ratio of wall time and
+the ratio of core-seconds (user + system of the child: less sensitive to other work on the machine). With
+--baseline-src (another ktconvert source tree, e.g. an export of main) the same commands also run with that tree
+first on sys.path, in the same rounds, so before/after share the machine's load. The native library of this tree
+serves both (KTCONVERT_NATIVE_LIB), so a baseline must not need newer C functions than this build has.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -55,15 +65,78 @@ def model_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
+ONE_PASS_MODEL = dict(layers=3, experts=128, hidden=2048, intermediate=768)
+CLI = ("import sys\nsys.path.insert(0, {src!r})\nsys.argv = ['ktconvert', *sys.argv[1:]]\n"
+       "from ktconvert.cli import main\ntry:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n")
+
+
+def one_pass(root: Path, repeats: int, baseline: str | None) -> None:
+    """`cpu`, `gpu`, `convert` on the 3.6 GB model, interleaved; JSON line per run, then a summary per tree."""
+    import statistics
+
+    from peak_rss import run_python
+
+    from ktconvert import native
+    from ktconvert.testing.tiny import make_tiny_model
+
+    src = root / "qwen3-30b-dims"
+    if not (src / "config.json").is_file():
+        make_tiny_model(src, ARCH, force=True, **ONE_PASS_MODEL)
+    for f in sorted(src.glob("*.safetensors")):      # warm the page cache
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+    lib = native.lib()
+    env = dict(os.environ, KTCONVERT_NO_PROGRESS="1", KTCONVERT_NATIVE_LIB=lib._name if lib is not None else "")
+    this = str(Path(__file__).resolve().parents[1])
+    trees = {"this": this} | ({"baseline": str(Path(baseline).resolve())} if baseline else {})
+    commands = {"cpu": ["cpu", src, root / "o-cpu", "--method", "amxint4", "--numa", "2"],
+                "gpu": ["gpu", src, root / "o-gpu", "--experts", "w4a16"],
+                "convert": ["convert", src, "--cpu", root / "o-c1", "--method", "amxint4", "--numa", "2", "--gpu",
+                            root / "o-g1", "--experts", "w4a16"]}
+    walls: dict = {(tree, cmd): [] for tree in trees for cmd in commands}
+    cores: dict = {(tree, cmd): [] for tree in trees for cmd in commands}
+    base = {"bench": "one-pass", "model_mib": round(model_bytes(src) / 2**20, 1), **ONE_PASS_MODEL,
+            "cores": os.cpu_count(), "native": native.implementation()}
+    for round_ in range(repeats):
+        for tree, path in trees.items():
+            for cmd, argv in commands.items():
+                code = f"import sys; sys.argv = ['-c', *{[str(a) for a in argv + ['--force', '--quiet']]!r}]\n"
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                wall, peak, _ = run_python(code + CLI.format(src=path), env=env)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                core_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+                walls[tree, cmd].append(wall)
+                cores[tree, cmd].append(core_s)
+                print(json.dumps({**base, "tree": tree, "round": round_, "command": cmd, "wall_s": round(wall, 2),
+                                  "core_s": round(core_s, 2), "peak_rss_mib": round(peak / 2**20, 1)}), flush=True)
+    for tree in trees:
+        best = {cmd: min(walls[tree, cmd]) for cmd in commands}
+        median = {cmd: statistics.median(walls[tree, cmd]) for cmd in commands}
+        print(json.dumps({**base, "tree": tree, "summary": True, "best_wall_s": {k: round(v, 2) for k, v in best.items()},
+                          "median_wall_s": {k: round(v, 2) for k, v in median.items()},
+                          "best_core_s": {cmd: round(min(cores[tree, cmd]), 2) for cmd in commands},
+                          "convert_over_cpu_best": round(best["convert"] / best["cpu"], 2),
+                          "convert_over_cpu_core_s": round(min(cores[tree, "convert"]) / min(cores[tree, "cpu"]), 2),
+                          "convert_over_cpu_median": round(median["convert"] / median["cpu"], 2),
+                          "target": "convert <= 1.3 x cpu"}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--sizes", default="small,large")
     ap.add_argument("--skip-oneshot", action="store_true")
+    ap.add_argument("--one-pass", action="store_true", help="convert vs cpu on the 3.6 GB model (see above)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--baseline-src", default=None, help="another ktconvert source tree to time in the same rounds")
     args = ap.parse_args()
     from ktconvert.testing.tiny import make_tiny_model
 
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_gpu_"))
+    if args.one_pass:
+        one_pass(root, args.repeats, args.baseline_src)
+        return
     for size in args.sizes.split(","):
         src = make_tiny_model(root / f"src-{size}", ARCH, force=True, **SIZES[size])
         base = {"bench": "gpu", "size": size, "model_mib": round(model_bytes(src) / 2**20, 1), **SIZES[size]}

@@ -60,6 +60,15 @@ def _orientation_option(fn):
                              "H == 2I): out = [E, out, in] (transformers), in = [E, in, out].")(fn)
 
 
+def _source(src: str, expert_orientation: str | None):
+    """SRC as given, or opened with --expert-orientation (an inputs.Input, which every API function takes)."""
+    if expert_orientation is None:
+        return src
+    from ktconvert.inputs import open_input
+
+    return open_input(src, expert_orientation)
+
+
 @cli.command()
 @click.argument("src", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -85,30 +94,48 @@ def inspect(src: str, as_json: bool, expert_orientation) -> None:
               help="Also plan the GPU checkpoint with these experts (`ktconvert gpu`).")
 @click.option("--linears", type=click.Choice(["fp8", "bf16", "keep"]), default="fp8", show_default=True,
               help="GPU linears, with --gpu.")
+@click.option("--gpu-experts-ratio", "gpu_ratio", type=float, default=None,
+              help="Which experts SGLang-KT puts on the GPU with --kt-gpu-experts-ratio R, and their VRAM.")
+@click.option("--gpu-experts", "gpu_count", type=int, default=None,
+              help="The same with --kt-num-gpu-experts N (per MoE layer).")
+@click.option("--expert-stats", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Activation counts (ktconvert expert-stats): frequency placement; without: SGLang's uniform.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_orientation_option
 @click.argument("out", required=False, type=click.Path())
-def plan(src, method, numa, layout, group_size, include_mtp, gpu_experts, linears, as_json, expert_orientation,
-         out) -> None:
+def plan(src, method, numa, layout, group_size, include_mtp, gpu_experts, linears, gpu_ratio, gpu_count,
+         expert_stats, as_json, expert_orientation, out) -> None:
     """What a conversion of SRC would write: files, bytes, peak RAM, disk, and the alignment checks — for the
-    CPU output (--method) and/or the GPU checkpoint (--gpu: sizes per component, VRAM per GPU expert).
+    CPU output (--method) and/or the GPU checkpoint (--gpu: sizes per component, VRAM per GPU expert), and which
+    experts SGLang-KT would put on the GPU (--gpu-experts-ratio / --gpu-experts, with --expert-stats FILE.pt).
 
     No weights are read. A NUMA count that cannot work fails here and lists the ones that would.
     """
-    if method is None and gpu_experts is None:
-        raise click.UsageError("give --method (CPU output), --gpu (GPU checkpoint), or both")
-    results, renders = {}, {}
-    if method is not None:
-        from ktconvert.cpu.plan import plan as run, render
+    placing = gpu_ratio is not None or gpu_count is not None
+    if method is None and gpu_experts is None and not placing:
+        raise click.UsageError("give --method (CPU output), --gpu (GPU checkpoint), --gpu-experts-ratio / "
+                               "--gpu-experts (GPU expert placement), or several")
+    if expert_stats and not placing:
+        raise click.UsageError("--expert-stats needs --gpu-experts-ratio R or --gpu-experts N")
+    from ktconvert.cpu.plan import render
+    from ktconvert.gpu.plan import render_gpu
 
-        results["cpu"], renders["cpu"] = run(src, method=method, numa=numa, layout=layout, group_size=group_size,
-                                             include_mtp=include_mtp, out=out,
-                                             expert_orientation=expert_orientation), render
-    if gpu_experts is not None:
-        from ktconvert.gpu.plan import plan_gpu, render_gpu
+    results, renders = {}, {"cpu": render, "gpu": render_gpu}
+    if method is not None or gpu_experts is not None:
+        from ktconvert import api
 
-        results["gpu"], renders["gpu"] = plan_gpu(src, gpu_experts, group_size or 128, linears, include_mtp,
-                                                  expert_orientation), render_gpu
+        cpu = None if method is None else dict(method=method, numa=numa, layout=layout, group_size=group_size,
+                                               include_mtp=include_mtp)
+        gpu = None if gpu_experts is None else dict(experts=gpu_experts, group_size=group_size or 128,
+                                                    linears=linears, include_mtp=include_mtp)
+        result = api.plan(_source(src, expert_orientation), cpu, gpu, out=out)
+        results = {k: v for k, v in result.to_dict().items() if k != "source" and v is not None}
+    if placing:
+        from ktconvert.activation.placement import plan_placement, render_placement
+
+        results["placement"], renders["placement"] = plan_placement(
+            src, ratio=gpu_ratio, per_layer=gpu_count, stats=expert_stats, gpu_experts=gpu_experts or "w4a16",
+            group_size=group_size or 128), render_placement
     if as_json:
         click.echo(json.dumps(results if len(results) > 1 else next(iter(results.values())), indent=2, sort_keys=True))
     else:
@@ -170,12 +197,11 @@ def cpu(src, out, method, numa, layout, quant, group_size, calibration, threads,
     from ktconvert.progress import make_progress
 
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        summary = convert_cpu(src, out, method=method, numa=numa, layout=layout, quant=quant,
-                              group_size=group_size, threads=threads, resume=resume, force=force,
-                              include_dense=include_dense, include_mtp=include_mtp,
-                              allow_drop_bias=allow_drop_bias, calibration=calibration, progress=progress,
-                              expert_orientation=expert_orientation)
-    click.echo(summary)
+        result = convert_cpu(_source(src, expert_orientation), out, method=method, numa=numa, layout=layout,
+                             quant=quant, group_size=group_size, threads=threads, resume=resume, force=force,
+                             include_dense=include_dense, include_mtp=include_mtp,
+                             allow_drop_bias=allow_drop_bias, calibration=calibration, progress=progress)
+    click.echo(result.summary())
 
 
 @cli.command()
@@ -221,7 +247,7 @@ def demo(workdir, arch, method, numa) -> None:
     model = make_tiny_model(root / "model", arch=arch, force=True)
     click.echo(f"tiny model: {model}")
     with make_progress() as progress:
-        click.echo(convert_cpu(model, root / "out", method=method, numa=numa, force=True, progress=progress))
+        click.echo(convert_cpu(model, root / "out", method=method, numa=numa, force=True, progress=progress).summary())
     result = run_verify(str(root / "out"), source=str(model), hashes=True)
     click.echo(render(result))
     if not result.get("ok", False):
@@ -390,21 +416,22 @@ def gpu(src, out, experts, gpu_group_size, linears, algo, calibration, include_m
         as_json, quiet, json_progress, expert_orientation) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
-    from ktconvert.gpu.writer import convert_gpu
+    from ktconvert import api
     from ktconvert.progress import make_progress
 
     if dry_run:
-        from ktconvert.gpu.plan import plan_gpu, render_gpu
+        from ktconvert.gpu.plan import render_gpu
 
-        _emit(plan_gpu(src, experts, int(gpu_group_size), linears, include_mtp, expert_orientation), as_json,
-              render_gpu)
+        gpu_plan = api.plan(_source(src, expert_orientation), gpu=dict(experts=experts, group_size=int(gpu_group_size), linears=linears,
+                                          include_mtp=include_mtp)).gpu
+        _emit(gpu_plan.report, as_json, render_gpu)
         return
     require("gpu", "ktconvert gpu")
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        summary = convert_gpu(src, out, experts=experts, algo=algo, group_size=int(gpu_group_size), linears=linears,
-                              include_mtp=include_mtp, threads=threads, resume=resume, force=force,
-                              calibration=calibration, progress=progress, expert_orientation=expert_orientation)
-    click.echo(summary)
+        result = api.convert_gpu(_source(src, expert_orientation), out, experts=experts, quant=algo, group_size=int(gpu_group_size),
+                                 linears=linears, include_mtp=include_mtp, threads=threads, resume=resume,
+                                 force=force, calibration=calibration, progress=progress)
+    click.echo(result.summary())
 
 
 @cli.command()
@@ -428,15 +455,46 @@ def convert(src, cpu_out, method, numa, layout, gpu_out, experts, gpu_group_size
     """Write the CPU and the GPU outputs of SRC in one pass (every source expert read once, RTN on both sides).
     Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write."""
     require("gpu", "ktconvert convert")
-    from ktconvert.gpu.convert import convert_both
+    from ktconvert import api
+    from ktconvert.progress import make_progress
+
+    cpu = api.CpuOptions.make(method=method, numa=numa, layout=layout, include_mtp=include_mtp,
+                              allow_drop_bias=allow_drop_bias)
+    gpu = api.GpuOptions.make(experts=experts, group_size=int(gpu_group_size), linears=linears,
+                              include_mtp=include_mtp)
+    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+        results = api.convert(_source(src, expert_orientation), [(cpu_out, cpu), (gpu_out, gpu)], threads=threads, resume=resume, force=force,
+                              progress=progress)
+    click.echo("\n".join(r.summary() for r in results))
+
+
+@cli.command("expert-stats")
+@click.argument("src", type=click.Path(exists=True))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
+@click.option("--max-length", type=int, default=2048, show_default=True, help="Tokens per sample at most.")
+@click.option("--num-samples", type=int, default=None, help="Use the first N samples (default: all).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Precision of the forward (bfloat16 halves a layer's memory).")
+@click.option("--report", type=click.Path(dir_okay=False), default=None,
+              help="Also write an HTML page: layer x expert heat map, top-N coverage.")
+@click.option("--force", is_flag=True, help="Overwrite existing OUT / report files.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
+@_progress_options
+def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, force, as_json, quiet,
+                 json_progress) -> None:
+    """Count the calibration tokens each routed expert of SRC receives (the model's own router, float forward,
+    one decoder layer in memory at a time) into OUT (.pt), the file SGLang-KT's frequency placement reads:
+    --init-expert-location OUT --kt-expert-placement-strategy frequency. Needs the [gpu] extra."""
+    from ktconvert.activation.stats import expert_stats as run, render
     from ktconvert.progress import make_progress
 
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        lines = convert_both(src, cpu_out, gpu_out, method=method, numa=numa, layout=layout, experts=experts,
-                             gpu_group_size=int(gpu_group_size), linears=linears, include_mtp=include_mtp,
-                             allow_drop_bias=allow_drop_bias, threads=threads, resume=resume, force=force,
-                             progress=progress, expert_orientation=expert_orientation)
-    click.echo("\n".join(lines))
+        result = run(src, out, calibration, max_length=max_length, num_samples=num_samples, dtype=dtype,
+                     report=report, force=force, progress=progress)
+    _emit(result, as_json, render)
+
 
 
 def main() -> None:

@@ -26,11 +26,11 @@
 
 /* Per-ISA kernels. prep: BF16 row -> x (fp32, subnormals 0) and X = rint_even(x * pow2) (double).
  * sums: P and Q of one candidate. codes: the codes of one candidate as BF16 bits. */
-typedef struct {
+struct kt_mse_kernels {
     void (*prep)(const uint16_t *row, int64_t k, double pow2, float *x, double *X);
     void (*sums)(const float *x, const double *X, int64_t k, float isc, float qmax, double *pq);
     void (*codes)(const float *x, int64_t k, float isc, float qmax, uint16_t *out);
-} mse_kernels;
+};
 
 static inline float code_scalar(float x, float isc, float qmax) {
     float y = x * isc;
@@ -67,7 +67,7 @@ static void codes_scalar(const float *x, int64_t k, float isc, float qmax, uint1
     }
 }
 
-static const mse_kernels mse_kernels_scalar = {prep_scalar, sums_scalar, codes_scalar};
+const kt_mse_kernels kt_mse_kernels_scalar = {prep_scalar, sums_scalar, codes_scalar};
 
 #ifdef KT_X86
 #include <immintrin.h>
@@ -138,7 +138,7 @@ KT_AVX512 static void codes_avx512(const float *x, int64_t k, float isc, float q
     codes_scalar(x + j, k - j, isc, qmax, out + j);
 }
 
-static const mse_kernels mse_kernels_avx512 = {prep_avx512, sums_avx512, codes_avx512};
+const kt_mse_kernels kt_mse_kernels_avx512 = {prep_avx512, sums_avx512, codes_avx512};
 #endif
 
 /* Scratch of one call: x, X for one row, and BF16 codes of `rows` rows. */
@@ -168,7 +168,7 @@ typedef struct {
 } mse_best;
 
 /* Evaluate grid point j (a = qmax + step * j); it replaces the best only with a strictly larger score. */
-static void offer(const mse_kernels *mk, const mse_scratch *s, int64_t k, float amax, float qmax, float step, int j,
+static void offer(const kt_mse_kernels *mk, const mse_scratch *s, int64_t k, float amax, float qmax, float step, int j,
                   mse_best *best) {
     float isc = (qmax + step * (float)j) / amax;
     double pq[2];
@@ -198,7 +198,7 @@ static void rtn_row(const uint16_t *row, int64_t k, int bits, float amax, uint16
 }
 
 /* One row: codes (BF16 bits of the integers) into `out`, d into *d_out. KT_E_NONFINITE on NaN/Inf. */
-static int search_row(const mse_kernels *mk, const kt_amx_kernels *ak, const uint16_t *row, int64_t k, int bits,
+static int search_row(const kt_mse_kernels *mk, const kt_amx_kernels *ak, const uint16_t *row, int64_t k, int bits,
                       const mse_scratch *s, uint16_t *out, float *d_out) {
     uint16_t amax_bits = ak->row_amax_bits(row, k);
     if (amax_bits >= 0x7f80) return KT_E_NONFINITE;
@@ -226,15 +226,13 @@ static int search_row(const mse_kernels *mk, const kt_amx_kernels *ak, const uin
     return KT_OK;
 }
 
-static int kernels_for(int impl, const mse_kernels **mk, const kt_amx_kernels **ak) {
-    int chosen = kt_resolve_impl(impl);
-    if (chosen < 0) return -chosen;
-    *mk = &mse_kernels_scalar;
-    *ak = &kt_amx_kernels_scalar;
-#ifdef KT_X86
-    if (chosen == KT_IMPL_AVX512) *mk = &mse_kernels_avx512, *ak = &kt_amx_kernels_avx512;
-    if (chosen == KT_IMPL_AVX2) *ak = &kt_amx_kernels_avx2; /* no AVX2 search yet: scalar sums */
-#endif
+/* The search and AMX kernels of the implementation a call with `impl` runs (dispatch.c's table). */
+static int kernels_for(int impl, const kt_mse_kernels **mk, const kt_amx_kernels **ak) {
+    int status;
+    const kt_impl *chosen = kt_impl_get(impl, &status);
+    if (!chosen) return status;
+    *mk = chosen->mse;
+    *ak = chosen->amx;
     return KT_OK;
 }
 
@@ -243,8 +241,8 @@ KT_API int kt_mse_rows(const uint16_t *w_bf16, int64_t n, int64_t k, int bits, i
     if (bits != 4 && bits != 8) return KT_E_ARG;
     if (n <= 0 || k <= 0 || k > MSE_MAX_K) return KT_E_SHAPE;
     if (!w_bf16 || !codes || !scales || row_begin < 0 || row_begin > row_end || row_end > n) return KT_E_ARG;
-    const mse_kernels *mk;
-    const kt_amx_kernels *ak;
+    const kt_mse_kernels *mk = NULL;
+    const kt_amx_kernels *ak = NULL;
     int status = kernels_for(impl, &mk, &ak);
     if (status != KT_OK) return status;
     mse_scratch s;
@@ -271,8 +269,8 @@ KT_API int kt_amx_mse_quantize(const uint16_t *w_bf16, int64_t n, int64_t k, int
     if (k > MSE_MAX_K) return KT_E_SHAPE;
     if (!w_bf16 || !blob || !scales) return KT_E_ARG;
     if (nblock_begin < 0 || nblock_begin > nblock_end || nblock_end > kt_amx_nblocks(n, bits)) return KT_E_ARG;
-    const mse_kernels *mk;
-    const kt_amx_kernels *ak;
+    const kt_mse_kernels *mk = NULL;
+    const kt_amx_kernels *ak = NULL;
     if ((status = kernels_for(impl, &mk, &ak)) != KT_OK) return status;
     int64_t nb_rows = kt_amx_nblock_rows(bits);
     mse_scratch s;

@@ -1,5 +1,5 @@
 /* AMXINT4 / AMXINT8 driver: shape checks, per-row scales, the N-block / K-block / panel / tile walk
- * (kt-format.md 2.0-2.2). The per-tile work is done by the ISA kernels chosen in dispatch.c. */
+ * (kt-format.md 2.0-2.2). The per-tile work is done by the ISA kernels of the implementation dispatch.c picks. */
 #include <float.h>
 
 #include "kt_internal.h"
@@ -74,30 +74,17 @@ static int quantize_blocks(const kt_amx_kernels *kern, const uint16_t *w, int64_
     return KT_OK;
 }
 
-static const kt_amx_kernels *kernels_for(int impl) {
-    switch (impl) {
-    case KT_IMPL_SCALAR: return &kt_amx_kernels_scalar;
-#ifdef KT_X86
-    case KT_IMPL_AVX2: return &kt_amx_kernels_avx2;
-    case KT_IMPL_AVX512: return &kt_amx_kernels_avx512;
-#endif
-    default: return NULL;
-    }
-}
-
 KT_API int kt_amx_quantize(const uint16_t *w_bf16, int64_t n, int64_t k, int bits, int impl, uint8_t *blob,
                            float *scales, int64_t nblock_begin, int64_t nblock_end, int64_t *err_row) {
     int status = kt_amx_check_shape(n, k, bits);
     if (status != KT_OK) return status;
     if (!w_bf16 || !blob || !scales) return KT_E_ARG;
     if (nblock_begin < 0 || nblock_begin > nblock_end || nblock_end > kt_amx_nblocks(n, bits)) return KT_E_ARG;
-    int chosen = kt_resolve_impl(impl);
-    if (chosen < 0) return -chosen;
-    const kt_amx_kernels *kern = kernels_for(chosen);
-    if (!kern) return KT_E_IMPL;
+    const kt_impl *chosen = kt_impl_get(impl, &status);
+    if (!chosen) return status;
     kt_fpenv env;
     kt_fpenv_enter(&env);
-    status = quantize_blocks(kern, w_bf16, n, k, bits, blob, scales, nblock_begin, nblock_end, err_row);
+    status = quantize_blocks(chosen->amx, w_bf16, n, k, bits, blob, scales, nblock_begin, nblock_end, err_row);
     kt_fpenv_leave(&env);
     return status;
 }

@@ -1,4 +1,6 @@
-/* Run-time CPU detection (CPUID + XGETBV) and implementation selection; see kt_native.h for the contract. */
+/* Run-time CPU detection (CPUID + XGETBV) and the one table of implementations every kernel family dispatches
+ * through (kt_internal.h: kt_impl); see kt_native.h for the public contract. */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -96,72 +98,134 @@ KT_API int kt_cpu_features(void) {
     return f;
 }
 
-static int impl_requirements(int impl) {
-    switch (impl) {
-    case KT_IMPL_SCALAR: return 0;
-    case KT_IMPL_AVX2: return KT_CPU_AVX2;
-    case KT_IMPL_AVX512: return KT_CPU_AVX512F | KT_CPU_AVX512BW | KT_CPU_AVX512VL;
-    default: return -1;
-    }
+/* ---------------------------------------------------------------- the table of implementations */
+
+extern const kt_mse_kernels kt_mse_kernels_scalar;
+extern const kt_decode_kernels kt_decode_kernels_scalar;
+extern const kt_gguf_kernels kt_gguf_kernels_scalar;
+extern const kt_rt_kernels kt_rt_kernels_scalar;
+extern const kt_ctq_kernels kt_ctq_kernels_scalar;
+#ifdef KT_X86
+extern const kt_mse_kernels kt_mse_kernels_avx512;
+extern const kt_decode_kernels kt_decode_kernels_avx2, kt_decode_kernels_avx512;
+extern const kt_gguf_kernels kt_gguf_kernels_avx2, kt_gguf_kernels_avx512;
+extern const kt_rt_kernels kt_rt_kernels_avx2, kt_rt_kernels_avx512, kt_rt_kernels_avx512vnni;
+extern const kt_ctq_kernels kt_ctq_kernels_avx2, kt_ctq_kernels_avx512;
+#define X86_ONLY(x) (x)
+#else
+#define X86_ONLY(x) NULL /* rows kept so the names exist; their features are never detected off x86 */
+#endif
+
+#define NEEDS_AVX2 (KT_CPU_AVX2 | KT_CPU_FMA | KT_CPU_F16C)
+#define NEEDS_AVX512 (KT_CPU_AVX512F | KT_CPU_AVX512BW | KT_CPU_AVX512VL | KT_CPU_FMA)
+
+/* Best first; the scalar row (no requirement) is last and always supported. Rows sharing an id are ordered most
+ * demanding first; the last of them states what the id needs at least. */
+static const kt_impl IMPLS[] = {
+    {KT_IMPL_AVX512, "avx512", "avx512-vnni", NEEDS_AVX512 | KT_CPU_AVX512VNNI, X86_ONLY(&kt_amx_kernels_avx512),
+     X86_ONLY(&kt_mse_kernels_avx512), X86_ONLY(&kt_decode_kernels_avx512), X86_ONLY(&kt_gguf_kernels_avx512),
+     X86_ONLY(&kt_rt_kernels_avx512vnni), X86_ONLY(&kt_ctq_kernels_avx512)},
+    {KT_IMPL_AVX512, "avx512", "avx512", NEEDS_AVX512, X86_ONLY(&kt_amx_kernels_avx512),
+     X86_ONLY(&kt_mse_kernels_avx512), X86_ONLY(&kt_decode_kernels_avx512), X86_ONLY(&kt_gguf_kernels_avx512),
+     X86_ONLY(&kt_rt_kernels_avx512), X86_ONLY(&kt_ctq_kernels_avx512)},
+    {KT_IMPL_AVX2, "avx2", "avx2", NEEDS_AVX2, X86_ONLY(&kt_amx_kernels_avx2), &kt_mse_kernels_scalar,
+     X86_ONLY(&kt_decode_kernels_avx2), X86_ONLY(&kt_gguf_kernels_avx2), X86_ONLY(&kt_rt_kernels_avx2),
+     X86_ONLY(&kt_ctq_kernels_avx2)},
+    {KT_IMPL_SCALAR, "scalar", "scalar", 0, &kt_amx_kernels_scalar, &kt_mse_kernels_scalar,
+     &kt_decode_kernels_scalar, &kt_gguf_kernels_scalar, &kt_rt_kernels_scalar, &kt_ctq_kernels_scalar},
+};
+#define N_IMPLS ((int)(sizeof IMPLS / sizeof IMPLS[0]))
+
+static int row_supported(const kt_impl *row) { return (row->required & ~kt_cpu_features()) == 0; }
+
+/* The first supported row of `id` (0: of any id), or NULL. */
+static const kt_impl *best_row(int id) {
+    for (int i = 0; i < N_IMPLS; i++)
+        if ((id == 0 || IMPLS[i].id == id) && row_supported(&IMPLS[i])) return &IMPLS[i];
+    return NULL;
+}
+
+/* The least demanding row of `id` (the last one), or NULL for an unknown id. */
+static const kt_impl *base_row(int id) {
+    const kt_impl *found = NULL;
+    for (int i = 0; i < N_IMPLS; i++)
+        if (IMPLS[i].id == id) found = &IMPLS[i];
+    return found;
 }
 
 KT_API int kt_impl_missing(int impl) {
-    int need = impl_requirements(impl);
-    if (need < 0) return -1;
-#ifndef KT_X86
-    if (impl != KT_IMPL_SCALAR) return need;
-#endif
-    return need & ~kt_cpu_features();
+    const kt_impl *row = base_row(impl);
+    return row ? row->required & ~kt_cpu_features() : -1;
 }
 
 KT_API const char *kt_impl_name(int impl) {
-    switch (impl) {
-    case KT_IMPL_SCALAR: return "scalar";
-    case KT_IMPL_AVX2: return "avx2";
-    case KT_IMPL_AVX512: return "avx512";
-    default: return NULL;
-    }
+    const kt_impl *row = base_row(impl);
+    return row ? row->name : NULL;
 }
 
-KT_API int kt_impl_best(void) {
-    static const int best_first[] = {KT_IMPL_AVX512, KT_IMPL_AVX2, KT_IMPL_SCALAR};
-    for (size_t i = 0; i < sizeof best_first / sizeof best_first[0]; i++)
-        if (kt_impl_missing(best_first[i]) == 0) return best_first[i];
-    return KT_IMPL_SCALAR;
-}
+KT_API int kt_impl_best(void) { return best_row(0)->id; }
 
+/* Index of the row KTCONVERT_FORCE_IMPL selects (read once per process), or -KT_E_IMPL / -KT_E_ARG.
+ * "numpy" selects ktconvert's numpy paths in Python; kernels without one run the best implementation. */
 static int select_from_env(void) {
     const char *env = getenv("KTCONVERT_FORCE_IMPL");
-    /* "numpy" selects ktconvert's numpy paths in Python; kernels without one run the best implementation. */
-    if (!env || !*env || strcmp(env, "auto") == 0 || strcmp(env, "numpy") == 0) return kt_impl_best();
-    for (int impl = KT_IMPL_SCALAR; impl <= KT_IMPL_AVX512; impl++) {
-        if (strcmp(env, kt_impl_name(impl)) == 0) return kt_impl_missing(impl) == 0 ? impl : -KT_E_IMPL;
+    int id = 0;
+    if (env && *env && strcmp(env, "auto") != 0 && strcmp(env, "numpy") != 0) {
+        for (int i = 0; i < N_IMPLS && id == 0; i++)
+            if (strcmp(env, IMPLS[i].name) == 0) id = IMPLS[i].id;
+        if (id == 0) return -KT_E_ARG;
     }
-    return -KT_E_ARG;
+    const kt_impl *row = best_row(id);
+    return row ? (int)(row - IMPLS) : -KT_E_IMPL;
 }
 
-static int cached_selection = 0;
+static int cached_selection = INT32_MIN; /* row index or -KT_E_*; a race between first callers is harmless */
 
-KT_API int kt_select_impl(void) {
-    int s = __atomic_load_n(&cached_selection, __ATOMIC_ACQUIRE);
-    if (s == 0) {
-        s = select_from_env();
-        __atomic_store_n(&cached_selection, s, __ATOMIC_RELEASE);
+const kt_impl *kt_impl_get(int impl, int *status) {
+    const kt_impl *row;
+    if (impl == KT_IMPL_AUTO) {
+        int s = __atomic_load_n(&cached_selection, __ATOMIC_ACQUIRE);
+        if (s == INT32_MIN) {
+            s = select_from_env();
+            __atomic_store_n(&cached_selection, s, __ATOMIC_RELEASE);
+        }
+        *status = s < 0 ? -s : KT_OK;
+        return s < 0 ? NULL : &IMPLS[s];
     }
-    return s;
+    if (base_row(impl) == NULL) {
+        *status = KT_E_ARG;
+        return NULL;
+    }
+    row = best_row(impl);
+    *status = row ? KT_OK : KT_E_IMPL;
+    return row;
 }
+
+KT_API int kt_select_impl(void) { return kt_resolve_impl(KT_IMPL_AUTO); }
 
 KT_API int kt_resolve_impl(int impl) {
-    if (impl == KT_IMPL_AUTO) return kt_select_impl();
-    int missing = kt_impl_missing(impl);
-    if (missing < 0) return -KT_E_ARG;
-    return missing == 0 ? impl : -KT_E_IMPL;
+    int status;
+    const kt_impl *row = kt_impl_get(impl, &status);
+    return row ? row->id : -status;
 }
+
+KT_API const char *kt_impl_variant(int impl) {
+    int status;
+    const kt_impl *row = kt_impl_get(impl, &status);
+    return row ? row->variant : NULL;
+}
+
+/* ---------------------------------------------------------------- floating-point environment */
 
 #ifdef KT_X86
 void kt_fpenv_enter(kt_fpenv *env) {
     env->saved = _mm_getcsr();
     _mm_setcsr(0x1f80u | 0x8000u | 0x0040u); /* exceptions masked, round to nearest even, FTZ, DAZ */
+}
+
+void kt_fpenv_enter_ieee(kt_fpenv *env) {
+    env->saved = _mm_getcsr();
+    _mm_setcsr(0x1f80u); /* exceptions masked, round to nearest even, subnormals kept */
 }
 
 void kt_fpenv_leave(const kt_fpenv *env) { _mm_setcsr(env->saved); }
@@ -181,6 +245,8 @@ void kt_fpenv_enter(kt_fpenv *env) {
     env->saved = (unsigned int)fegetround();
     fesetround(FE_TONEAREST);
 }
+
+void kt_fpenv_enter_ieee(kt_fpenv *env) { kt_fpenv_enter(env); }
 
 void kt_fpenv_leave(const kt_fpenv *env) { fesetround((int)env->saved); }
 #endif

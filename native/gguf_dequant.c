@@ -338,7 +338,7 @@ KT_INLINE void to_bf16_sse2(const float *x, int64_t n, uint16_t *out) {
 
 #define KT_BODY_G(NAME, ISA) blk_##NAME
 #define KT_BODY_S(NAME, ISA) blk_##NAME##_##ISA
-#define KT_BODY_N(NAME, ISA) blk_##NAME   /* instantiated but not used: see KT_ISA_FNS_N */
+#define KT_BODY_N(NAME, ISA) blk_##NAME   /* instantiated but not used: see KT_PICK_N */
 
 #ifdef KT_X86
 /* SIMD nibble lookups: the 16-entry float table lives in registers (AVX-512: one permutexvar; AVX2: two 8-entry
@@ -496,61 +496,70 @@ KT_GGUF_TYPES(KT_DEFINE_TYPE_scalar)
     KT_DEFINE_TYPE2(KT_ATTR_AVX512, avx512, KT_BODY_##SIMD(NAME, avx512), to_bf16_avx512, NAME, ID, ELEMS, BYTES)
 KT_GGUF_TYPES(KT_DEFINE_TYPE_avx2)
 KT_GGUF_TYPES(KT_DEFINE_TYPE_avx512)
-#define KT_ISA_FNS(PFX, NAME) {PFX##NAME##_scalar, PFX##NAME##_avx2, PFX##NAME##_avx512}
-#define KT_ISA_FNS_N(PFX, NAME) {PFX##NAME##_scalar, PFX##NAME##_scalar, PFX##NAME##_scalar}
-#else
-#define KT_ISA_FNS_N(PFX, NAME) KT_ISA_FNS(PFX, NAME)
-#define KT_ISA_FNS(PFX, NAME) {PFX##NAME##_scalar, PFX##NAME##_scalar, PFX##NAME##_scalar}
 #endif
 
+/* Per type: ggml id, elements and bytes per block; a type's position here is its index in every kernel table. */
 typedef struct {
     int type;
     int64_t elems, bytes;
-    dq_f32_fn f32[3];   /* index: impl id - 1 (scalar, avx2, avx512) */
-    dq_bf16_fn bf16[3];
 } kt_gguf_entry;
 
-#define KT_ISA_FNS_G KT_ISA_FNS
-#define KT_ISA_FNS_S KT_ISA_FNS
-#define KT_ENTRY(NAME, ID, ELEMS, BYTES, SIMD) \
-    {ID, ELEMS, BYTES, KT_ISA_FNS_##SIMD(dq_, NAME), KT_ISA_FNS_##SIMD(dqb_, NAME)},
+#define KT_ENTRY(NAME, ID, ELEMS, BYTES, SIMD) {ID, ELEMS, BYTES},
 static const kt_gguf_entry KT_GGUF_TABLE[] = {KT_GGUF_TYPES(KT_ENTRY)};
 #define KT_GGUF_NTYPES ((int)(sizeof KT_GGUF_TABLE / sizeof KT_GGUF_TABLE[0]))
 
-static const kt_gguf_entry *find_type(int type) {
+/* One table per ISA, referenced by dispatch.c's table of implementations. N types use the scalar build everywhere. */
+struct kt_gguf_kernels {
+    dq_f32_fn f32[KT_GGUF_NTYPES];
+    dq_bf16_fn bf16[KT_GGUF_NTYPES];
+};
+
+#define KT_PICK_G(PFX, NAME, ISA) PFX##NAME##_##ISA,
+#define KT_PICK_S(PFX, NAME, ISA) PFX##NAME##_##ISA,
+#define KT_PICK_N(PFX, NAME, ISA) PFX##NAME##_scalar,
+#define KT_F32_scalar(NAME, ID, ELEMS, BYTES, SIMD) dq_##NAME##_scalar,
+#define KT_BF16_scalar(NAME, ID, ELEMS, BYTES, SIMD) dqb_##NAME##_scalar,
+const kt_gguf_kernels kt_gguf_kernels_scalar = {{KT_GGUF_TYPES(KT_F32_scalar)}, {KT_GGUF_TYPES(KT_BF16_scalar)}};
+#ifdef KT_X86
+#define KT_F32_avx2(NAME, ID, ELEMS, BYTES, SIMD) KT_PICK_##SIMD(dq_, NAME, avx2)
+#define KT_BF16_avx2(NAME, ID, ELEMS, BYTES, SIMD) KT_PICK_##SIMD(dqb_, NAME, avx2)
+#define KT_F32_avx512(NAME, ID, ELEMS, BYTES, SIMD) KT_PICK_##SIMD(dq_, NAME, avx512)
+#define KT_BF16_avx512(NAME, ID, ELEMS, BYTES, SIMD) KT_PICK_##SIMD(dqb_, NAME, avx512)
+const kt_gguf_kernels kt_gguf_kernels_avx2 = {{KT_GGUF_TYPES(KT_F32_avx2)}, {KT_GGUF_TYPES(KT_BF16_avx2)}};
+const kt_gguf_kernels kt_gguf_kernels_avx512 = {{KT_GGUF_TYPES(KT_F32_avx512)}, {KT_GGUF_TYPES(KT_BF16_avx512)}};
+#endif
+
+static int find_type(int type) {
     for (int i = 0; i < KT_GGUF_NTYPES; i++)
-        if (KT_GGUF_TABLE[i].type == type) return &KT_GGUF_TABLE[i];
-    return NULL;
+        if (KT_GGUF_TABLE[i].type == type) return i;
+    return -1;
 }
 
 KT_API int64_t kt_gguf_block_elems(int type) {
-    const kt_gguf_entry *e = find_type(type);
-    return e ? e->elems : 0;
+    const int i = find_type(type);
+    return i >= 0 ? KT_GGUF_TABLE[i].elems : 0;
 }
 
 KT_API int64_t kt_gguf_block_bytes(int type) {
-    const kt_gguf_entry *e = find_type(type);
-    return e ? e->bytes : 0;
+    const int i = find_type(type);
+    return i >= 0 ? KT_GGUF_TABLE[i].bytes : 0;
 }
 
 /* numpy's floating-point mode for the call: round to nearest even, all exceptions masked, no FTZ/DAZ (so subnormal
- * results match; kt_fpenv_enter would set FTZ/DAZ). The caller's MXCSR is restored. */
+ * results match; kt_fpenv_enter would set FTZ/DAZ). The caller's mode is restored. */
 static int run(int type, int impl, const uint8_t *src, int64_t nblocks, void *dst, int bf16) {
-    const kt_gguf_entry *entry = find_type(type);
-    if (entry == NULL || nblocks < 0 || (nblocks > 0 && (src == NULL || dst == NULL))) return KT_E_ARG;
-    const int chosen = kt_resolve_impl(impl);
-    if (chosen < 0) return -chosen;
-#ifdef KT_X86
-    const unsigned int saved = _mm_getcsr();
-    _mm_setcsr(0x1f80u);
-#endif
+    const int i = find_type(type);
+    if (i < 0 || nblocks < 0 || (nblocks > 0 && (src == NULL || dst == NULL))) return KT_E_ARG;
+    int status;
+    const kt_impl *chosen = kt_impl_get(impl, &status);
+    if (!chosen) return status;
+    kt_fpenv env;
+    kt_fpenv_enter_ieee(&env);
     if (bf16)
-        entry->bf16[chosen - 1](src, nblocks, (uint16_t *)dst);
+        chosen->gguf->bf16[i](src, nblocks, (uint16_t *)dst);
     else
-        entry->f32[chosen - 1](src, nblocks, (float *)dst);
-#ifdef KT_X86
-    _mm_setcsr(saved);
-#endif
+        chosen->gguf->f32[i](src, nblocks, (float *)dst);
+    kt_fpenv_leave(&env);
     return KT_OK;
 }
 

@@ -36,11 +36,44 @@ extern const kt_amx_kernels kt_amx_kernels_avx2;
 extern const kt_amx_kernels kt_amx_kernels_avx512;
 #endif
 
-/* Floating-point environment for one call (see kt_native.h): set RNE (+FTZ/DAZ on x86), restore afterwards. */
+/* ---- The implementations: one table, best first (dispatch.c) ----
+ * Which code runs on this CPU is decided in dispatch.c only: every kernel family takes its per-ISA functions from
+ * the row kt_impl_get() returns. A row holds the id that KTCONVERT_FORCE_IMPL and `impl` arguments name, the
+ * variant name (what `ktconvert env` shows), the KT_CPU_* features it needs, and one kernel table per family; each
+ * table's type is completed by its family's source file. Several rows may share an id: the first supported one
+ * runs (avx512 with VNNI before plain avx512). */
+typedef struct kt_mse_kernels kt_mse_kernels;       /* amx_mse.c */
+typedef struct kt_decode_kernels kt_decode_kernels; /* quant_decode.c */
+typedef struct kt_gguf_kernels kt_gguf_kernels;     /* gguf_dequant.c */
+typedef struct kt_rt_kernels kt_rt_kernels;         /* kt_runtime.h */
+typedef struct kt_ctq_kernels kt_ctq_kernels;       /* ct_quant.c */
+
+typedef struct {
+    int id;                 /* KT_IMPL_SCALAR | KT_IMPL_AVX2 | KT_IMPL_AVX512 */
+    const char *name;       /* "scalar" | "avx2" | "avx512": the name of the id */
+    const char *variant;    /* e.g. "avx512-vnni": this row's kernels */
+    int required;           /* KT_CPU_* bits that must all be usable */
+    const kt_amx_kernels *amx;
+    const kt_mse_kernels *mse;
+    const kt_decode_kernels *decode;
+    const kt_gguf_kernels *gguf;
+    const kt_rt_kernels *runtime;
+    const kt_ctq_kernels *ctq;
+} kt_impl;
+
+/* The row a call with `impl` runs: KT_IMPL_AUTO -> the choice made once per process (best supported, or
+ * KTCONVERT_FORCE_IMPL); an id -> the best supported row of that id. NULL with *status = KT_E_IMPL (not supported
+ * here) or KT_E_ARG (unknown id / name). */
+const kt_impl *kt_impl_get(int impl, int *status);
+
+/* Floating-point environment for one call, restored by kt_fpenv_leave:
+ *   kt_fpenv_enter       round to nearest even + FTZ/DAZ on x86 (kt-kernel's mode; C99 fenv rounding elsewhere)
+ *   kt_fpenv_enter_ieee  round to nearest even, no FTZ/DAZ (numpy's and torch's mode: subnormals kept) */
 typedef struct {
     unsigned int saved;
 } kt_fpenv;
 void kt_fpenv_enter(kt_fpenv *env);
+void kt_fpenv_enter_ieee(kt_fpenv *env);
 void kt_fpenv_leave(const kt_fpenv *env);
 
 /* Bit-level float helpers shared by every kernel file. */

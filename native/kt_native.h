@@ -18,13 +18,19 @@
  *                       ("auto", empty, or "numpy" -- which makes Python use its numpy paths where it has them --
  *                       mean the best one here).
  *                       Returns KT_E_IMPL if the forced one is unsupported (kt_impl_missing says what is missing),
- *                       KT_E_ARG if the variable holds an unknown name. The environment is read once per process.
+ *                       KT_E_ARG if the variable holds an unknown name. Chosen once per process.
  *   kt_resolve_impl(i)  KT_IMPL_AUTO -> kt_select_impl(); an explicit id -> itself if supported, else KT_E_IMPL.
+ *   kt_impl_variant(i)  the kernels a call with i runs ("avx512-vnni", "avx512", "avx2", "scalar"); NULL if none.
  *
- * Implementations and what they need:
- *   KT_IMPL_SCALAR  portable C (the reference), nothing
- *   KT_IMPL_AVX2    KT_CPU_AVX2 (with OS YMM state)
- *   KT_IMPL_AVX512  KT_CPU_AVX512F | KT_CPU_AVX512BW | KT_CPU_AVX512VL (with OS ZMM state)
+ * The choice is made in one place, dispatch.c: a table of implementations, best first, each with the CPU features
+ * it needs (with the OS state they use) and the kernels of every family; simdjson's implementation list is the
+ * model:
+ *   avx512 (variant avx512-vnni)  AVX512F | AVX512BW | AVX512VL | FMA | AVX512VNNI
+ *   avx512                        AVX512F | AVX512BW | AVX512VL | FMA
+ *   avx2                          AVX2 | FMA | F16C
+ *   scalar                        nothing (portable C, the reference)
+ * Every implementation gives the same bytes for the converters and decoders; the runtime's sums differ only by
+ * fp32 rounding (the VNNI variant sums in integers).
  *
  * Floating point: kernels set MXCSR to round-to-nearest-even with FTZ+DAZ (kt-kernel's mode; off x86 the C99 fenv
  * rounding mode) for the duration of a call and restore the caller's value afterwards, so results never depend on
@@ -87,6 +93,7 @@ KT_API int kt_impl_best(void);                         /* best supported id, ign
 KT_API int kt_select_impl(void);                       /* id >= 1, or -KT_E_IMPL / -KT_E_ARG */
 KT_API int kt_resolve_impl(int impl);                  /* id >= 1, or -KT_E_IMPL / -KT_E_ARG */
 KT_API const char *kt_impl_name(int impl);             /* "scalar" | "avx2" | "avx512"; NULL when unknown */
+KT_API const char *kt_impl_variant(int impl);          /* kernels a call with impl runs; NULL when it cannot */
 
 /* The calling thread's flush-to-zero / denormals-are-zero mode. kt-kernel switches both on for the process when it
  * loads (its converter and kernels run that way); numpy code in the same process then silently flushes subnormals.

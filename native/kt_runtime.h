@@ -1,4 +1,4 @@
-/* ktconvert verification runtime: the C ABI (loaded from Python with ctypes, see ktconvert/native/runtime.py).
+/* ktconvert verification runtime: the C ABI (loaded from Python with ctypes, see ktconvert/native/forward.py).
  *
  * Reads kt-kernel CPU expert weights in their on-disk form and computes with them in place: AMXINT4 / AMXINT8
  * blobs in the AMX tile order of kt-format.md 2.1 / 2.2 (never unpacked to row-major), and BF16 rows in HF layout.
@@ -7,6 +7,8 @@
  *
  * Implementations are chosen like every other kernel of the library (kt_native.h): impl = KT_IMPL_AUTO picks the
  * best supported one (KTCONVERT_FORCE_IMPL overrides), an explicit id runs that one or fails with KT_E_IMPL.
+ * kt_impl_variant(impl) names the kernels that run: "scalar", "avx2", "avx512" (fp32 FMA) or "avx512-vnni" (exact
+ * integer dot products, below).
  * Results never depend on the thread count: each output row is summed by one thread in a fixed order.
  *
  * Weight types (wtype):
@@ -59,13 +61,6 @@ KT_API int kt_rt_moe_forward(int wtype, int64_t hidden, int64_t inter_part, int 
                              const int64_t *topk_ids, const float *topk_weights, int64_t topk, float *out, int impl,
                              int threads);
 
-/* Implementation id a call with this impl would run (>= 1), or -KT_E_* (also checks AVX2's FMA need). */
-KT_API int kt_rt_resolve_impl(int impl);
-
-/* Kernel variant a call with this impl runs: "scalar", "avx2", "avx512" (fp32 FMA) or "avx512-vnni" (exact
- * integer dot products, below); NULL when the impl cannot run here. */
-KT_API const char *kt_rt_variant(int impl);
-
 #ifdef KT_RUNTIME_INTERNAL
 /* ---- internal: per-ISA kernels (runtime_kernels_*.c), selected by runtime_driver.c ----
  * panel:  one 32-row panel over ntiles consecutive 2048-byte tiles of one K-block;
@@ -76,14 +71,18 @@ typedef void (*kt_rt_panel_fn)(const uint8_t *panel, int64_t ntiles, const float
                                float *acc, int64_t ldacc);
 typedef void (*kt_rt_rows_fn)(const uint16_t *w, int64_t rows, int64_t k, const float *x, int64_t m, float *y,
                               int64_t ldy);
-/* Activations as exact integers for the VNNI kernels: token t's x[c] ~= X[c] * 2^exp[t], X an int32 with
- * |X| <= 2^30 (so each x keeps >= 31 bits relative to max|x|: finer than fp32 for every x within 2^-7 of the max),
- * written as 4 balanced base-256 digits: X = sum_i digit_i * 256^i, digit_i int8 in [-128, 127].
- *   digits  int8 [m][4][k]: digit i of token t at digits + (t * 4 + i) * k
+/* Activations as exact integers for the VNNI kernels: token t's x[c] ~= X[c] * 2^exp[t], X an int32 rounded to
+ * nearest even with |X| <= 2^KT_RT_XBITS (so each x keeps >= 31 bits relative to max|x|: finer than fp32 for every
+ * x within 2^-7 of the max), written as KT_RT_XDIGITS balanced base-256 digits: X = sum_i digit_i * 256^i,
+ * digit_i int8 in [-128, 127]. (Three digits, 23 bits, were measured: 12x the fp32 kernels' error on activations
+ * with 1e4 outliers, and no speed gain once the weights are prefetched.)
+ *   digits  int8 [m][KT_RT_XDIGITS][k]: digit i of token t at digits + (t * KT_RT_XDIGITS + i) * k
  *   ksum    int64 [m][nkb]: sum of X over K-block kb (3584 columns)
  *   pow2    double [m]: 2^exp[t] (0 for an all-zero token)
  * A kernel computes S = sum_c code[c] * X[c] exactly in integers (vpdpbusd on the tile's VNNI dwords, weights
  * biased to unsigned by +128, the bias removed with ksum) and adds fp32(S * pow2) to acc. */
+#define KT_RT_XDIGITS 4
+#define KT_RT_XBITS 30
 typedef struct {
     const int8_t *digits;
     const int64_t *ksum;
@@ -93,19 +92,23 @@ typedef struct {
 typedef void (*kt_rt_qpanel_fn)(const uint8_t *panel, int64_t ntiles, const kt_rt_xq *xq, int64_t kb, int64_t m,
                                 float *acc, int64_t ldacc);
 
-typedef struct {
-    const char *name;
+/* One implementation's kernels (a row of dispatch.c's table points at one): the integer panels when set, else the
+ * fp32 panels. */
+struct kt_rt_kernels {
     kt_rt_panel_fn int4_panel;
     kt_rt_panel_fn int8_panel;
     kt_rt_rows_fn bf16_rows;
     kt_rt_qpanel_fn int4_qpanel; /* NULL: the fp32 panels are used */
     kt_rt_qpanel_fn int8_qpanel;
-} kt_rt_kernels;
+};
+typedef struct kt_rt_kernels kt_rt_kernels;
 
 extern const kt_rt_kernels kt_rt_kernels_scalar;
 extern const kt_rt_kernels kt_rt_kernels_avx2;
 extern const kt_rt_kernels kt_rt_kernels_avx512;
 extern const kt_rt_kernels kt_rt_kernels_avx512vnni;
+void kt_rt_bf16_rows_avx512(const uint16_t *w, int64_t rows, int64_t k, const float *x, int64_t m, float *y,
+                            int64_t ldy); /* shared by the avx512 and avx512-vnni kernels */
 #endif
 
 #ifdef __cplusplus

@@ -270,60 +270,23 @@ KT_ATTR_AVX512 static void mx_row_avx512(const uint8_t *blocks, const uint8_t *s
 
 /* ---------------------------------------------------------------- dispatch */
 
-typedef struct {
+struct kt_decode_kernels {
     fp8_run_fn fp8;
     ct_run_fn ct;
     mx_row_fn mx;
-} kernels;
+};
 
-static const kernels KERNELS_SCALAR = {fp8_run_scalar, ct_run_scalar, mx_row_scalar};
+/* Referenced by dispatch.c's table of implementations. The AVX2 row requires F16C (float16 products). */
+const kt_decode_kernels kt_decode_kernels_scalar = {fp8_run_scalar, ct_run_scalar, mx_row_scalar};
 #ifdef KT_X86
-static const kernels KERNELS_AVX2 = {fp8_run_avx2, ct_run_avx2, mx_row_avx2};
-static const kernels KERNELS_AVX512 = {fp8_run_avx512, ct_run_avx512, mx_row_avx512};
+const kt_decode_kernels kt_decode_kernels_avx2 = {fp8_run_avx2, ct_run_avx2, mx_row_avx2};
+const kt_decode_kernels kt_decode_kernels_avx512 = {fp8_run_avx512, ct_run_avx512, mx_row_avx512};
 #endif
 
-/* The kernels of `impl` (resolved), or NULL with *status set. The AVX2 kernels use F16C only for float16
- * products; a CPU without it gets the scalar runs for those (same bits). */
-static const kernels *kernels_for(int impl, int f16, kernels *scratch, int *status) {
-    const int chosen = kt_resolve_impl(impl);
-    if (chosen < 0) {
-        *status = -chosen;
-        return NULL;
-    }
-    *status = KT_OK;
-#ifdef KT_X86
-    if (chosen == KT_IMPL_AVX512) return &KERNELS_AVX512;
-    if (chosen == KT_IMPL_AVX2) {
-        if (!f16 || (kt_cpu_features() & KT_CPU_F16C)) return &KERNELS_AVX2;
-        *scratch = KERNELS_AVX2;
-        scratch->fp8 = fp8_run_scalar;
-        scratch->ct = ct_run_scalar;
-        return scratch;
-    }
-#else
-    (void)f16;
-    (void)scratch;
-#endif
-    return &KERNELS_SCALAR;
-}
-
-/* numpy's floating-point mode for one call: RNE, exceptions masked, no FTZ/DAZ. */
-KT_INLINE unsigned int ieee_enter(void) {
-#ifdef KT_X86
-    const unsigned int saved = _mm_getcsr();
-    _mm_setcsr(0x1f80u);
-    return saved;
-#else
-    return 0;
-#endif
-}
-
-KT_INLINE void ieee_leave(unsigned int saved) {
-#ifdef KT_X86
-    _mm_setcsr(saved);
-#else
-    (void)saved;
-#endif
+/* The kernels a call with `impl` runs, or NULL with *status set. */
+static const kt_decode_kernels *kernels_for(int impl, int *status) {
+    const kt_impl *chosen = kt_impl_get(impl, status);
+    return chosen ? chosen->decode : NULL;
 }
 
 static int bad_rows(int64_t n, int64_t row_begin, int64_t row_end) {
@@ -337,12 +300,12 @@ KT_API int kt_fp8_block_dequant_bf16(const uint8_t *codes, int64_t n, int64_t k,
                                      int64_t row_end) {
     if (!codes || !scale || !out || bad_rows(n, row_begin, row_end)) return KT_E_ARG;
     if (n <= 0 || k <= 0 || bn <= 0 || bk <= 0) return KT_E_SHAPE;
-    kernels scratch;
     int status;
-    const kernels *kern = kernels_for(impl, product_f16, &scratch, &status);
+    const kt_decode_kernels *kern = kernels_for(impl, &status);
     if (!kern) return status;
     const int64_t kb = (k + bk - 1) / bk;
-    const unsigned int saved = ieee_enter();
+    kt_fpenv env;
+    kt_fpenv_enter_ieee(&env);
     for (int64_t r = row_begin; r < row_end; r++) {
         const float *srow = scale + (r / bn) * kb;
         for (int64_t b = 0; b < kb; b++) {
@@ -350,7 +313,7 @@ KT_API int kt_fp8_block_dequant_bf16(const uint8_t *codes, int64_t n, int64_t k,
             kern->fp8(codes + r * k + c0, len, srow[b], product_f16, out + r * k + c0);
         }
     }
-    ieee_leave(saved);
+    kt_fpenv_leave(&env);
     return KT_OK;
 }
 
@@ -369,7 +332,7 @@ static int ct_args_bad(int64_t n, int64_t k, const float *scale, int64_t scale_s
 }
 
 /* One row of values through the group runs. */
-KT_INLINE void ct_row(const kernels *kern, const int8_t *q, int64_t k, const float *srow, const int8_t *zrow,
+KT_INLINE void ct_row(const kt_decode_kernels *kern, const int8_t *q, int64_t k, const float *srow, const int8_t *zrow,
                       int64_t group, int f16, uint16_t *out) {
     for (int64_t g = 0, c0 = 0; c0 < k; g++, c0 += group) {
         const int64_t len = k - c0 < group ? k - c0 : group;
@@ -382,14 +345,14 @@ KT_API int kt_ct_dequant_bf16(const int8_t *q, int64_t n, int64_t k, const float
                               uint16_t *out, int64_t row_begin, int64_t row_end) {
     int status = q ? ct_args_bad(n, k, scale, scale_stride, zp_stride, group, out, row_begin, row_end) : KT_E_ARG;
     if (status != KT_OK) return status;
-    kernels scratch;
-    const kernels *kern = kernels_for(impl, product_f16, &scratch, &status);
+    const kt_decode_kernels *kern = kernels_for(impl, &status);
     if (!kern) return status;
-    const unsigned int saved = ieee_enter();
+    kt_fpenv env;
+    kt_fpenv_enter_ieee(&env);
     for (int64_t r = row_begin; r < row_end; r++)
         ct_row(kern, q + r * k, k, scale + r * scale_stride, zero_point ? zero_point + r * zp_stride : NULL, group,
                product_f16, out + r * k);
-    ieee_leave(saved);
+    kt_fpenv_leave(&env);
     return KT_OK;
 }
 
@@ -400,19 +363,19 @@ KT_API int kt_ct_packed_dequant_bf16(const int32_t *packed, int64_t n, int64_t k
                         : KT_E_ARG;
     if (status == KT_OK && bits != 2 && bits != 4 && bits != 8) status = KT_E_ARG;
     if (status != KT_OK) return status;
-    kernels scratch;
-    const kernels *kern = kernels_for(impl, product_f16, &scratch, &status);
+    const kt_decode_kernels *kern = kernels_for(impl, &status);
     if (!kern) return status;
     int8_t *row = malloc((size_t)k + 64);
     if (!row) return KT_E_ARG;
     const int64_t words = (k * bits + 31) / 32;
-    const unsigned int saved = ieee_enter();
+    kt_fpenv env;
+    kt_fpenv_enter_ieee(&env);
     for (int64_t r = row_begin; r < row_end; r++) {
         unpack_row(packed + r * words, k, bits, row);
         ct_row(kern, row, k, scale + r * scale_stride, zero_point ? zero_point + r * zp_stride : NULL, group,
                product_f16, out + r * k);
     }
-    ieee_leave(saved);
+    kt_fpenv_leave(&env);
     free(row);
     return KT_OK;
 }
@@ -421,13 +384,13 @@ KT_API int kt_mxfp4_dequant_bf16(const uint8_t *blocks, const uint8_t *scales, i
                                  uint16_t *out, int64_t row_begin, int64_t row_end) {
     if (!blocks || !scales || !out || bad_rows(n, row_begin, row_end)) return KT_E_ARG;
     if (n <= 0 || groups <= 0) return KT_E_SHAPE;
-    kernels scratch;
     int status;
-    const kernels *kern = kernels_for(impl, 0, &scratch, &status);
+    const kt_decode_kernels *kern = kernels_for(impl, &status);
     if (!kern) return status;
-    const unsigned int saved = ieee_enter();
+    kt_fpenv env;
+    kt_fpenv_enter_ieee(&env);
     for (int64_t r = row_begin; r < row_end; r++)
         kern->mx(blocks + r * groups * 16, scales + r * groups, groups, out + r * groups * 32);
-    ieee_leave(saved);
+    kt_fpenv_leave(&env);
     return KT_OK;
 }

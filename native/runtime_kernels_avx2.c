@@ -113,8 +113,6 @@ RT_AVX2 static void bf16_rows_avx2(const uint16_t *w, int64_t rows, int64_t k, c
     }
 }
 
-const kt_rt_kernels kt_rt_kernels_avx2 = {"avx2", int4_panel_avx2, int8_panel_avx2, bf16_rows_avx2, 0, 0};
+const kt_rt_kernels kt_rt_kernels_avx2 = {int4_panel_avx2, int8_panel_avx2, bf16_rows_avx2, 0, 0};
 
-#else
-const kt_rt_kernels kt_rt_kernels_avx2 = {"avx2", 0, 0, 0, 0, 0};
 #endif

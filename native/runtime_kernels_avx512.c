@@ -125,8 +125,8 @@ RT_AVX512 RT_INLINE __m512 bf16x16(const uint16_t *p, __mmask16 mask)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-RT_AVX512 static void bf16_rows_avx512(const uint16_t *w, int64_t rows, int64_t k, const float *x, int64_t m,
-                                       float *y, int64_t ldy)
+RT_AVX512 void kt_rt_bf16_rows_avx512(const uint16_t *w, int64_t rows, int64_t k, const float *x, int64_t m, float *y,
+                                      int64_t ldy)
 {
     int64_t r = 0;
     for (; r < rows; r += 4) {
@@ -143,8 +143,6 @@ RT_AVX512 static void bf16_rows_avx512(const uint16_t *w, int64_t rows, int64_t 
     }
 }
 
-const kt_rt_kernels kt_rt_kernels_avx512 = {"avx512", int4_panel_avx512, int8_panel_avx512, bf16_rows_avx512, 0, 0};
+const kt_rt_kernels kt_rt_kernels_avx512 = {int4_panel_avx512, int8_panel_avx512, kt_rt_bf16_rows_avx512, 0, 0};
 
-#else
-const kt_rt_kernels kt_rt_kernels_avx512 = {"avx512", 0, 0, 0, 0, 0};
 #endif

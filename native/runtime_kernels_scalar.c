@@ -62,4 +62,4 @@ static void bf16_rows_scalar(const uint16_t *w, int64_t rows, int64_t k, const f
         }
 }
 
-const kt_rt_kernels kt_rt_kernels_scalar = {"scalar", int4_panel_scalar, int8_panel_scalar, bf16_rows_scalar, 0, 0};
+const kt_rt_kernels kt_rt_kernels_scalar = {int4_panel_scalar, int8_panel_scalar, bf16_rows_scalar, 0, 0};

@@ -120,9 +120,10 @@ def _digest(out) -> dict:
 
 def _cpu(model, out, method, model_type, orientation=None) -> dict:
     from ktconvert.cpu.convert import convert_cpu
+    from ktconvert.inputs import open_input
 
-    convert_cpu(model, out, method=method, numa=2, include_mtp=FAMILIES[model_type][1], allow_drop_bias=True,
-                threads=2, expert_orientation=orientation)
+    convert_cpu(open_input(model, orientation), out, method=method, numa=2, include_mtp=FAMILIES[model_type][1],
+                allow_drop_bias=True, threads=2)
     return _digest(out)
 
 
@@ -151,10 +152,11 @@ def test_cpu_output_identical_across_layouts_every_family(layouts, tmp_path, mod
 
 
 def _gpu(model, out, model_type, orientation=None) -> dict:
-    from ktconvert.gpu.writer import convert_gpu
+    from ktconvert.gpu.convert import convert_gpu
+    from ktconvert.inputs import open_input
 
-    convert_gpu(model, out, experts="w4a16", linears="keep", include_mtp=FAMILIES[model_type][1], threads=2,
-                expert_orientation=orientation)
+    convert_gpu(open_input(model, orientation), out, experts="w4a16", linears="keep",
+                include_mtp=FAMILIES[model_type][1], threads=2)
     return _digest(out)
 
 

@@ -59,10 +59,11 @@ def _check_slices(path, reference, orientation=None) -> int:
 
 def _same_cpu_output(per_expert, fused, tmp_path, method, orientation=None) -> None:
     from ktconvert.cpu.convert import convert_cpu
+    from ktconvert.inputs import open_input
 
     digests = []
     for name, path, flag in (("a", per_expert, None), ("b", fused, orientation)):
-        convert_cpu(path, tmp_path / name, method=method, numa=2, threads=2, expert_orientation=flag)
+        convert_cpu(open_input(path, flag), tmp_path / name, method=method, numa=2, threads=2)
         manifest = json.loads((tmp_path / name / "ktconvert.json").read_text())
         digests.append(({p: f["sha256"] for p, f in manifest["files"].items()}, manifest["tensors"]))
     assert digests[0] == digests[1] and digests[0][1]

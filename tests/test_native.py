@@ -278,14 +278,14 @@ def test_bad_shape_raises(shape, bits, dtype):
 
 
 def test_c_entry_checks_again():
-    """The C function re-checks shapes, block ranges and impl ids (the Python checks are not the only guard)."""
-    handle = native.lib()
+    """The C function re-checks shapes, block ranges and impl ids (the Python checks are not the only guard), and
+    ctypes checks the arrays' dtype and contiguity (np.ctypeslib.ndpointer signatures)."""
+    handle = native.amx_lib()
     w = np.zeros((64, 128), np.uint16)
     blob, scale, err = np.zeros(64 * 128, np.uint8), np.zeros(64, np.float32), np.zeros(1, np.int64)
 
     def call(n, k, bits, impl, begin, end):
-        return handle.kt_amx_quantize(w.ctypes.data, n, k, bits, impl, blob.ctypes.data, scale.ctypes.data,
-                                      begin, end, err.ctypes.data)
+        return handle.kt_amx_quantize(w, n, k, bits, impl, blob, scale, begin, end, err)
     assert call(64, 128, 8, 0, 0, 1) == native.KT_OK
     assert call(48, 128, 8, 0, 0, 1) == native.KT_E_SHAPE
     assert call(64, 100, 8, 0, 0, 1) == native.KT_E_SHAPE
@@ -293,8 +293,15 @@ def test_c_entry_checks_again():
     assert call(64, 128, 8, 0, 0, 2) == native.KT_E_ARG       # only one N-block of 64 rows
     assert call(64, 128, 8, 0, 1, 0) == native.KT_E_ARG
     assert call(64, 128, 8, 9, 0, 1) == native.KT_E_ARG       # unknown impl id
-    assert handle.kt_amx_quantize(None, 64, 128, 8, 0, blob.ctypes.data, scale.ctypes.data, 0, 1, None) \
-        == native.KT_E_ARG
+    raw = handle["kt_amx_quantize"]                            # a second, unchecked binding: NULL reaches C
+    raw.restype = ctypes.c_int
+    raw.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    assert raw(None, 64, 128, 8, 0, blob.ctypes.data, scale.ctypes.data, 0, 1, None) == native.KT_E_ARG
+    with pytest.raises(ctypes.ArgumentError):                 # wrong dtype / not contiguous: refused by ctypes
+        handle.kt_amx_quantize(w.view(np.int16), 64, 128, 8, 0, blob, scale, 0, 1, err)
+    with pytest.raises(ctypes.ArgumentError):
+        handle.kt_amx_quantize(np.zeros((64, 256), np.uint16)[:, ::2], 64, 128, 8, 0, blob, scale, 0, 1, err)
     w[40, 3] = 0x7F80
     assert call(64, 128, 8, 1, 0, 1) == native.KT_E_NONFINITE and err[0] == 40
 
@@ -315,7 +322,8 @@ _PROBE = ("from ktconvert import native\n"
 def test_default_is_best_supported():
     if not os.environ.get("KTCONVERT_FORCE_IMPL"):
         assert native.implementation() == IMPLS[-1]
-    assert _run_python(_PROBE).stdout.strip() == IMPLS[-1]
+    if not os.environ.get("KTCONVERT_DISABLE_CPU_FEATURES"):   # the child runs without this process's KTCONVERT_*
+        assert _run_python(_PROBE).stdout.strip() == IMPLS[-1]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -361,3 +369,18 @@ def test_cpu_features_are_consistent():
         assert {"avx512f", "avx512bw", "avx512vl"} <= set(features)
     if "avx2" in IMPLS:
         assert "avx2" in features
+
+
+def test_one_table_decides_every_family():
+    """dispatch.c's table: each row's features decide every kernel family at once (quantizer, decoders, runtime)."""
+    code = ("from ktconvert import native\nfrom ktconvert.native import forward\n"
+            "print(native.implementation(), native.variant(), forward.variant())\n"
+            "try:\n    native.resolve_impl('avx2')\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
+    if "avx512" in IMPLS and "avx512vnni" in native.cpu_features():
+        out = _run_python(code, KTCONVERT_DISABLE_CPU_FEATURES="avx512vnni").stdout.split()
+        assert out[:3] == ["avx512", "avx512", "avx512"]
+        assert _run_python(code).stdout.split()[:3] == ["avx512", "avx512-vnni", "avx512-vnni"]
+    if "avx2" in IMPLS:
+        out = _run_python(code, KTCONVERT_DISABLE_CPU_FEATURES="avx512f,f16c").stdout.splitlines()
+        assert out[0] == "scalar scalar scalar"          # the avx2 row needs F16C for every family, not only decode
+        assert out[1].startswith("NativeError") and "lacks f16c" in out[1]

@@ -131,6 +131,20 @@ def test_results_do_not_depend_on_thread_count():
         assert np.array_equal(one, rt.gemm("AMXINT4", blob, scale, 1024, 512, x, threads=threads))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("method", ["amxint4", "amxint8"])
+def test_heavy_tailed_activations_within_tolerance(impl, method):
+    """Activations spanning many binades (Student t with 1.5 degrees of freedom, one 1e4 outlier per token) through
+    every kernel, the VNNI one rounding them to 23-bit integers per token: still within the tolerance above."""
+    n, k = 96, 3584 + 512
+    blob, scale, w = quantized(method, n, k)
+    rng = np.random.default_rng(11)
+    x = rng.standard_t(1.5, (4, k)).astype(np.float32)
+    x[np.arange(4), rng.integers(0, k, 4)] = 1e4
+    got = rt.gemm(METHODS.get(method).kt_method, blob, scale, n, k, x, impl=impl, threads=2)
+    assert rel_l2(got, x.astype(np.float64) @ w.T) < 1e-5
+
+
 def test_avx512_fma_path_without_vnni():
     """The AVX-512 fp32 kernels (chosen when the CPU lacks VNNI), forced here by hiding the feature."""
     if "avx512" not in IMPLS:

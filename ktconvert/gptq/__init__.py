@@ -1,9 +1,13 @@
-"""GPTQ for routed experts through llmcompressor's own functions, one decoder layer at a time.
+"""Calibration tokens streamed through a checkpoint one decoder layer at a time, and GPTQ for routed experts
+through llmcompressor's own functions on that stream.
 
-* ``loop.py``: the layer-streaming calibration loop (meta skeleton, lazy per-layer weights, hidden states carried
-  layer to layer, one expert's Hessians at a time) -> ``LayerStream``.
+* ``skeleton.py``: the meta-device transformers model (experts linearised), torch helpers.
+* ``inputs.py``: the recording forward that gives layer 0's hidden states and every layer's keyword arguments.
+* ``stream.py``: ``DecoderStream``: per-layer weights from safetensors, the layer's own forward, layer freed.
+* ``hessians.py``: per-expert routes, Hessians and the llmcompressor GPTQ solve of one Linear.
+* ``loop.py``: ``LayerStream`` (GPTQ on the stream), ``GpuQuantizer``; ``cpu.py``: the AMX variant
+  (per-row scales mapped 1:1 onto kt-kernel's AMXINT4/AMXINT8 files).
 * ``calibration.py``: ``--calibration FILE`` (jsonl of {"text": ...} or {"input_ids": [...]}).
-* ``amx.py``: the CPU variant (per-row scales mapped 1:1 onto kt-kernel's AMXINT4/AMXINT8 files).
 
 Heavy imports (torch, transformers, llmcompressor) happen inside functions.
 """

@@ -23,24 +23,28 @@ from typing import Iterator
 
 import numpy as np
 
-from ktconvert.errors import InputError, ShapeError
+from ktconvert.activation.stats import write_gptq_activation
+from ktconvert.errors import InputError, ShapeError, UsageError
+from ktconvert.formats.fileio import hash_file
+from ktconvert.formats.hf_source import HFSource
 from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream, gptq_module
+from ktconvert.gptq.calibration import load_samples
 from ktconvert.layouts.naming import PROJS
-from ktconvert.quant import mse  # noqa: F401  (registers the "mse" row quantizer)
+from ktconvert.layouts.numa import numa_slices
+from ktconvert.methods import METHODS
+from ktconvert.quant import amx_rows
+from ktconvert.onepass import write_in_layer_order
 from ktconvert.quant.row_quant import ROW_QUANT
+from ktconvert.results import ConvertResult
 
 
 def _row_quantizer(bits: int):
-    from ktconvert.quant import amx_rows as amx
-
-    return amx.quantize_int4_rows if bits == 4 else amx.quantize_int8_rows
+    return amx_rows.quantize_int4_rows if bits == 4 else amx_rows.quantize_int8_rows
 
 
 def part_scales(w_bf16: np.ndarray, bits: int, numa: int, proj: str, where: str = "") -> np.ndarray:
     """kt-kernel's stored scales d, float32 [n, groups]: gate/up one per row ([I, 1]); down one per row and
     NUMA part ([H, T]). w_bf16: uint16 BF16 bits [n, k]."""
-    from ktconvert.layouts.numa import numa_slices
-
     quantize_rows = _row_quantizer(bits)
     if proj != "down":
         return quantize_rows(w_bf16, where=where)[1][:, None]
@@ -51,8 +55,6 @@ def part_scales(w_bf16: np.ndarray, bits: int, numa: int, proj: str, where: str 
 def split_parts(codes: np.ndarray, d: np.ndarray, numa: int, proj: str) -> list[tuple[np.ndarray, np.ndarray]]:
     """(codes int8 [n, k], d float32 [n, groups]) -> per NUMA part (codes [n_t, k_t], d [n_t]) as kt-kernel
     splits the matrix (gate/up rows, down input columns)."""
-    from ktconvert.layouts.numa import numa_slices
-
     if proj != "down":
         return [(np.ascontiguousarray(codes[sl]), np.ascontiguousarray(d[sl, 0]))
                 for sl in numa_slices(codes.shape[0], numa)]
@@ -117,8 +119,6 @@ class AmxQuantizer:
 
     def fallback(self, expert, where: str) -> dict:
         """Data-free per-row quantization of every NUMA part (``fallback_quant``: "mse" or "rtn")."""
-        from ktconvert.layouts.numa import numa_slices
-
         quantize_rows = ROW_QUANT.get(self.fallback_quant)
         out = {}
         for proj in PROJS:
@@ -154,13 +154,9 @@ def gptq_amx_codes(src, calibration, method_bits: int, numa: int, *, max_length:
     (tile with ktconvert.layouts.tiles.pack_int4 / pack_int8, or write_layer()), tokens (routed calibration
     tokens per expert) and fallback (experts quantized data-free; quantizer name in
     ``result.fallback_quant``)."""
-    from ktconvert.formats.hf_source import HFSource
-
     source = src if isinstance(src, HFSource) else HFSource.open(src)
     samples = calibration
     if isinstance(calibration, (str, Path)):
-        from ktconvert.gptq.calibration import load_samples
-
         samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
     quantizer = AmxQuantizer(method_bits, numa, fallback_quant)
@@ -179,33 +175,22 @@ def write_layer(writer, method, result: LayerResult) -> None:
             writer.put(proj, e, t, method.pack(codes), np.asarray(d, np.float32))
 
 
-def convert_cpu_gptq(src, out, *, method: str, numa: int, calibration, layout: str = "safetensors",
-                     max_length: int = 2048, num_samples: int | None = None,
-                     options: GptqOptions = GptqOptions(), force: bool = False, allow_drop_bias: bool = False,
-                     progress=None) -> dict:
-    """``ktconvert cpu SRC OUT --method amxint4|amxint8 --quant gptq --calibration FILE``: the same output as
-    pipeline.convert_cpu (KtSink files, journal, ktconvert.json with quant "gptq"), layers produced by
-    gptq_amx_codes. Returns {"manifest", "tokens" {layer: [per expert]}, "fallback" {layer: [experts]},
-    "fallback_quant", "clamped"}."""
-    from ktconvert.formats.fileio import hash_file
-    from ktconvert.cpu.convert import open_cpu_output
-    from ktconvert.methods import METHODS
-
-    qmethod = METHODS.get(method)
-    if not hasattr(qmethod, "bits"):
+def write_gptq_layers(output, progress=None, *, max_length: int = 2048, num_samples: int | None = None,
+                      options: GptqOptions = GptqOptions()) -> dict:
+    """Write every layer of an opened CPU output (cpu.output.CpuOutput, quant "gptq": its options hold method,
+    numa and calibration) from gptq_amx_codes, then record the source files' digests in its journal. Returns
+    {"tokens" {layer: [per expert]}, "fallback" {layer: [experts]}, "fallback_quant", "clamped"}."""
+    method, source = output.method, output.source
+    if not hasattr(method, "bits"):
         tiled = [name for name, m in METHODS.items() if hasattr(m, "bits")]
         raise InputError("--quant gptq needs a method with per-row tiles", expected=" or ".join(tiled),
-                         found=method)
-    output, source = open_cpu_output(src, out, method=method, numa=numa, layout=layout, quant="gptq", group_size=None,
-                                     include_dense=False, include_mtp=False, allow_drop_bias=allow_drop_bias,
-                                     resume=False, force=force)
-    journal = output.journal
+                         found=method.name)
     summary = {"tokens": {}, "fallback": {}, "fallback_quant": None, "clamped": 0}
-    for result in gptq_amx_codes(source, calibration, qmethod.bits, numa, max_length=max_length,
-                                 num_samples=num_samples, options=options):
+    for result in gptq_amx_codes(source, output.options.calibration, method.bits, output.options.numa,
+                                 max_length=max_length, num_samples=num_samples, options=options):
         consumer = output.begin_layer(result.layer)
         try:
-            write_layer(consumer.writer, qmethod, result)
+            write_layer(consumer.writer, method, result)
             output.layer_finished(result.layer, consumer.finish())
         except BaseException:
             consumer.abort()
@@ -217,6 +202,29 @@ def convert_cpu_gptq(src, out, *, method: str, numa: int, calibration, layout: s
             progress.advance(0, items=1, detail=f"layer {result.layer}")
     for path in source.files():
         size, sha256, _ = hash_file(path)
-        journal.finish_source(source.relative_name(path), {"bytes": size, "sha256": sha256})
-    summary["manifest"] = output.finalize()
+        output.journal.finish_source(source.relative_name(path), {"bytes": size, "sha256": sha256})
     return summary
+
+
+def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, options: GptqOptions = GptqOptions(),
+                     max_length: int = 2048, num_samples: int | None = None) -> ConvertResult:
+    """``ktconvert cpu SRC OUT --method amxint4|amxint8 --quant gptq --calibration FILE`` for an unopened CPU
+    output (cpu.output.CpuOutput of a validated plan): open OUT, write every layer, finalize (ktconvert.json with
+    quant "gptq"). No resume of a partial run. Returns the ConvertResult (details: tokens per expert, fallback
+    experts, fallback_quant, clamped codes). OUT also gets expert_activation.pt, the routed-token counts of the
+    calibration (activation.stats.write_gptq_activation), recorded in the manifest and its SGLang flags."""
+    if output.resume:
+        raise UsageError("not available with --quant gptq", found="--resume")
+
+    def write(output) -> None:
+        summary = write_gptq_layers(output, progress, max_length=max_length, num_samples=num_samples,
+                                    options=options)
+        output.expert_activation = write_gptq_activation(output.out_dir, output.source, summary["tokens"],
+                                                         output.options.calibration, max_length=max_length,
+                                                         num_samples=num_samples)
+        fallback = sum(len(v) for v in summary["fallback"].values())
+        output.run_notes.append(f"GPTQ: {fallback} experts without calibration tokens used "
+                                f"{summary['fallback_quant']}, {summary['clamped']} codes clamped")
+        output.run_details.update(summary)
+
+    return write_in_layer_order(output, write, timings)

@@ -1,16 +1,18 @@
 """Routed-expert quantization for the GPU checkpoint: compressed-tensors ``pack-quantized`` W4A16 / W8A16.
 
-RTN exactly as llmcompressor's ``model_free_ptq`` does it, through compressed-tensors' own functions:
-per group of `group_size` input columns, min/max of the BF16 weight (the ``memoryless_minmax`` observer's statistic),
-``calculate_qparams`` (symmetric: scale = max|w| / (range / 2), zero scales replaced by BF16 eps), the scale kept in the
-weight dtype (BF16, as the module parameter holds it), then ``PackedQuantizationCompressor.compress`` (``quantize`` +
-``pack_to_int32``). Tests compare the bytes with what ``model_free_ptq`` writes for the same source.
+RTN exactly as llmcompressor's ``model_free_ptq`` does it with compressed-tensors 0.19 on BF16 weights: per group
+of `group_size` input columns (or per row: channel-wise), scale = BF16(max|w| / (range / 2)) (7.5 for int4, 127.5
+for int8; a zero scale becomes the BF16 eps 2^-7), q = round_half_even(clamp(BF16(w / scale), qmin, qmax)), packed
+by ``pack_to_int32``. It runs in C (``ktconvert.native.ct_quant``, chosen at run time like every kernel) or in numpy
+(``ktconvert.quant.ct_int4``); no torch. Tests compare the bytes with compressed-tensors' own
+``calculate_qparams`` + ``PackedQuantizationCompressor.compress`` and with what ``model_free_ptq`` writes.
 
 Tensors per expert matrix W [n, k] (HF orientation):
   weight_packed  int32 [n, k * bits / 32]   (32/bits values per word, low bits first, stored q + 2^(bits-1))
-  weight_scale   BF16 bits (uint16) [n, k / group_size]
+  weight_scale   BF16 bits (uint16) [n, k / group_size] ([n, 1] channel-wise)
   weight_shape   int64 [2] = [n, k]
-No zero point (symmetric), no g_idx.
+No zero point (symmetric), no g_idx. ``scheme`` and ``decompress_expert`` (GPTQ, verification) use
+compressed-tensors itself, imported only there.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from functools import lru_cache
 import numpy as np
 
 from ktconvert.errors import ShapeError
+from ktconvert.native import ct_quant
+from ktconvert.quant import ct_int4
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
 EXPERT_SCHEMES = {"w4a16": 4, "w8a16": 8}
@@ -73,29 +77,23 @@ def _bf16_tensor(w_bf16: np.ndarray):
     return torch.from_numpy(np.ascontiguousarray(w_bf16).view(np.int16)).view(torch.bfloat16)
 
 
-def quantize_expert_rtn(w_bf16: np.ndarray, bits: int, group_size: int, where: str = "") -> dict[str, np.ndarray]:
-    """RTN-quantize one expert matrix. w_bf16: uint16 [n, k] BF16 bits.
+def quantize_expert_rtn(w_bf16: np.ndarray, bits: int, group_size: int | None, where: str = "", *,
+                        impl: str | None = None, threads: int = 1) -> dict[str, np.ndarray]:
+    """RTN-quantize one expert matrix. w_bf16: uint16 [n, k] BF16 bits; group_size None: channel-wise.
 
     Returns {"weight_packed": int32 [n, k*bits/32], "weight_scale": uint16 BF16 bits [n, k/group_size],
-    "weight_shape": int64 [2]}.
+    "weight_shape": int64 [2]}. impl: None (native when built, else numpy), "numpy", or "scalar" | "avx2" |
+    "avx512"; every choice gives the same bytes. NumericError on NaN/Inf (compressed-tensors would write garbage).
     """
-    import torch
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization.utils import calculate_qparams
-
     n, k = w_bf16.shape
-    check_shape(n, k, bits, group_size, where)
-    sch = scheme(bits, group_size)
-    with torch.no_grad():
-        weight = _bf16_tensor(w_bf16)
-        grouped = weight.unflatten(-1, (-1, group_size))           # [n, groups, group_size]
-        scale, zero_point = calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), sch.weights)
-        state = {"weight": weight, "weight_scale": scale.to(weight.dtype),
-                 "weight_zero_point": zero_point.to(torch.int8)}
-        packed = PackedQuantizationCompressor.compress(state, sch)
-    return {"weight_packed": packed["weight_packed"].numpy(),
-            "weight_scale": packed["weight_scale"].view(torch.int16).numpy().view(np.uint16),
-            "weight_shape": packed["weight_shape"].to(torch.int64).numpy()}
+    check_shape(n, k, bits, k if group_size is None else group_size, where)
+    if impl != "numpy" and (impl is not None or ct_quant.usable()):
+        packed, scale = ct_quant.rtn_quantize(w_bf16, bits, group_size, threads=threads, impl=impl,
+                                              name=where or None)
+    else:
+        q, scale = ct_int4.quantize_sym_groups(w_bf16, k if group_size is None else group_size, bits, where)
+        packed = ct_int4.pack_int32(q, bits, where)
+    return {"weight_packed": packed, "weight_scale": scale, "weight_shape": np.array([n, k], np.int64)}
 
 
 def decompress_expert(packed: np.ndarray, scale_bf16: np.ndarray, shape, bits: int, group_size: int,

@@ -1,6 +1,6 @@
-"""``ktconvert gpu --algo gptq``: the GPU writer's GPTQ hook over ktconvert.gptq.loop.LayerStream.
+"""``ktconvert gpu --quant gptq``: the GPU writer's GPTQ hook over ktconvert.gptq.loop.LayerStream.
 
-The writer (ktconvert/gpu/writer.py ``_run_gptq``) calls, for its MoE layers in increasing order::
+The writer (ktconvert/gpu/convert.py ``_run_gptq``) calls, for its MoE layers in increasing order::
 
     state = quantize_layer_gptq(source, layer, state, bits=bits, group_size=group_size, emit=emit,
                                 calibration=FILE_OR_SAMPLES, options=GptqOptions(...))
@@ -41,7 +41,7 @@ def start(source, bits: int, group_size: int, calibration, options: GptqOptions 
           max_length: int = 2048, num_samples: int | None = None) -> GptqState:
     """Open the stream: skeleton, calibration samples (tokenized with the checkpoint's tokenizer)."""
     if calibration is None:
-        raise InputError("--algo gptq needs calibration data", expected="--calibration FILE (jsonl of "
+        raise InputError("--quant gptq needs calibration data", expected="--calibration FILE (jsonl of "
                          '{"text": ...} or {"input_ids": [...]})', found="none")
     samples = calibration
     if not isinstance(calibration, list):

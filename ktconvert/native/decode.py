@@ -13,24 +13,31 @@ import ctypes
 import numpy as np
 
 from ktconvert import native
-from ktconvert.errors import NativeError, ShapeError
+from ktconvert.errors import ShapeError
 
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "kt_fp8_block_dequant_bf16": (_INT, [_P, _I64, _I64, _P, _I64, _I64, _INT, _INT, _P, _I64, _I64]),
-    "kt_ct_unpack": (_INT, [_P, _I64, _I64, _I64, _INT, _P]),
-    "kt_ct_dequant_bf16": (_INT, [_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _INT, _INT, _P, _I64, _I64]),
-    "kt_ct_packed_dequant_bf16": (_INT, [_P, _I64, _I64, _INT, _P, _I64, _P, _I64, _I64, _INT, _INT, _P, _I64,
-                                         _I64]),
-    "kt_mxfp4_dequant_bf16": (_INT, [_P, _P, _I64, _I64, _INT, _P, _I64, _I64]),
-}
+_I64, _INT = ctypes.c_int64, ctypes.c_int
 MIN_ELEMENTS_PER_THREAD = 1 << 18  # below this, threads cost more than they save
+
+
+def _signatures() -> dict:
+    a, out = native.array, native.out_array
+    u8, u16, i8, i32, f32 = np.uint8, np.uint16, np.int8, np.int32, np.float32
+    return {
+        "kt_fp8_block_dequant_bf16": (_INT, [a(u8), _I64, _I64, a(f32), _I64, _I64, _INT, _INT, out(u16), _I64,
+                                             _I64]),
+        "kt_ct_unpack": (_INT, [a(i32), _I64, _I64, _I64, _INT, out(i8)]),
+        "kt_ct_dequant_bf16": (_INT, [a(i8), _I64, _I64, a(f32), _I64, a(i8, nullable=True), _I64, _I64, _INT, _INT,
+                                      out(u16), _I64, _I64]),
+        "kt_ct_packed_dequant_bf16": (_INT, [a(i32), _I64, _I64, _INT, a(f32), _I64, a(i8, nullable=True), _I64,
+                                             _I64, _INT, _INT, out(u16), _I64, _I64]),
+        "kt_mxfp4_dequant_bf16": (_INT, [a(u8), a(u8), _I64, _I64, _INT, out(u16), _I64, _I64]),
+    }
 
 
 def decode_lib() -> ctypes.CDLL | None:
     """The native library with the decoder signatures set; None when missing, disabled (KTCONVERT_FORCE_IMPL=numpy,
     KTCONVERT_NO_NATIVE) or built before the decoders existed."""
-    return native.bind(_SIGNATURES) if native.available() else None
+    return native.bind(_signatures) if native.available() else None
 
 
 def usable() -> bool:
@@ -40,16 +47,7 @@ def usable() -> bool:
 
 def usable_impls() -> list[str]:
     """The implementations ("scalar", "avx2", "avx512") that can run here; [] without the library."""
-    if decode_lib() is None:
-        return []
-    impls = []
-    for impl in ("scalar", "avx2", "avx512"):
-        try:
-            native.resolve_impl(impl)
-        except NativeError:
-            continue
-        impls.append(impl)
-    return impls
+    return native.usable_impls() if usable() else []
 
 
 def route(impl: str | None):
@@ -66,11 +64,7 @@ def route(impl: str | None):
 
 
 def _handle(name: str | None) -> ctypes.CDLL:
-    handle = decode_lib()
-    if handle is None:
-        raise NativeError(native.load_error() or "native decoders not available (KTCONVERT_FORCE_IMPL=numpy?)",
-                          tensor=name)
-    return handle
+    return native.bound_or_raise(_signatures, "the native decoders", name)
 
 
 def _array(a, dtype, what: str, name: str | None) -> np.ndarray:
@@ -83,18 +77,9 @@ def _array(a, dtype, what: str, name: str | None) -> np.ndarray:
 
 
 def _rows(fn, n: int, k: int, threads: int, fn_name: str, name: str | None) -> None:
-    """Run fn(row_begin, row_end) -> status over [0, n) split across threads; NativeError on a non-zero status."""
+    """fn(row_begin, row_end) -> status over [0, n), split across threads (native.run_ranges)."""
     parts = max(1, min(int(threads), n * k // MIN_ELEMENTS_PER_THREAD, n))
-    ranges = native._split(n, parts)
-    if len(ranges) == 1:
-        statuses = [fn(*ranges[0])]
-    else:
-        futures = native._submit(lambda i: fn(*ranges[i]), range(1, len(ranges)), len(ranges) - 1)
-        statuses = [fn(*ranges[0])] + [f.result() for f in futures]
-    bad = next((s for s in statuses if s != native.KT_OK), native.KT_OK)
-    if bad != native.KT_OK:
-        raise NativeError(f"{fn_name} failed: {native._STATUS_TEXT.get(bad, 'status')} ({bad})", tensor=name,
-                          found=f"[n, k] = [{n}, {k}]")
+    native.run_ranges(lambda b, e, _err: fn(b, e), n, parts, what=fn_name, name=name, found=f"[n, k] = [{n}, {k}]")
 
 
 def fp8_block_dequant(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], product_f16: bool = False,
@@ -111,8 +96,8 @@ def fp8_block_dequant(codes: np.ndarray, scale: np.ndarray, block: tuple[int, in
                          found=str(list(scale.shape)))
     impl_id = native.resolve_impl(impl)
     out = np.empty((n, k), dtype=np.uint16)
-    _rows(lambda b, e: handle.kt_fp8_block_dequant_bf16(codes.ctypes.data, n, k, scale.ctypes.data, bn, bk,
-                                                        int(product_f16), impl_id, out.ctypes.data, b, e),
+    _rows(lambda b, e: handle.kt_fp8_block_dequant_bf16(codes, n, k, scale, bn, bk, int(product_f16),
+                                                        impl_id, out, b, e),
           n, k, threads, "kt_fp8_block_dequant_bf16", name)
     return out
 
@@ -123,9 +108,8 @@ def ct_unpack(packed: np.ndarray, k: int, num_bits: int, name: str | None = None
     packed = _array(packed, np.int32, "weight_packed", name)
     rows, words = packed.shape
     out = np.empty((rows, k), dtype=np.int8)
-    status = handle.kt_ct_unpack(packed.ctypes.data, rows, words, k, int(num_bits), out.ctypes.data)
-    if status != native.KT_OK:
-        raise NativeError(f"kt_ct_unpack failed (status {status})", tensor=name, found=f"[{rows}, {words}] -> k {k}")
+    native.check_status(handle.kt_ct_unpack(packed, rows, words, k, int(num_bits), out), "kt_ct_unpack", name,
+                        found=f"[{rows}, {words}] -> k {k}")
     return out
 
 
@@ -155,18 +139,16 @@ def ct_dequant(q: np.ndarray | None, scale: np.ndarray, group_size: int | None, 
         n = packed.shape[0]
     s_stride, group = _scale_layout(scale, n, k, group_size)
     z_stride = _scale_layout(zp, n, k, group_size)[0] if zp is not None else 0
-    zp_ptr = zp.ctypes.data if zp is not None else None
     impl_id = native.resolve_impl(impl)
     out = np.empty((n, k), dtype=np.uint16)
     if packed is None:
         def run(b: int, e: int) -> int:
-            return handle.kt_ct_dequant_bf16(q.ctypes.data, n, k, scale.ctypes.data, s_stride, zp_ptr, z_stride,
-                                             group, int(product_f16), impl_id, out.ctypes.data, b, e)
+            return handle.kt_ct_dequant_bf16(q, n, k, scale, s_stride, zp, z_stride, group, int(product_f16), impl_id,
+                                             out, b, e)
     else:
         def run(b: int, e: int) -> int:
-            return handle.kt_ct_packed_dequant_bf16(packed.ctypes.data, n, k, int(num_bits), scale.ctypes.data,
-                                                    s_stride, zp_ptr, z_stride, group, int(product_f16), impl_id,
-                                                    out.ctypes.data, b, e)
+            return handle.kt_ct_packed_dequant_bf16(packed, n, k, int(num_bits), scale, s_stride, zp, z_stride, group,
+                                                    int(product_f16), impl_id, out, b, e)
     _rows(run, n, k, threads, "kt_ct_dequant_bf16", name)
     return out
 
@@ -181,7 +163,6 @@ def mxfp4_dequant(blocks: np.ndarray, scales: np.ndarray, threads: int = 1, impl
     n, groups = scales.shape
     impl_id = native.resolve_impl(impl)
     out = np.empty((n, groups * 32), dtype=np.uint16)
-    _rows(lambda b, e: handle.kt_mxfp4_dequant_bf16(blocks.ctypes.data, scales.ctypes.data, n, groups, impl_id,
-                                                    out.ctypes.data, b, e),
+    _rows(lambda b, e: handle.kt_mxfp4_dequant_bf16(blocks, scales, n, groups, impl_id, out, b, e),
           n, groups * 32, threads, "kt_mxfp4_dequant_bf16", name)
     return out

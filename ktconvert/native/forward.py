@@ -18,66 +18,46 @@ from typing import Sequence
 import numpy as np
 
 from ktconvert import native
-from ktconvert.errors import NativeError, ShapeError, VerifyError
+from ktconvert.errors import ShapeError, VerifyError
 
 WTYPES = {"AMXINT4": 4, "AMXINT8": 8, "BF16": 16}
 K_MULTIPLE = {"AMXINT4": 128, "AMXINT8": 64, "BF16": 1}
 N_MULTIPLE = {"AMXINT4": 32, "AMXINT8": 32, "BF16": 1}
-KT_RT_E_NOMEM, KT_RT_E_THREAD = 33, 34
-_STATUS = {native.KT_E_SHAPE: "bad shape", native.KT_E_NONFINITE: "NaN/Inf in the activations",
-           native.KT_E_IMPL: "implementation not supported", native.KT_E_ARG: "bad argument",
-           KT_RT_E_NOMEM: "out of memory",
-           KT_RT_E_THREAD: "cannot start a thread"}
 
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "kt_rt_gemm": (_INT, [_INT, _P, _P, _I64, _I64, _P, _I64, _P, _INT, _INT]),
-    "kt_rt_expert_forward": (_INT, [_INT, _I64, _I64, _INT, _P, _P, _I64, _P, _P, _INT, _INT]),
-    "kt_rt_moe_forward": (_INT, [_INT, _I64, _I64, _INT, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, _INT, _INT]),
-    "kt_rt_resolve_impl": (_INT, [_INT]),
-    "kt_rt_variant": (ctypes.c_char_p, [_INT]),
-}
+_I64, _INT = ctypes.c_int64, ctypes.c_int
+
+
+def _signatures() -> dict:
+    a, out, f32 = native.array, native.out_array, np.float32
+    pointers = a(np.uintp)  # a table of matrix addresses, each checked by check_matrix first
+    return {
+        "kt_rt_gemm": (_INT, [_INT, a(), a(f32, nullable=True), _I64, _I64, a(f32), _I64, out(f32), _INT, _INT]),
+        "kt_rt_expert_forward": (_INT, [_INT, _I64, _I64, _INT, pointers, a(f32), _I64, a(f32), out(f32), _INT, _INT]),
+        "kt_rt_moe_forward": (_INT, [_INT, _I64, _I64, _INT, _I64, _I64, pointers, a(f32), _I64, a(np.int64), a(f32),
+                                     _I64, out(f32), _INT, _INT]),
+    }
 
 
 def runtime_lib() -> ctypes.CDLL:
     """The native library with the runtime signatures set; NativeError if it is missing or lacks the runtime."""
-    handle = native.lib()
-    if handle is None:
-        raise NativeError(native.load_error() or "native library not available",
-                          hint="the verification runtime needs the native library (pip install -e .)")
-    if native.bind(_SIGNATURES) is None:
-        raise NativeError("native library lacks the verification runtime", hint="rebuild (pip install -e .)")
-    return handle
+    return native.bound_or_raise(_signatures, "the verification runtime")
 
 
 def available() -> bool:
     """True when the native runtime can run here."""
-    try:
-        runtime_lib()
-    except NativeError:
-        return False
-    return True
+    return native.bind(_signatures) is not None
 
 
 def impl_id(impl: str | None = None) -> int:
     """Implementation id for ``impl`` (see module doc); NativeError naming what is missing."""
-    chosen = native.resolve_impl(impl)
-    checked = runtime_lib().kt_rt_resolve_impl(chosen)
-    if checked < 0:
-        raise NativeError(f"runtime implementation {impl or 'auto'} cannot run here",
-                          hint="the avx2 kernels also need FMA")
-    return checked
+    runtime_lib()
+    return native.resolve_impl(impl)
 
 
 def variant(impl: str | None = None) -> str:
     """"scalar" | "avx2" | "avx512" | "avx512-vnni": the kernels a call with ``impl`` runs."""
-    name = runtime_lib().kt_rt_variant(impl_id(impl))
-    return name.decode() if name else "unavailable"
-
-
-def _check_status(status: int, what: str, name: str | None) -> None:
-    if status != native.KT_OK:
-        raise NativeError(f"{what} failed: {_STATUS.get(status, 'status')} ({status})", tensor=name)
+    runtime_lib()
+    return native.variant(impl)
 
 
 def _wtype(wtype: str) -> int:
@@ -120,8 +100,8 @@ def _activations(x: np.ndarray, k: int, name: str | None) -> np.ndarray:
     return x2
 
 
-def _ptr(a: np.ndarray | None) -> int | None:
-    return None if a is None else a.ctypes.data
+def _ptr(a: np.ndarray | None) -> int:
+    return 0 if a is None else a.ctypes.data
 
 
 def gemm(wtype: str, w: np.ndarray, scale: np.ndarray | None, n: int, k: int, x: np.ndarray,
@@ -130,20 +110,20 @@ def gemm(wtype: str, w: np.ndarray, scale: np.ndarray | None, n: int, k: int, x:
     check_matrix(wtype, w, scale, n, k, name)
     x2 = _activations(x, k, name)
     y = np.empty((x2.shape[0], n), np.float32)
-    status = runtime_lib().kt_rt_gemm(_wtype(wtype), _ptr(w), _ptr(scale), n, k, _ptr(x2), x2.shape[0], _ptr(y),
+    status = runtime_lib().kt_rt_gemm(_wtype(wtype), w, scale if wtype != "BF16" else None, n, k, x2, x2.shape[0], y,
                                       impl_id(impl), max(1, int(threads)))
-    _check_status(status, "kt_rt_gemm", name)
+    native.check_status(status, "kt_rt_gemm", name)
     return y[0] if np.ndim(x) == 1 else y
 
 
-def _part_table(wtype: str, parts: Sequence, hidden: int, inter_part: int, name: str | None) -> list[int | None]:
+def _part_table(wtype: str, parts: Sequence, hidden: int, inter_part: int, name: str | None) -> list[int]:
     """6 pointers per NUMA part (gate_w, gate_s, up_w, up_s, down_w, down_s), after checking every size."""
     pointers = []
     for t, part in enumerate(parts):
         for proj, (w, s) in zip(("gate", "up", "down"), part):
             n, k = (inter_part, hidden) if proj != "down" else (hidden, inter_part)
             check_matrix(wtype, w, s, n, k, f"{name or 'expert'} {proj} numa {t}")
-            pointers += [_ptr(w), _ptr(s) if wtype != "BF16" else None]
+            pointers += [_ptr(w), _ptr(s) if wtype != "BF16" else 0]
     return pointers
 
 
@@ -156,9 +136,9 @@ def expert_forward(wtype: str, hidden: int, inter_part: int, parts: Sequence, x:
     out = np.zeros((m, hidden), np.float32)
     coef = np.ones(m, np.float32)
     status = runtime_lib().kt_rt_expert_forward(_wtype(wtype), hidden, inter_part, len(parts),
-                                                (ctypes.c_void_p * len(table))(*table), _ptr(x2), m, _ptr(coef),
-                                                _ptr(out), impl_id(impl), max(1, int(threads)))
-    _check_status(status, "kt_rt_expert_forward", name)
+                                                np.array(table, np.uintp), x2, m, coef, out, impl_id(impl),
+                                                max(1, int(threads)))
+    native.check_status(status, "kt_rt_expert_forward", name)
     return out
 
 
@@ -185,7 +165,7 @@ def moe_forward(wtype: str, hidden: int, inter_part: int, experts: dict, x: np.n
     if not experts:
         return out
     lo, hi = min(experts), max(experts)
-    table: list[int | None] = []
+    table: list[int] = []
     n_parts = len(next(iter(experts.values())))
     for e in range(lo, hi + 1):
         parts = experts.get(e)
@@ -193,10 +173,9 @@ def moe_forward(wtype: str, hidden: int, inter_part: int, experts: dict, x: np.n
             raise VerifyError("experts have different NUMA part counts", tensor=f"{name or 'layer'} expert {e}",
                               expected=str(n_parts), found=str(len(parts)))
         table += _part_table(wtype, parts, hidden, inter_part, f"{name or 'layer'} expert {e}") if parts \
-            else [None] * (6 * n_parts)
+            else [0] * (6 * n_parts)
     status = runtime_lib().kt_rt_moe_forward(_wtype(wtype), hidden, inter_part, n_parts, lo, hi - lo + 1,
-                                             (ctypes.c_void_p * len(table))(*table), _ptr(x2), m, _ptr(ids),
-                                             _ptr(weights), ids.shape[1], _ptr(out), impl_id(impl),
-                                             max(1, int(threads)))
-    _check_status(status, "kt_rt_moe_forward", name)
+                                             np.array(table, np.uintp), x2, m, ids, weights, ids.shape[1], out,
+                                             impl_id(impl), max(1, int(threads)))
+    native.check_status(status, "kt_rt_moe_forward", name)
     return out

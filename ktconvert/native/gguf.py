@@ -13,33 +13,28 @@ import numpy as np
 from ktconvert import native
 from ktconvert.errors import NativeError, ShapeError
 
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "kt_gguf_block_elems": (_I64, [_INT]),
-    "kt_gguf_block_bytes": (_I64, [_INT]),
-    "kt_gguf_dequant_f32": (_INT, [_INT, _INT, _P, _I64, _P]),
-    "kt_gguf_dequant_bf16": (_INT, [_INT, _INT, _P, _I64, _P]),
-}
+_I64, _INT = ctypes.c_int64, ctypes.c_int
 MIN_BLOCKS_PER_THREAD = 256  # below this, threads cost more than they save
+
+
+def _signatures() -> dict:
+    blocks = native.array(np.uint8)
+    return {
+        "kt_gguf_block_elems": (_I64, [_INT]),
+        "kt_gguf_block_bytes": (_I64, [_INT]),
+        "kt_gguf_dequant_f32": (_INT, [_INT, _INT, blocks, _I64, native.out_array(np.float32)]),
+        "kt_gguf_dequant_bf16": (_INT, [_INT, _INT, blocks, _I64, native.out_array(np.uint16)]),
+    }
 
 
 def gguf_lib() -> ctypes.CDLL | None:
     """The native library with the dequant signatures set; None when it is missing, disabled, or predates them."""
-    return native.bind(_SIGNATURES) if native.available() else None
+    return native.bind(_signatures) if native.available() else None
 
 
 def usable_impls() -> list[str]:
     """The implementations ("scalar", "avx2", "avx512") that can run here; [] without the library."""
-    if gguf_lib() is None:
-        return []
-    usable = []
-    for impl in ("scalar", "avx2", "avx512"):
-        try:
-            native.resolve_impl(impl)
-        except NativeError:
-            continue
-        usable.append(impl)
-    return usable
+    return native.usable_impls() if gguf_lib() is not None else []
 
 
 def supports(ggml_type: int) -> bool:
@@ -58,10 +53,8 @@ def geometry(ggml_type: int) -> tuple[int, int]:
 
 def _run(fn_name: str, raw: np.ndarray, ggml_type: int, out_dtype, threads: int, impl: str | None,
          name: str | None) -> np.ndarray:
-    handle = gguf_lib()
-    if handle is None:
-        raise NativeError(native.load_error() or "native gguf dequantizer not available", tensor=name)
-    elems, nbytes = geometry(ggml_type)
+    handle = native.bound_or_raise(_signatures, "the native gguf dequantizer", name)
+    elems, nbytes = int(handle.kt_gguf_block_elems(int(ggml_type))), int(handle.kt_gguf_block_bytes(int(ggml_type)))
     if elems == 0:
         raise NativeError(f"ggml type {ggml_type} has no native dequantizer", tensor=name)
     raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
@@ -72,22 +65,10 @@ def _run(fn_name: str, raw: np.ndarray, ggml_type: int, out_dtype, threads: int,
     out = np.empty(nblocks * elems, dtype=out_dtype)
     impl_id = native.resolve_impl(impl)
     fn = getattr(handle, fn_name)
-    parts = max(1, min(int(threads), nblocks // MIN_BLOCKS_PER_THREAD))
-    ranges = native._split(nblocks, parts) if nblocks else [(0, 0)]
-
-    def work(i: int) -> int:
-        b, e = ranges[i]
-        return fn(int(ggml_type), impl_id, raw.ctypes.data + b * nbytes, e - b,
-                  out.ctypes.data + b * elems * out.itemsize)
-
-    if len(ranges) == 1:
-        statuses = [work(0)]
-    else:
-        futures = native._submit(work, range(1, len(ranges)), len(ranges) - 1)
-        statuses = [work(0)] + [f.result() for f in futures]
-    bad = next((s for s in statuses if s != native.KT_OK), native.KT_OK)
-    if bad != native.KT_OK:
-        raise NativeError(f"{fn_name} failed (status {bad})", tensor=name, found=f"ggml type {ggml_type}")
+    native.run_ranges(lambda b, e, _err: fn(int(ggml_type), impl_id, raw[b * nbytes:e * nbytes], e - b,
+                                            out[b * elems:e * elems]),
+                      nblocks, max(1, min(int(threads), nblocks // MIN_BLOCKS_PER_THREAD)), what=fn_name,
+                      name=name, found=f"ggml type {ggml_type}")
     return out
 
 

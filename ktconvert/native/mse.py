@@ -10,63 +10,31 @@ import ctypes
 from typing import TYPE_CHECKING
 
 from ktconvert import native
-from ktconvert.errors import NativeError, ShapeError
+from ktconvert.errors import ShapeError
 
 if TYPE_CHECKING:
     import numpy as np
 
-_P, _I64, _C_INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "kt_mse_rows": (_C_INT, [_P, _I64, _I64, _C_INT, _C_INT, _P, _P, _I64, _I64, _P]),
-    "kt_amx_mse_quantize": (_C_INT, [_P, _I64, _I64, _C_INT, _C_INT, _P, _P, _I64, _I64, _P]),
-}
+_I64, _INT = ctypes.c_int64, ctypes.c_int
+
+
+def _signatures() -> dict:
+    import numpy as np
+
+    args = [native.array(np.uint16), _I64, _I64, _INT, _INT, None, native.out_array(np.float32), _I64, _I64,
+            native.out_array(np.int64, nullable=True)]
+    return {"kt_mse_rows": (_INT, args[:5] + [native.out_array(np.int8)] + args[6:]),
+            "kt_amx_mse_quantize": (_INT, args[:5] + [native.out_array(np.uint8)] + args[6:])}
 
 
 def _lib() -> ctypes.CDLL:
     """The native library with this module's signatures set; NativeError when missing or stale."""
-    if native.lib() is None:
-        raise NativeError(native.load_error() or "native library not available")
-    handle = native.bind(_SIGNATURES)
-    if handle is None:
-        raise NativeError("native library lacks the mse search",
-                          hint="rebuild: pip install -e . --no-deps --no-build-isolation")
-    return handle
+    return native.bound_or_raise(_signatures, "the mse search")
 
 
 def mse_available() -> bool:
     """True when native.available() and the loaded library has the mse functions."""
-    if not native.available():
-        return False
-    try:
-        _lib()
-    except NativeError:
-        return False
-    return True
-
-
-def _check(status_list: list[int], err_rows, w: np.ndarray, name: str | None, what: str) -> None:
-    if any(s == native.KT_E_NONFINITE for s in status_list):
-        rows = [int(r) for r, s in zip(err_rows, status_list) if s == native.KT_E_NONFINITE]
-        native._raise_nonfinite(w, min(rows), name)
-    bad = next((s for s in status_list if s != native.KT_OK), native.KT_OK)
-    if bad != native.KT_OK:
-        raise NativeError(f"{what} failed: {native._STATUS_TEXT.get(bad, 'status')} ({bad})", tensor=name,
-                          found=f"[n, k] = {list(w.shape)}")
-
-
-def _run_ranges(fn, ranges: list[tuple[int, int]], threads: int) -> tuple[list[int], np.ndarray]:
-    """fn(i, begin, end, err_ptr) over the ranges, on the shared native pool; (statuses, err_rows)."""
-    import numpy as np
-
-    err_rows = np.full(len(ranges), -1, dtype=np.int64)
-
-    def run(i: int) -> int:
-        return fn(ranges[i][0], ranges[i][1], err_rows.ctypes.data + 8 * i)
-
-    if len(ranges) == 1 or threads <= 1:
-        return [run(i) for i in range(len(ranges))], err_rows
-    futures = native._submit(run, range(1, len(ranges)), len(ranges) - 1)
-    return [run(0)] + [f.result() for f in futures], err_rows
+    return native.available() and native.bind(_signatures) is not None
 
 
 def mse_rows(w_bf16: np.ndarray, bits: int, threads: int = 1, impl: str | None = None,
@@ -91,11 +59,8 @@ def mse_rows(w_bf16: np.ndarray, bits: int, threads: int = 1, impl: str | None =
     w = np.ascontiguousarray(w_bf16)
     n, k = w.shape
     codes, scale = np.empty((n, k), np.int8), np.empty(n, np.float32)
-    ranges = native._split(n, max(1, int(threads)))
-    statuses, err_rows = _run_ranges(
-        lambda b, e, err: handle.kt_mse_rows(w.ctypes.data, n, k, bits, impl_id, codes.ctypes.data,
-                                             scale.ctypes.data, b, e, err), ranges, threads)
-    _check(statuses, err_rows, w, name, "kt_mse_rows")
+    native.run_ranges(lambda b, e, err: handle.kt_mse_rows(w, n, k, bits, impl_id, codes, scale, b, e, err),
+                      n, threads, what="kt_mse_rows", name=name, found=f"[n, k] = [{n}, {k}]", w_bf16=w)
     return codes, scale
 
 
@@ -105,15 +70,13 @@ def amx_mse_quantize(w_bf16: np.ndarray, bits: int, threads: int = 1, impl: str 
     the mse search plus AMXINT4/AMXINT8 tile packing in C (same shape rules as native.amx_quantize)."""
     import numpy as np
 
-    native._check_amx_input(w_bf16, bits, name)
+    native.check_amx_input(w_bf16, bits, name)
     handle, impl_id = _lib(), native.resolve_impl(impl)
     w = np.ascontiguousarray(w_bf16)
     n, k = w.shape
     blob = np.empty(n * k // (2 if bits == 4 else 1), dtype=np.uint8)
     scale = np.empty(n, dtype=np.float32)
-    ranges = native._split(int(handle.kt_amx_nblocks(n, bits)), max(1, int(threads)))
-    statuses, err_rows = _run_ranges(
-        lambda b, e, err: handle.kt_amx_mse_quantize(w.ctypes.data, n, k, bits, impl_id, blob.ctypes.data,
-                                                     scale.ctypes.data, b, e, err), ranges, threads)
-    _check(statuses, err_rows, w, name, "kt_amx_mse_quantize")
+    native.run_ranges(lambda b, e, err: handle.kt_amx_mse_quantize(w, n, k, bits, impl_id, blob, scale, b, e, err),
+                      int(handle.kt_amx_nblocks(n, bits)), threads, what="kt_amx_mse_quantize", name=name,
+                      found=f"[n, k] = [{n}, {k}]", w_bf16=w)
     return blob, scale

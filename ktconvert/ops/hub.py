@@ -131,6 +131,9 @@ def model_card(manifest: dict, repo: str) -> str:
         "## Use with SGLang + kt-kernel", "",
         "Pass these flags (the weight path is where you download this repo; the NUMA count must match):", "",
         "```", sglang_args(manifest, "/path/to/this/repo"), "```", "",
+        *([f"`{manifest['expert_activation']}` counts the calibration tokens routed to each expert: with "
+           "`--kt-gpu-experts-ratio R` (or `--kt-num-gpu-experts N`) SGLang-KT keeps the most used experts on the "
+           "GPU.", ""] if manifest.get("expert_activation") else []),
         "## Source", "",
         f"- config.json sha256: `{source.get('config_sha256')}`",
         *[f"- {key}: `{value}`" for key, value in sorted(origin.items())],

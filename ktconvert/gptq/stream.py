@@ -1,0 +1,172 @@
+"""Calibration tokens through a checkpoint's decoder layers, one layer in memory at a time.
+
+``DecoderStream`` holds the meta skeleton (skeleton.py), the hidden states entering the next layer per sample
+(inputs.py records layer 0's and every layer's keyword arguments), and runs layer after layer:
+
+    load     the layer's weights read from safetensors (experts through ``HFSource``, so FP8 / int4 / MXFP4
+             sources arrive as BF16) and assigned into the skeleton layer, in the dtype from_pretrained gives
+             them (``_keep_in_fp32_modules_strict`` tensors stay float32) or the stream's dtype
+    process  ``process_layer(L, layer)``: by default the layer's own forward over every sample, whose outputs
+             become the next layer's inputs; subclasses do their work here (GPTQ: loop.LayerStream; routed-token
+             counts: ktconvert.activation)
+    free     the layer is replaced by Identity and the heap trimmed
+
+Memory: one layer's weights + the calibration activations (T x H per sample, x2 while a layer runs).
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+
+from ktconvert.errors import InputError
+from ktconvert.formats.hf_source import HFSource
+from ktconvert.formats.decoders import decode_matrix, detect_scheme
+from ktconvert.gptq.inputs import record_inputs
+from ktconvert.gptq.skeleton import (bits_to_torch, build_skeleton, malloc_trim, pick_device, to_device,
+                                     torch_dtype_of)
+
+EXPERT_KEY = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|bias)$")
+
+
+class DecoderStream:
+    """Checkpoint `src` (path or HFSource) run over calibration `samples` (list of 1-D int64 token tensors, in
+    the order given) one decoder layer at a time.
+
+    dtype: torch dtype of the layers (None: what from_pretrained gives, config.json's dtype); device: "cpu" /
+    "cuda" / None (CUDA when torch sees one); causal_mask False: attention_mask=None (tests only)."""
+
+    def __init__(self, src, samples: list, *, dtype=None, device: str | None = None, causal_mask: bool = True):
+        if not samples:
+            raise InputError("no calibration samples", hint="--calibration FILE must hold at least one sample")
+        self.source = src if isinstance(src, HFSource) else HFSource.open(src)
+        self.checkpoint, self.info = self.source.checkpoint, self.source.info
+        self.device = pick_device(device)
+        self.dtype = torch_dtype_of(self.checkpoint.config) if dtype is None else dtype
+        self.model = build_skeleton(self.checkpoint.root, self.dtype)
+        self.layers = self.model.model.layers
+        self.fp32_keys = tuple(getattr(self.model, "_keep_in_fp32_modules_strict", None) or ())
+        self.prefix = self.info.name_prefix
+        embed = self._tensor(self.prefix + "embed_tokens.weight", self.model.model.embed_tokens.weight)
+        self.hidden, self.kwargs = record_inputs(self.model, embed, samples, causal_mask)
+        self.done = -1
+
+    # -- weights
+
+    def _checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name for transformers' in-memory tensor `name`: the same, or with transformers'
+        renaming for this model_type undone (MiniMax / Mixtral keep `block_sparse_moe.` on disk, `mlp.` in memory)."""
+        if name in self.checkpoint.tensors:
+            return name
+        from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
+
+        for rule in get_checkpoint_conversion_mapping(self.model.config.model_type) or ():
+            if not isinstance(rule, WeightRenaming):
+                continue
+            for on_disk, in_memory in zip(rule.source_patterns, rule.target_patterns):
+                candidate = name.replace(in_memory, on_disk)
+                if candidate != name and candidate in self.checkpoint.tensors:
+                    return candidate
+        return name
+
+    def _tensor(self, name: str, like):
+        """Checkpoint tensor `name` as a torch tensor with `like`'s shape, in from_pretrained's dtype."""
+        name = self._checkpoint_name(name)
+        ref = self.checkpoint.tensors.get(name)
+        if ref is None:
+            raise InputError("tensor the model needs is missing from the checkpoint", file=self._index_name(),
+                             tensor=name, expected=f"shape {list(like.shape)}")
+        if ref.dtype in ("BF16", "F16", "F32"):
+            t = bits_to_torch(self.checkpoint.read(name), ref.dtype)
+        else:
+            t = self._decode_quantized(name)
+        if tuple(t.shape) != tuple(like.shape):
+            raise InputError("checkpoint tensor shape disagrees with the model transformers builds from "
+                             "config.json", file=ref.file.name, tensor=name, expected=str(list(like.shape)),
+                             found=str(list(t.shape)))
+        return t.to(self._dtype_for(name, like))
+
+    def _decode_quantized(self, name: str):
+        """FP8 / packed-int weights of non-expert modules, through ktconvert's decoders, as BF16."""
+        base = name[: -len(".weight")] if name.endswith(".weight") else name
+        return bits_to_torch(decode_matrix(self.checkpoint, base, detect_scheme(self.checkpoint.config)), "BF16")
+
+    def _dtype_for(self, name: str, like):
+        import torch
+
+        if any(key in name for key in self.fp32_keys):
+            return torch.float32
+        return like.dtype
+
+    def _index_name(self) -> str:
+        ck = self.checkpoint
+        return (ck.index_file or ck.shards[0].path).name
+
+    def load_layer(self, L: int):
+        """Assign layer L's weights into the skeleton (experts via HFSource); returns the layer module on the
+        stream's device."""
+        layer = self.layers[L]
+        state, experts = {}, {}
+        for key, like in layer.state_dict(keep_vars=True).items():
+            m = EXPERT_KEY.match(key)
+            if m and L in self.info.moe_layers:
+                e = int(m.group(1))
+                if e not in experts:
+                    experts[e] = self.source.read_expert(L, e)
+                state[key] = self._expert_tensor(experts[e], m.group(2), m.group(3), like, L, e)
+            else:
+                state[key] = self._tensor(f"{self.prefix}layers.{L}.{key}", like)
+            if len(experts) > 1:
+                experts.pop(min(experts))
+        layer.load_state_dict(state, assign=True, strict=True)
+        meta = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
+        if meta:
+            raise InputError(f"layer {L}: tensors left unloaded", found=", ".join(meta[:5]))
+        return layer.to(self.device)
+
+    def _expert_tensor(self, ew, proj: str, kind: str, like, L: int, e: int):
+        import torch
+
+        value = getattr(ew, proj if kind == "weight" else proj + "_bias")
+        if value is None:
+            raise InputError(f"layer {L} expert {e}: {proj} {kind} missing in the source", tensor=f"{proj}_{kind}")
+        t = bits_to_torch(value, "BF16") if kind == "weight" else torch.from_numpy(value)
+        return t.to(like.dtype)
+
+    # -- the loop
+
+    def run_layer(self, L: int):
+        """Layer L (layers must be run in order): load, ``process_layer``, free. Returns what process_layer
+        returns."""
+        import torch
+
+        if L != self.done + 1:
+            raise ValueError(f"layers must be run in order: expected {self.done + 1}, got {L}")
+        layer = self.load_layer(L)
+        with torch.no_grad():
+            result = self.process_layer(L, layer)
+        self.layers[L] = torch.nn.Identity()
+        del layer
+        self.done = L
+        malloc_trim()
+        return result
+
+    def run_all(self):
+        """Every remaining decoder layer in order; yields (L, process_layer's result)."""
+        while self.done + 1 < len(self.layers):
+            L = self.done + 1
+            yield L, self.run_layer(L)
+
+    def process_layer(self, L: int, layer):
+        """The work on a loaded layer; by default the float forward that gives the next layer's inputs."""
+        self.propagate(L, layer)
+
+    def forward(self, layer, i: int, L: int):
+        """Layer L's forward on sample i's hidden states [1, S, H]; returns the output hidden states."""
+        out = layer(self.hidden[i].to(self.device), **to_device(self.kwargs[i][L], self.device))
+        return out[0] if isinstance(out, tuple) else out
+
+    def propagate(self, L: int, layer, context=contextlib.nullcontext) -> None:
+        """Every sample through layer L (inside a fresh `context()`); outputs become the next layer's inputs."""
+        with context():
+            for i in range(len(self.hidden)):
+                self.hidden[i] = self.forward(layer, i, L).to("cpu")
