@@ -54,19 +54,14 @@ def cli() -> None:
     """
 
 
-def _orientation_option(fn):
-    return click.option("--expert-orientation", type=click.Choice(["out", "in"]), default=None,
-                        help="How SRC's fused 3-D expert tensors are stored when their shape cannot tell (H == I or "
-                             "H == 2I): out = [E, out, in] (transformers), in = [E, in, out].")(fn)
+_orientation_option = click.option("--expert-orientation", type=click.Choice(["out", "in"]), help="SRC's fused 3-D "
+                                   "experts where shapes cannot tell (H == I): out = [E, out, in], in = [E, in, out].")
 
 
 def _source(src: str, expert_orientation: str | None):
-    """SRC as given, or opened with --expert-orientation (an inputs.Input, which every API function takes)."""
-    if expert_orientation is None:
-        return src
+    """SRC, opened with --expert-orientation when given (an inputs.Input: every API function takes one)."""
     from ktconvert.inputs import open_input
-
-    return open_input(src, expert_orientation)
+    return src if expert_orientation is None else open_input(src, expert_orientation)
 
 
 @cli.command()
@@ -74,8 +69,7 @@ def _source(src: str, expert_orientation: str | None):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_orientation_option
 def inspect(src: str, as_json: bool, expert_orientation) -> None:
-    """Describe checkpoint SRC without reading weights: family, layers, experts, dims, dtypes, bytes per component,
-    and how the routed experts are stored (layout, orientation and why)."""
+    """Describe checkpoint SRC without reading weights: family, layers, experts, dims, dtypes, bytes, expert layout."""
     from ktconvert.inspect import inspect as run, render
 
     _emit(run(src, expert_orientation), as_json, render)
@@ -419,16 +413,17 @@ def gpu(src, out, experts, gpu_group_size, linears, algo, calibration, include_m
     from ktconvert import api
     from ktconvert.progress import make_progress
 
+    src = _source(src, expert_orientation)
     if dry_run:
         from ktconvert.gpu.plan import render_gpu
 
-        gpu_plan = api.plan(_source(src, expert_orientation), gpu=dict(experts=experts, group_size=int(gpu_group_size), linears=linears,
+        gpu_plan = api.plan(src, gpu=dict(experts=experts, group_size=int(gpu_group_size), linears=linears,
                                           include_mtp=include_mtp)).gpu
         _emit(gpu_plan.report, as_json, render_gpu)
         return
     require("gpu", "ktconvert gpu")
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        result = api.convert_gpu(_source(src, expert_orientation), out, experts=experts, quant=algo, group_size=int(gpu_group_size),
+        result = api.convert_gpu(src, out, experts=experts, quant=algo, group_size=int(gpu_group_size),
                                  linears=linears, include_mtp=include_mtp, threads=threads, resume=resume,
                                  force=force, calibration=calibration, progress=progress)
     click.echo(result.summary())
@@ -463,8 +458,8 @@ def convert(src, cpu_out, method, numa, layout, gpu_out, experts, gpu_group_size
     gpu = api.GpuOptions.make(experts=experts, group_size=int(gpu_group_size), linears=linears,
                               include_mtp=include_mtp)
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        results = api.convert(_source(src, expert_orientation), [(cpu_out, cpu), (gpu_out, gpu)], threads=threads, resume=resume, force=force,
-                              progress=progress)
+        results = api.convert(_source(src, expert_orientation), [(cpu_out, cpu), (gpu_out, gpu)], threads=threads,
+                              resume=resume, force=force, progress=progress)
     click.echo("\n".join(r.summary() for r in results))
 
 
