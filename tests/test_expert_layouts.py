@@ -198,14 +198,16 @@ def test_square_separate_tensors_need_the_flag(layouts):
         HFSource.open(fused_in, "out").validate()
 
 
-def test_separate_tensors_with_h_not_i_need_no_flag(layouts):
+def test_h_not_i_decides_from_the_shapes(layouts):
+    """H = 256, I = 128: separate tensors decide by shape; fused gate_up is square (H == 2I) and follows down."""
     ref = HFSource.open(layouts("qwen3_moe", intermediate=128))
-    for variant in (("fused_separate", "in", 0, None), ("fused_separate", "out", 0, None)):
+    for variant in (("fused_separate", "in", 0, None), ("fused_separate", "out", 0, None), ("fused", "in", 0, None)):
         src = HFSource.open(layouts("qwen3_moe", variant, intermediate=128))
         src.validate()
         assert {o.value for o in src.orientation.values()} == {variant[1]}
         assert "(H=256, I=128)" in src.orientation["down"].why
         _same_experts(ref, src, src.all_layers())
+    assert "(2I == H = 256); follows down" in src.orientation["gate_up"].why
 
 
 def test_cli_flag_reaches_the_conversion_and_verify(layouts, tmp_path):

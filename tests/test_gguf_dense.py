@@ -124,6 +124,9 @@ def test_include_dense_output_verifies(tiny_model, tmp_path):
     verified = CliRunner().invoke(cli, ["verify", str(out), "--source", str(path), "--hashes", "--json"])
     assert verified.exit_code == 0, verified.output
     assert json.loads(verified.output)["ok"]
+    layout = json.loads(CliRunner().invoke(cli, ["inspect", str(path), "--json"]).output)["expert_layout"]
+    assert layout["form"] == "fused_separate" and layout["tensors"]["down"] == "blk.{L}.ffn_down_exps.weight"
+    assert {o["orientation"] for o in layout["orientation"].values()} == {"out"}
 
 
 def _refused(path) -> InputError:

@@ -383,9 +383,21 @@ def describe(source: GGUFSource) -> dict:
                    "mtp": list(source.present_mtp_layers()), "mtp_in_config": list(info.mtp_layers)},
         "experts": info.n_experts, "experts_per_tok": info.experts_per_tok, "shared_experts": info.n_shared,
         "hidden": info.hidden, "intermediate": info.intermediate,
-        "expert_layout": {"form": "fused", "gate_up": "ffn_gate_exps + ffn_up_exps [E, I, H]",
-                          "down": "ffn_down_exps [E, H, I]", "biases": source.has_expert_biases()},
+        "expert_layout": _expert_layout(source),
     }
+
+
+def _expert_layout(source: GGUFSource) -> dict:
+    """The GGUF experts' layout in inspect's terms: separate (or gate_up-fused) 3-D tensors, always out-major."""
+    layer = source.all_layers()[0]
+    why = "ggml stores every matrix as rows = out_features (ne[1]) x cols = in_features (ne[0])"
+    tensors = {("gate_up" if len(projs) == 2 else projs[0]): name.replace(f"blk.{layer}.", "blk.{L}.")
+               for name, projs in source._layer_tensors(layer)}
+    shapes = {"gate_up": "[E, 2I, H]", "gate": "[E, I, H]", "up": "[E, I, H]", "down": "[E, H, I]"}
+    return {"form": "fused" if "gate_up" in tensors else "fused_separate",
+            "family_usual": source.info.manifest.experts.form, "tensors": tensors,
+            "biases": source.has_expert_biases(),
+            "orientation": {role: {"stored": shapes[role], "orientation": "out", "why": why} for role in tensors}}
 
 
 _COMPONENTS = (("routed_experts", re.compile(r"\.ffn_(gate|up|down|gate_up)_exps\.")),
