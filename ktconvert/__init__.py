@@ -1,30 +1,34 @@
 """ktconvert: streaming weight converter for KTransformers hybrid CPU/GPU MoE inference.
 
-Importing this package loads nothing heavy (no numpy, torch or safetensors); the public entry points import
-their implementation on first use::
+Importing this package loads nothing heavy (no numpy, torch or safetensors); the public entry points (defined in
+``ktconvert.api``, where their docstrings give the accepted values, the progress protocol and the exceptions)
+are imported on first use::
 
     import ktconvert
-    ktconvert.convert_cpu("/models/Qwen3-30B-A3B", "out", method="amxint4", numa=2)
+    r = ktconvert.convert_cpu("/models/Qwen3-30B-A3B", "out", method="amxint4", numa=2)   # ConvertResult
     ktconvert.convert_gpu("/models/Qwen3-30B-A3B", "out-gpu", experts="w4a16")
-
-`ktconvert.cpu.plan.plan`, `ktconvert.inspect.inspect` and `ktconvert.verify.verify` are the no-weights analysis and
-the verifier (modules of the same names).
+    ktconvert.convert("/models/Qwen3-30B-A3B", [("out-cpu", {"method": "amxint4", "numa": 2}),
+                                                ("out-gpu", {"experts": "w4a16"})])   # one read of the source
+    ktconvert.plan("/models/Qwen3-30B-A3B", method="amxint4", numa=2)                 # PlanResult
+    ktconvert.inspect("/models/Qwen3-30B-A3B")                                        # InspectResult
+    ktconvert.verify("out", source="/models/Qwen3-30B-A3B", hashes=True).ok          # VerifyResult
 """
 from ktconvert.errors import KtConvertError
 
 __version__ = "0.1.0"
-__all__ = ["KtConvertError", "__version__", "convert_cpu", "convert_gpu"]
 
-_LAZY = {
-    "convert_cpu": ("ktconvert.cpu.convert", "convert_cpu"),
-    "convert_gpu": ("ktconvert.gpu.convert", "convert_gpu"),
-}
+_API = ("ConvertResult", "CpuOptions", "GpuOptions", "InspectResult", "PlanResult", "VerifyResult", "convert",
+        "convert_cpu", "convert_gpu", "families", "inspect", "plan", "verify")
+__all__ = ["KtConvertError", "__version__", *_API]
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    if name in _API:
+        from ktconvert import api
 
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+        return getattr(api, name)
     raise AttributeError(f"module 'ktconvert' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))

@@ -5,6 +5,8 @@ import os
 import platform
 from importlib import metadata
 
+from ktconvert import native
+
 PACKAGES = ("ktconvert", "numpy", "safetensors", "gguf", "huggingface-hub", "torch", "compressed-tensors",
             "llmcompressor", "transformers", "kt-kernel")
 
@@ -31,8 +33,6 @@ def cpu_flags() -> list[str]:
 
 
 def env_info() -> dict:
-    from ktconvert import native
-
     return {
         "python": platform.python_version(),
         "machine": platform.machine(),

@@ -49,16 +49,19 @@ class ConvertResult:
 @dataclass(frozen=True)
 class PlanResult:
     """What `plan` found: source (as given), cpu (cpu.plan.CpuPlan) and / or gpu (gpu.plan.GpuPlan), each holding
-    the opened source and its JSON-ready report (``plan.cpu["total_bytes"]``)."""
+    the opened source and its JSON-ready report (``plan.cpu["total_bytes"]``), and / or placement (the GPU experts
+    SGLang-KT would choose, activation.placement.plan_placement's dict)."""
 
     source: str
     cpu: object | None = None
     gpu: object | None = None
+    placement: dict | None = None
 
     def to_dict(self) -> dict:
-        """One shape whatever was planned: {"source", "cpu": report or None, "gpu": report or None}."""
+        """One shape whatever was planned: {"source", "cpu": report or None, "gpu": report or None,
+        "placement": dict or None}."""
         return {"source": self.source, "cpu": None if self.cpu is None else self.cpu.to_dict(),
-                "gpu": None if self.gpu is None else self.gpu.to_dict()}
+                "gpu": None if self.gpu is None else self.gpu.to_dict(), "placement": self.placement}
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ def run(*args: str, ok: bool = True):
 
 
 def _expected_expert_bytes(model, layer: int, expert: int, proj: str, t: int, numa: int, method: str):
-    """Quantize the source matrix with the spec-derived numpy reference (quant/amx.py + layouts/tiles.py)."""
+    """Quantize the source matrix with the spec-derived numpy reference (quant/amx_rows.py + layouts/tiles.py)."""
     from ktconvert.formats.hf_source import HFSource
     from ktconvert.layouts import tiles
     from ktconvert.layouts.numa import numa_slices
@@ -157,8 +157,12 @@ def test_help_lists_every_command():
 
 def test_plan_covers_cpu_and_gpu_outputs(tiny_model):
     model = tiny_model("deepseek_v3")
-    report = json.loads(run("plan", model, "--method", "amxint4", "--numa", "2", "--gpu", "w4a16", "--json").output)
+    report = json.loads(run("plan", model, "--method", "amxint4", "--numa", "2", "--experts", "w4a16", "--json").output)
     assert report["cpu"]["method"].upper() == "AMXINT4" and report["cpu"]["numa"] == 2
-    assert "gpu plan" in run("plan", model, "--gpu", "w8a16").output
+    assert report["gpu"]["experts"] == "w4a16" and report["source"] == str(model)
+    cpu_only = json.loads(run("plan", model, "--method", "AMXINT4", "--json").output)
+    assert cpu_only["gpu"] is None and cpu_only["cpu"]["kt_method"] == "AMXINT4"     # one shape for any targets
+    deprecated = run("plan", model, "--gpu", "w8a16")
+    assert "gpu plan" in deprecated.stdout and "warning: --gpu is deprecated, use --experts" in deprecated.stderr
     result = run("plan", model, ok=False)
     assert result.exit_code == 2 and "--method" in result.output

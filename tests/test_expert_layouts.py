@@ -264,7 +264,7 @@ def test_fused_shape_against_config_is_shape_error(layouts, tmp_path):
 
 
 def test_inspect_reports_layout_orientation_and_why(layouts):
-    from ktconvert.inspect import inspect, render
+    from ktconvert.inspection import inspect, render
 
     result = inspect(layouts("mixtral", VARIANTS[1]))
     el = result["expert_layout"]

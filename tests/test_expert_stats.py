@@ -259,7 +259,7 @@ def test_plan_placement_cli(tiny_model, tmp_path):
     res = CliRunner().invoke(cli, ["plan", str(src), "--gpu-experts-ratio", "0.25", "--expert-stats", str(stats),
                                    "--json"])
     assert res.exit_code == 0, res.output
-    got = json.loads(res.output)
+    got = json.loads(res.output)["placement"]
     per_expert = plan_gpu(src, GpuOptions.make(experts="w4a16", group_size=128))["vram_per_expert_bytes"]
     assert got["budget"] == 4 and got["strategy"] == "frequency"   # int(2 layers * 8 * 0.25)
     assert [(r["layer"], r["gpu_experts"], r["vram_bytes"]) for r in got["layers"]] == \
@@ -268,9 +268,33 @@ def test_plan_placement_cli(tiny_model, tmp_path):
     assert any("another config.json" in note for note in got["notes"])
     res = CliRunner().invoke(cli, ["plan", str(src), "--gpu-experts", "3", "--json"])
     got = json.loads(res.output)
+    assert got["cpu"] is None and got["gpu"] is None
+    got = got["placement"]
     assert got["strategy"] == "uniform" and [r["gpu_experts"] for r in got["layers"]] == [[0, 1, 2]] * 2
     res = CliRunner().invoke(cli, ["plan", str(src), "--expert-stats", str(stats)])
     assert res.exit_code == 2
+
+
+@pytest.mark.parametrize("scheme_args", [["--experts", "W8A16"], ["--gpu", "w8a16"]])
+def test_plan_placement_with_the_gpu_plan(tiny_model, tmp_path, scheme_args):
+    """`plan --experts S --gpu-experts N` plans the GPU checkpoint and the placement together: the placed experts'
+    VRAM is priced with S and the group size of that plan (also with the deprecated `--gpu S`, which warns)."""
+    from ktconvert.cli import cli
+    from ktconvert.gpu.plan import GpuOptions, plan_gpu
+
+    src = tiny_model("deepseek_v3")
+    res = CliRunner().invoke(cli, ["plan", str(src), *scheme_args, "--group-size", "64", "--gpu-experts", "2",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    per_expert = plan_gpu(src, GpuOptions.make(experts="w8a16", group_size=64))["vram_per_expert_bytes"]
+    assert per_expert != plan_gpu(src, GpuOptions.make(experts="w4a16", group_size=128))["vram_per_expert_bytes"]
+    assert got["gpu"]["vram_per_expert_bytes"] == per_expert and got["placement"]["gpu_scheme"] == "w8a16"
+    assert [r["vram_bytes"] for r in got["placement"]["layers"]] == [2 * per_expert] * 2
+    deprecated = [line for line in res.stderr.splitlines() if "deprecated" in line]
+    assert deprecated == (["warning: --gpu is deprecated, use --experts"] if scheme_args[0] == "--gpu" else [])
+    text = CliRunner().invoke(cli, ["plan", str(src), *scheme_args, "--gpu-experts", "2"])
+    assert text.exit_code == 0 and "gpu experts (uniform): --kt-num-gpu-experts 2" in text.stdout
 
 
 def test_load_refuses_what_sglang_refuses(tmp_path):
@@ -314,7 +338,7 @@ def test_cpu_gptq_conversion_leaves_activation_file(tiny_model, tmp_path):
     from ktconvert.cpu.plan import CpuOptions, plan_cpu
     from ktconvert.gptq.cpu import convert_cpu_gptq
     from ktconvert.gptq.loop import GptqOptions
-    from ktconvert.verify.run import verify
+    from ktconvert.verification.run import verify
 
     src = tiny_model("qwen3_moe", layers=1, experts=4, hidden=128, intermediate=256)
     samples = _samples((12, 9))

@@ -36,7 +36,7 @@ def calibration(tmp_path_factory):
 
 @pytest.mark.parametrize("feature, args", [
     ("ktconvert gpu", ["gpu", "{model}", "{out}", "--experts", "w4a16"]),
-    ("ktconvert gpu", ["gpu", "{model}", "{out}", "--algo", "gptq", "--calibration", "{calib}"]),
+    ("ktconvert gpu", ["gpu", "{model}", "{out}", "--quant", "gptq", "--calibration", "{calib}"]),
     ("ktconvert convert", ["convert", "{model}", "--cpu", "{out}", "--method", "amxint4", "--gpu", "{out}-gpu"]),
     ("--quant gptq", ["cpu", "{model}", "{out}", "--method", "amxint4", "--quant", "gptq",
                       "--calibration", "{calib}"]),
@@ -63,7 +63,7 @@ def test_message_names_only_the_missing_module(tmp_path, model):
 
 def test_verify_of_a_gpu_checkpoint_is_a_missing_extra_not_a_failed_verification(tmp_path, model):
     from ktconvert.gpu.convert import convert_gpu
-    from ktconvert.verify.run import verify
+    from ktconvert.verification.run import verify
 
     out = tmp_path / "gpu"
     convert_gpu(model, out, experts="w4a16")
@@ -76,12 +76,12 @@ def test_verify_of_a_gpu_checkpoint_is_a_missing_extra_not_a_failed_verification
 
 
 def test_no_extra_needed_for_cpu_work_and_plans(tmp_path, model):
-    """The base install's own commands never ask for [gpu]: demo (tiny model -> cpu -> verify), plan --gpu and
+    """The base install's own commands never ask for [gpu]: demo (tiny model -> cpu -> verify), plan --experts and
     gpu --dry-run (headers and arithmetic only)."""
     demo = run_cli_without(NOT_IN_BASE, ["demo", tmp_path / "demo"])
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "result: OK" in demo.stdout
-    for args in (["plan", model, "--gpu", "w4a16"], ["gpu", model, tmp_path / "never", "--dry-run"]):
+    for args in (["plan", model, "--experts", "w4a16"], ["gpu", model, tmp_path / "never", "--dry-run"]):
         result = run_cli_without(GPU, args)
         assert result.returncode == 0, result.stderr
         assert "total:" in result.stdout

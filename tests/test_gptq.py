@@ -1,7 +1,7 @@
 """GPTQ through llmcompressor, one layer at a time (ktconvert/gptq, ktconvert/gpu/gptq.py).
 
 Golden values: plain transformers forwards (router choices, per-layer inputs), compressed-tensors RTN
-(``quantize_expert_rtn``, itself byte-equal to model_free_ptq), kt-kernel's per-row formula (quant/amx.py),
+(``quantize_expert_rtn``, itself byte-equal to model_free_ptq), kt-kernel's per-row formula (quant/amx_rows.py),
 llmcompressor's own ``LengthAwareSampler`` (sample order), and in the slow tests llmcompressor ``oneshot`` itself,
 run with ``shuffle_calibration_samples=False`` (its default shuffles with torch's global generator, an order
 nothing else reproduces; the order sets the float32 summation order of every Hessian) at one torch thread.
@@ -181,7 +181,7 @@ def test_amx_output_verifies(tmp_path, tiny_model):
     from ktconvert.formats.out_manifest import load_manifest
     from ktconvert.gptq.cpu import convert_cpu_gptq
     from ktconvert.gptq.loop import GptqOptions
-    from ktconvert.verify.run import verify
+    from ktconvert.verification.run import verify
 
     calib = tmp_path / "c.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": s.tolist()}) + "\n" for s in _samples(2, 16)))
@@ -358,13 +358,13 @@ def test_unrouted_experts_are_the_only_difference(tmp_path, tiny_model):
                                                 ("kimi_k2", "bf16", "fp8"), ("mixtral", "bf16", "bf16"),
                                                 ("deepseek_v3", "fp8", "fp8")])
 def test_gptq_gpu_checkpoint_of_every_family_verifies(tiny_model, tmp_path, arch, dtype, linears):
-    """`ktconvert gpu --algo gptq` on families whose on-disk names differ from transformers' in-memory ones
+    """`ktconvert gpu --quant gptq` on families whose on-disk names differ from transformers' in-memory ones
     (MiniMax / Mixtral `block_sparse_moe.`), whose model_type transformers only knows under another name
     (Kimi-K2 = DeepSeek-V3), and on an FP8 source; the checkpoint passes `verify --source`."""
     import json
 
     from ktconvert.api import convert_gpu
-    from ktconvert.verify.run import verify
+    from ktconvert.verification.run import verify
 
     model = tiny_model(arch, dtype=dtype)
     calib = tmp_path / "calib.jsonl"

@@ -216,7 +216,7 @@ def test_cli_gpu_verify_and_dry_run(tiny_model, tmp_path):
     runner = CliRunner()
     dry = runner.invoke(cli, ["gpu", str(src), str(tmp_path / "o"), "--dry-run", "--json", "--experts", "w8a16"])
     assert dry.exit_code == 0, dry.output
-    plan = json.loads(dry.output)
+    plan = json.loads(dry.output)["gpu"]
     res = runner.invoke(cli, ["gpu", str(src), str(tmp_path / "o"), "--experts", "w8a16", "--quiet"])
     assert res.exit_code == 0, res.output
     sizes = {p.name: p.stat().st_size for p in (tmp_path / "o").glob("*.safetensors")}

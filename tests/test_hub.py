@@ -229,7 +229,7 @@ def test_hub_source_download_and_verify(hub, scheme, server, hub_env, monkeypatc
 def test_hub_source_then_convert(server, hub_env, monkeypatch):
     pipeline = pytest.importorskip("ktconvert.cpu.convert", reason="pipeline not importable yet")
     from ktconvert.formats.out_manifest import load_manifest
-    from ktconvert.verify.hashes import verify_hashes
+    from ktconvert.verification.hashes import verify_hashes
     from ktconvert.testing.tiny import make_tiny_model
 
     monkeypatch.setenv("HF_ENDPOINT", server.url)

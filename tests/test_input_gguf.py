@@ -368,14 +368,14 @@ def _fixture_with(type_name: str) -> Path:
 
 
 def test_inspect_and_plan_show_gguf(tmp_path):
-    from ktconvert.inspect import inspect, render
-    from ktconvert.cpu.plan import plan
+    from ktconvert.api import plan
+    from ktconvert.inspection import inspect, render
 
     path = _fixture_with("Q4_K")
     info = inspect(path)
     assert info["input_format"] == "gguf" and info["family"] == "qwen3_moe" and info["experts"] == 2
     assert "Q4_K" in info["quantization"]["gguf_expert_types"] and "gguf" in render(info)
-    p = plan(path, method="amxint4", numa=2, out=str(tmp_path / "o"))
+    p = plan(path, method="amxint4", numa=2, out=str(tmp_path / "o")).cpu
     assert p["input_format"] == "gguf" and p["layers"] == [0, 1] and p["source_config_sha256"] is None
 
 

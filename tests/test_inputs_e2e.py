@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ktconvert.cpu.convert import convert_cpu
-from ktconvert.verify.run import verify
+from ktconvert.verification.run import verify
 
 INPUTS = [("deepseek_v3", "fp8"), ("kimi_k2", "ct-int4"), ("gpt_oss", "mxfp4"), ("qwen3_moe", "fp16"),
           ("mixtral", "fp32")]

@@ -18,12 +18,18 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ktconvert.errors import EXIT_INPUT, OutputError, ShapeError
-from ktconvert.inspect import inspect, render as render_inspect
-from ktconvert.cpu.plan import plan, render as render_plan
+from ktconvert import api
+from ktconvert.cpu.plan import render as render_plan
+from ktconvert.inspection import inspect, render as render_inspect
 
 HIDDEN, INTER, EXPERTS = 128, 128, 4
 EXPERT_RE = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?:(\d+)\.|gate_up_proj|down_proj)")
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "F8_E4M3": 1}
+
+
+def plan(src, **options):
+    """The CPU plan (ktconvert.api.plan(...).cpu: its report through plan[key])."""
+    return api.plan(src, **options).cpu
 
 
 def _families() -> list[str]:
@@ -114,7 +120,7 @@ def test_plan_numbers(tiny_models, model_type):
     assert copies <= {f["path"] for f in p["files"]}
     assert p["total_bytes"] == sum(f["bytes"] for f in p["files"])
     assert all(c["ok"] for c in p["checks"])
-    assert "T=2" in render_plan(p)
+    assert "T=2" in render_plan(p.report)
 
 
 def _merged_reference(tmp_path: Path, layer: int, bits: int, T: int) -> int:

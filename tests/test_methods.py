@@ -85,24 +85,39 @@ def test_runtime_notes_name_amx_only_where_it_is_missing():
 
 
 def test_plan_says_rawint4_needs_amx(tiny_model, monkeypatch):
+    from ktconvert import api
     from ktconvert.cpu import plan as plan_module
 
     model = tiny_model("qwen3_moe")
     monkeypatch.setattr(plan_module, "cpu_flags", lambda: ["avx2", "avx512f"])
-    notes = plan_module.plan(model, method="rawint4", numa=1)["notes"]
+    notes = api.plan(model, method="rawint4", numa=1).cpu["notes"]
     assert any("RAWINT4 backend needs AMX" in n for n in notes)
     monkeypatch.setattr(plan_module, "cpu_flags", lambda: ["avx512f", "amx_tile", "amx_int8"])
-    assert not any("AMX" in n for n in plan_module.plan(model, method="rawint4", numa=1)["notes"])
+    assert not any("AMX" in n for n in api.plan(model, method="rawint4", numa=1).cpu["notes"])
     monkeypatch.setattr(plan_module, "cpu_flags", lambda: ["avx2"])
-    assert not any("needs AMX" in n for n in plan_module.plan(model, method="fp8", numa=1)["notes"])
+    assert not any("needs AMX" in n for n in api.plan(model, method="fp8", numa=1).cpu["notes"])
 
 
 def test_inspect_offers_every_writable_method_for_a_bf16_model(tiny_model):
     """A BF16 model is not FP8 / RAWINT4 as is, but `cpu` converts it into both (issue 12 item 8)."""
-    from ktconvert.inspect import inspect
+    from ktconvert.inspection import inspect
 
     lines = inspect(tiny_model("qwen3_moe"))["kt_methods"]
     assert lines["BF16"].startswith("as is")
     for kt_method in ("FP8", "RAWINT4", "AMXINT4", "AMXINT8"):
         assert lines[kt_method].startswith("convert: ktconvert cpu MODEL OUT --method " + kt_method.lower())
     assert lines["LLAMAFILE"].startswith("no: needs GGUF")
+
+
+def test_cpu_rawint4_says_it_needs_amx_where_the_cpu_lacks_it(tiny_model, tmp_path, monkeypatch):
+    from ktconvert.cpu import output as cpu_output
+
+    monkeypatch.setattr(cpu_output, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_vnni"])
+    result = CliRunner().invoke(cli, ["cpu", str(tiny_model("qwen3_moe")), str(tmp_path / "raw"), "--method",
+                                      "RAWINT4", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "kt-kernel 0.7.2's RAWINT4 backend needs AMX" in result.stdout
+    monkeypatch.setattr(cpu_output, "cpu_flags", lambda: ["avx512f", "amx_tile", "amx_int8"])
+    result = CliRunner().invoke(cli, ["cpu", str(tiny_model("qwen3_moe")), str(tmp_path / "raw2"), "--method",
+                                      "rawint4", "--quiet"])
+    assert result.exit_code == 0 and "AMX" not in result.stdout

@@ -74,7 +74,7 @@ def test_mtp_count_from_tensors_when_config_has_none(tiny_model, tmp_path):
 def test_gpu_checkpoint_carries_mtp_only_with_include_mtp(tiny_model, tmp_path):
     pytest.importorskip("compressed_tensors")
     from ktconvert.gpu.convert import convert_gpu
-    from ktconvert.verify.run import verify
+    from ktconvert.verification.run import verify
 
     model = tiny_model("qwen3_next", mtp=1)
     index = {}

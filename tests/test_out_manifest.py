@@ -14,8 +14,8 @@ from safetensors.numpy import load_file, save_file
 from ktconvert.errors import InputError
 from ktconvert.formats import fileio, out_manifest as om
 from ktconvert.formats.kt_sink import KtSink
-from ktconvert.verify.hashes import verify_hashes
-from ktconvert.verify.run import render, verify
+from ktconvert.verification.hashes import verify_hashes
+from ktconvert.verification.run import render, verify
 
 
 class Int4Sizes:
@@ -243,12 +243,12 @@ def test_structure_catches_missing_expert_and_bad_index(tmp_path):
 
 def test_numerics_and_remote_results_are_reported(tmp_path, monkeypatch):
     import ktconvert.ops.hub
-    import ktconvert.verify.numeric_amx
+    import ktconvert.verification.numeric_amx
 
     out = tmp_path / "out"
     make_output(out, layers=(1,), experts=1)
     calls = []
-    monkeypatch.setattr(ktconvert.verify.numeric_amx, "check_numerics",
+    monkeypatch.setattr(ktconvert.verification.numeric_amx, "check_numerics",
                         lambda *args, **kw: calls.append(args) or {"ok": False, "problems": ["blk.1: error 0.5"]})
     monkeypatch.setattr(ktconvert.ops.hub, "verify_remote",
                         lambda *args: calls.append(args) or {"ok": True, "problems": [], "summary": "remote fine"})

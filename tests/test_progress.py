@@ -127,7 +127,7 @@ def test_cli_ctrl_c_prints_interrupted_not_done(tmp_path, monkeypatch):
         progress.advance(100, 1, "layer 0")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("ktconvert.cpu.convert.convert_cpu", interrupted_convert)
+    monkeypatch.setattr("ktconvert.api.convert_cpu", interrupted_convert)
     monkeypatch.setenv("KTCONVERT_PROGRESS_INTERVAL", "0")
     result = CliRunner().invoke(cli, ["cpu", str(tmp_path), str(tmp_path / "out"), "--method", "amxint4"])
     lines = result.stderr.splitlines()
@@ -238,7 +238,7 @@ def test_hub_source_download_json_progress_and_quiet_are_exact(tmp_path, hub_wit
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command, flag", [(["cpu", "--method", "amxint4", "--quant", "gptq"], "--json-progress"),
-                                           (["gpu", "--algo", "gptq"], "--quiet")])
+                                           (["gpu", "--quant", "gptq"], "--quiet")])
 def test_gptq_json_progress_and_quiet_are_exact(tmp_path, tiny_model, command, flag):
     """GPTQ loads llmcompressor (loguru lines on stdout), transformers and tqdm bars ("Linearizing experts")."""
     pytest.importorskip("llmcompressor")

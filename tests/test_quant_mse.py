@@ -182,7 +182,7 @@ def test_end_to_end_no_minus_eight_and_verify(tiny_model, tmp_path):
     from safetensors.numpy import load_file
 
     from ktconvert.cpu.convert import convert_cpu
-    from ktconvert.verify.run import verify
+    from ktconvert.verification.run import verify
 
     src = tiny_model("deepseek_v3")
     for method in ("amxint4", "amxint8"):

@@ -419,7 +419,7 @@ def test_open_source_registry(tmp_path, test_manifests):
 
 @pytest.mark.parametrize("gu_t,down_t", [(False, False), (True, True), (True, False)])
 def test_inspect_reports_fused_orientation(tmp_path, test_manifests, gu_t, down_t):
-    from ktconvert.inspect import inspect
+    from ktconvert.inspection import inspect
 
     root, _, tensors = _fused_model(tmp_path / "m", gu_t, down_t)
     r = inspect(root)
@@ -433,7 +433,7 @@ def test_inspect_reports_fused_orientation(tmp_path, test_manifests, gu_t, down_
 
 
 def test_ambiguous_down_follows_gate_up_convention(tmp_path, test_manifests):
-    from ktconvert.inspect import inspect
+    from ktconvert.inspection import inspect
 
     h = i = 64   # H == I: down's shape cannot tell; gate_up [E, H, 2I] (2I != H) can
     root, logical, _ = _fused_model(tmp_path / "m", True, True, h=h, i=i)

@@ -199,7 +199,7 @@ def _layer(rng, experts, hidden, inter):
 def test_moe_forward_from_kt_tree_matches_reference(tmp_path, method, inter, numa):
     from ktkernel_util import dequantized_experts, numpy_kt_files, reference_moe_forward, write_kt_files
 
-    from ktconvert.verify.reader import KtOutput
+    from ktconvert.verification.reader import KtOutput
 
     experts, hidden, tokens = 4, 256, 6
     rng = np.random.default_rng(numa * 7 + inter)
@@ -304,7 +304,7 @@ def tiny_src(tmp_path_factory):
 
 def _open(out, **changes):
     from ktconvert.formats.out_manifest import load_manifest
-    from ktconvert.verify.reader import KtOutput
+    from ktconvert.verification.reader import KtOutput
 
     manifest = load_manifest(out)
     manifest.update(changes)
@@ -401,7 +401,7 @@ def test_missing_expert(tiny_src, tmp_path):
 def test_agrees_with_ktkernel_forward(tmp_path, method, numa):
     from ktkernel_util import ktkernel_forward, ktkernel_skip_reason, numpy_kt_files, write_kt_files
 
-    from ktconvert.verify.reader import KtOutput
+    from ktconvert.verification.reader import KtOutput
 
     reason = ktkernel_skip_reason(method)
     if reason:

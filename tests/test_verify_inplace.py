@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ktconvert.cpu.convert import convert_cpu
-from ktconvert.verify.run import verify
+from ktconvert.verification.run import verify
 
 
 @pytest.fixture(scope="module")

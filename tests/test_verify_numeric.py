@@ -1,4 +1,4 @@
-"""``ktconvert.verify.numeric_amx.check_numerics``: honest conversions pass; corruption is caught by the manifest's tensor
+"""``ktconvert.verification.numeric_amx.check_numerics``: honest conversions pass; corruption is caught by the manifest's tensor
 hashes and, independently of the manifest, by the comparison with the source weights."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _convert(src, out, method="amxint4", numa=2, layout="kt"):
 def _check(out, source=None, **kw):
     from ktconvert.formats.out_manifest import load_manifest
     from ktconvert.methods import METHODS
-    from ktconvert.verify.numeric_amx import check_numerics
+    from ktconvert.verification.numeric_amx import check_numerics
 
     args = {"tokens": 8, "layers": None, "experts": "all", "threshold": None, **kw}
     return check_numerics(out, load_manifest(out), source, args["tokens"], args["layers"], args["experts"],

@@ -31,6 +31,7 @@ from ktconvert.activation.counts import load_activation
 from ktconvert.errors import InputError
 from ktconvert.formats.hf_source import HFSource
 from ktconvert.gpu.plan import GpuOptions, plan_gpu
+from ktconvert.progress import human_bytes
 
 STRATEGIES = ("frequency", "uniform")
 
@@ -191,8 +192,6 @@ def _notes(info, layers: SglangMoeLayers, budget: int, rows: list) -> list[str]:
 
 def render_placement(result: dict) -> str:
     """Human-readable plan: budget, per-layer GPU experts and VRAM, routed share when counts were given."""
-    from ktconvert.progress import human_bytes
-
     how = f"--kt-gpu-experts-ratio {result['ratio']}" if result["ratio"] is not None else \
         f"--kt-num-gpu-experts {result['per_layer']}"
     lines = [f"gpu experts ({result['strategy']}{', ' + result['stats'] if result['stats'] else ''}): {how} -> "

@@ -153,14 +153,6 @@ def _add_disk(report: dict, source, out) -> None:
                           expected=f">= {report['total_bytes']} bytes free", found=f"{free} bytes at {probe}")
 
 
-def plan(src, method: str, numa: int = 1, layout: str = "safetensors", group_size: int | None = None,
-         include_mtp: bool = False, out=None, threads: int | None = None) -> dict:
-    """The plan report of converting `src` with these options (see plan_cpu)."""
-    options = CpuOptions.make(method=method, numa=numa, layout=layout, group_size=group_size,
-                              include_mtp=include_mtp)
-    return plan_cpu(src, options, out, threads).report
-
-
 # ---------------------------------------------------------------- render
 
 def _gib(n: int) -> str:

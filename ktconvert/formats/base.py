@@ -89,7 +89,7 @@ class Source:
         return {**source.describe(), "path": str(Path(path))}, source
 
     def describe(self) -> dict:
-        """The keys ktconvert.inspect.render reads: files, bytes, dtypes, quantization, layers, experts, ..."""
+        """The keys ktconvert.inspection.render reads: files, bytes, dtypes, quantization, layers, experts, ..."""
         raise NotImplementedError
 
     # -- files

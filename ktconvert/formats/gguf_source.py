@@ -342,7 +342,7 @@ class GGUFSource(Source):
         return [name for layer in layers for proj, name in self._bias_names(layer).items()
                 if np.any(self._bias(layer, proj) != 0)]
 
-    # -- streaming jobs (pipeline.py reads each file front to back)
+    # -- streaming jobs (the runner reads each file front to back)
 
     def matrix_jobs(self, layers) -> list[MatrixJob]:
         """One MatrixJob per expert slice of each expert tensor; key = (tensor name, expert, projections)."""
@@ -362,7 +362,7 @@ class GGUFSource(Source):
 
 
 def describe(source: GGUFSource) -> dict:
-    """`ktconvert inspect` for an opened GGUF model: the keys ktconvert.inspect.render reads (headers only)."""
+    """`ktconvert inspect` for an opened GGUF model: the keys ktconvert.inspection.render reads (headers only)."""
     info = source.info
     dtypes: dict[str, int] = {}
     components: dict[str, int] = {}

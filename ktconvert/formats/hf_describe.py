@@ -30,7 +30,7 @@ def describe_path(source_cls, path, expert_orientation: str | None = None) -> tu
 
 
 def describe(source, path=None) -> dict:
-    """The keys ktconvert.inspect.render reads, for an opened HFSource."""
+    """The keys ktconvert.inspection.render reads, for an opened HFSource."""
     info = source.info
     out = _files(source.checkpoint, path or source.root, info)
     dense = [layer for layer in range(info.n_layers) if layer not in set(info.moe_layers)]

@@ -43,8 +43,6 @@ class InplaceSink:
         self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
         method.check_numa(hidden, intermediate, numa)
         self.shapes = {"gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
-        self.files: dict[str, dict] = {}
-        self.tensor_sha256: dict[str, str] = {}
 
     def shard_of(self, layer: int) -> str:
         return shard_name(self.layers.index(layer) + 1, len(self.layers))
@@ -62,10 +60,6 @@ class InplaceSink:
         if layer not in self.layers:
             raise OutputError("layer not in this output's plan", file=self.out_dir, found=str(layer))
         return InplaceLayerWriter(self, layer)
-
-    def _record(self, writer: StreamingSafetensorsWriter) -> None:
-        self.files[writer.path.name] = {"bytes": writer.size, "sha256": writer.sha256, "git_sha1": writer.git_sha1}
-        self.tensor_sha256.update(writer.tensor_sha256)
 
     def finalize(self, copy_from=None, fallback_config: dict | None = None) -> list[FileRecord]:
         """Write the index, config.json (the source's — or `fallback_config` when the source has none — with this
@@ -107,7 +101,6 @@ class InplaceLayerWriter:
 
     def finish(self) -> LayerResult:
         self.writer.close()
-        self.sink._record(self.writer)
         w = self.writer
         return LayerResult([FileRecord(w.path.name, w.size, w.sha256, w.git_sha1)], dict(w.tensor_sha256))
 

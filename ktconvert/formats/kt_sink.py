@@ -88,15 +88,6 @@ class KtSink:
                     specs.append((merged_key(layer, proj, e, t, "scale"), "F32", (sbytes // 4,)))
         return specs
 
-    def layer_files(self, layer: int) -> list[str]:
-        """Relative paths the finished layer consists of."""
-        if self.layout == "safetensors":
-            return [self.shard_for(layer)]
-        prefix = self.method.file_prefix
-        return sorted(kt_relpath(layer, t, prefix, proj, e, nbytes, part)
-                      for proj in PROJS for e in range(self.experts) for t in range(self.numa)
-                      for part, nbytes in (("quant", self.sizes[proj][2]), ("scale", self.sizes[proj][3])))
-
     def layer_done(self, layer: int) -> bool:
         """True when the layer's final output exists (a shard file, or the ``_layer_{L}`` folder)."""
         if self.layout == "safetensors":

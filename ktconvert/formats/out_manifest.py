@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from ktconvert import __version__
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.fileio import FileRecord, hash_file, write_atomic
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
@@ -107,8 +108,6 @@ def build_manifest(*, method: str, numa: int, layout: str, model: dict, source: 
     intermediate (family and model_type recommended); flags: the options the output needs (default: kt-kernel's
     kt_flags(method, numa)); expert_activation: the output's expert activation counts file (relative path),
     recorded and added to the SGLang flags."""
-    from ktconvert import __version__
-
     missing = [k for k in MODEL_KEYS if k not in model]
     if missing:
         raise OutputError("model summary incomplete", file=MANIFEST_NAME, expected=", ".join(MODEL_KEYS),

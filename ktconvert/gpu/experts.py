@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ktconvert.errors import ShapeError
+from ktconvert.errors import ShapeError, UnknownNameError
 from ktconvert.native import ct_quant
 from ktconvert.quant import ct_int4
 
@@ -31,8 +31,6 @@ GROUP_SIZES = (32, 64, 128)
 
 def bits_of(experts: str) -> int:
     """4 for "w4a16", 8 for "w8a16" (case-insensitive)."""
-    from ktconvert.errors import UnknownNameError
-
     try:
         return EXPERT_SCHEMES[experts.lower()]
     except KeyError:

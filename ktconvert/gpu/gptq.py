@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ktconvert.errors import InputError
+from ktconvert.gptq.calibration import load_samples
+from ktconvert.gpu.experts import quantize_expert_rtn
 from ktconvert.gptq.loop import GpuQuantizer, GptqOptions, LayerStream
 
 
@@ -45,8 +47,6 @@ def start(source, bits: int, group_size: int, calibration, options: GptqOptions 
                          '{"text": ...} or {"input_ids": [...]})', found="none")
     samples = calibration
     if not isinstance(calibration, list):
-        from ktconvert.gptq.calibration import load_samples
-
         samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
     quantizer = GpuQuantizer(bits, group_size, "static")
@@ -75,8 +75,6 @@ def quantize_layer_gptq(source, layer: int, state: GptqState | None, *, bits: in
 
 
 def _emit_rtn(source, layer: int, state: GptqState, emit) -> None:
-    from ktconvert.gpu.experts import quantize_expert_rtn
-
     for e in range(source.info.n_experts):
         ew = source.read_expert(layer, e)
         for proj in ("gate", "up", "down"):

@@ -17,14 +17,13 @@ from ktconvert.formats.fileio import FileRecord, LayerResult, record_for, write_
 from ktconvert.formats.out_manifest import BYTE_PACKAGES, MANIFEST_NAME, package_versions
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter, tensor_nbytes
 from ktconvert.gpu import config as gpu_config
-from ktconvert.gpu.experts import quantize_expert_rtn
+from ktconvert.gpu.experts import SUFFIXES as EXPERT_SUFFIXES, quantize_expert_rtn
 from ktconvert.gpu.plan import GpuPlan
 from ktconvert.layouts.naming import INDEX_NAME
 from ktconvert.output import Output
 
 NO_COPY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 NO_COPY_NAMES = ("config.json", INDEX_NAME, MANIFEST_NAME, "README.md")
-EXPERT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
 
 
 class GpuLayerWriter:

@@ -17,11 +17,18 @@ from pathlib import Path
 
 import numpy as np
 
+from ktconvert.architecture import resolve
 from ktconvert.errors import InputError, KtConvertError
+from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.formats.safetensors_reader import Checkpoint
+from ktconvert.formats.sources import open_source
+from ktconvert.gpu.config import ct_ignored, sglang_ignored
+from ktconvert.gpu.experts import decompress_expert
+from ktconvert.gpu.linears import FUSED_SHARDS, is_linear_base, sglang_names
 from ktconvert.layouts.naming import INDEX_NAME
+from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from ktconvert.safe_read import read_json
-from ktconvert.verify.folder import OutputFolder
+from ktconvert.verification.folder import OutputFolder
 
 MAX_LINES = 10
 ACTORDERS = (None, "static", "weight")
@@ -49,7 +56,7 @@ def check_gpu_checkpoint(out, source=None, experts="all", folder: OutputFolder |
     """Validate GPU checkpoint folder `out` (optionally against source checkpoint `source`).
 
     experts: "all" or how many experts per layer to decompress (structure is checked for all).
-    folder: the folder's verify.folder.OutputFolder when already walked (its shard headers are reused).
+    folder: the folder's verification.folder.OutputFolder when already walked (its shard headers are reused).
     Returns {"ok", "problems": [str], "checks": [{name, status, detail, problems}], "errors": {...}}.
     """
     out = Path(out)
@@ -181,8 +188,6 @@ def _check_index(folder: OutputFolder, checks: list) -> dict:
 
 
 def _model_info(config: dict, tensors: dict):
-    from ktconvert.architecture import resolve
-
     return resolve(config, [n.replace(".weight_packed", ".weight") for n in tensors])
 
 
@@ -253,8 +258,6 @@ def _read(out: Path, tensors: dict, name: str) -> np.ndarray:
 
 
 def _decompress(out, base, shape, state, tensors, src, layer, e, proj, check) -> float | None:
-    from ktconvert.gpu.experts import decompress_expert
-
     packed = _read(out, tensors, base + ".weight_packed")
     scale = _read(out, tensors, base + ".weight_scale")
     wshape = _read(out, tensors, base + ".weight_shape")
@@ -273,8 +276,6 @@ def _decompress(out, base, shape, state, tensors, src, layer, e, proj, check) ->
         return None
     if src is None:
         return None
-    from ktconvert.quant.bf16 import bf16_bits_to_f32
-
     ref = bf16_bits_to_f32(getattr(src.read_expert(layer, e), proj))
     err = float(np.linalg.norm(w - ref) / max(np.linalg.norm(ref), 1e-30))
     if err > REL_ERR_LIMIT[state["bits"]]:
@@ -283,8 +284,6 @@ def _decompress(out, base, shape, state, tensors, src, layer, e, proj, check) ->
 
 
 def _to_bf16(scale: np.ndarray) -> np.ndarray:
-    from ktconvert.quant.bf16 import f32_to_bf16_bits
-
     return f32_to_bf16_bits(scale.astype(np.float32))
 
 
@@ -292,22 +291,17 @@ def _open_source(source, out: Path):
     """The source checkpoint, opened as the conversion of `out` opened it (its recorded --expert-orientation)."""
     if source is None:
         return None
-    from ktconvert.formats.hf_source import HFSource
-    from ktconvert.formats.out_manifest import load_manifest
-
     try:
         recorded = (load_manifest(out).get("source") or {}).get("expert_orientation")
     except KtConvertError:
         recorded = None
-    return HFSource.open(source, recorded)
+    return open_source(source, recorded)
 
 
 # ---------------------------------------------------------------------------------------------- linears
 
 def _linear_modules(info, layers, tensors: dict) -> tuple[set[str], set[str]]:
     """(SGLang LinearBase HF modules, other non-expert 2-D linear modules) present in the checkpoint."""
-    from ktconvert.gpu.linears import is_linear_base
-
     expert_modules = {_module(n) for layer in layers for e in range(info.n_experts)
                       for n in info.expert_names(layer, e).values()}
     base, other = set(), set()
@@ -364,9 +358,6 @@ def _check_fp8_scale(out: Path, tensors: dict, module: str, ref, block, check: _
 # ---------------------------------------------------------------------------------------------- ignore
 
 def _check_ignore(state: dict, info, layers, tensors: dict) -> _Check:
-    from ktconvert.gpu.config import ct_ignored, sglang_ignored
-    from ktconvert.gpu.linears import FUSED_SHARDS, sglang_names
-
     check = _Check("ignore")
     ignore = state["ignore"]
     base, other = _linear_modules(info, layers, tensors)

@@ -19,7 +19,7 @@ from ktconvert.layouts.numa import numa_slices
 from ktconvert.methods.base import METHODS, CpuMethod
 from ktconvert.quant import amx_rows, mse  # noqa: F401  (mse registers the "mse" row quantizer)
 from ktconvert.quant.row_quant import ROW_QUANT
-from ktconvert.verify import numeric_amx, structure
+from ktconvert.verification import numeric_amx, structure
 
 
 class AmxMethod(CpuMethod):
@@ -159,6 +159,7 @@ class AmxInt4(AmxMethod):
     """AMXINT4: codes -7..7, stored scale d = amax/112 (w ~= code * 16 * d), N_BLOCK 128."""
 
     name, aliases, kt_method, file_prefix = "amxint4", ("int4", "amx-int4"), "AMXINT4", "INT4"
+    default = True
     bits, n_block, k_multiple = 4, tiles.INT4_N_BLOCK, tiles.INT4_TILE_K
     rtn_bound = 8.5
     # MoE output against the source: honest RTN 0.44-0.63 rel L2 / cosine >= 0.83 on heavy-tailed weights,

@@ -34,6 +34,7 @@ class CpuMethod:
     kt_method: ClassVar[str] = ""            # kt-kernel's method= / SGLang --kt-method value
     file_prefix: ClassVar[str] = ""          # .kt file name prefix ("INT4" -> INT4_gate_0_..Byte_quant_.kt)
     writable: ClassVar[bool] = True          # False: kt-kernel reads the source itself; ktconvert writes nothing
+    default: ClassVar[bool] = False          # the method used where none is given (demo)
     needs_conversion: ClassVar[bool] = True  # False: the output is HF tensors kt-kernel reads in place
     needs_amx: ClassVar[bool] = False        # kt-kernel 0.7.2 runs this method only on CPUs with AMX
     n_multiple: ClassVar[int] = 1
@@ -202,7 +203,7 @@ class CpuMethod:
 
     @classmethod
     def check_structure(cls, folder, manifest: dict) -> tuple[list[str], str]:
-        """(problems, detail) of an output folder (verify.folder.OutputFolder) against its manifest."""
+        """(problems, detail) of an output folder (verification.folder.OutputFolder) against its manifest."""
         raise NotImplementedError
 
     @classmethod

@@ -22,7 +22,7 @@ import numpy as np
 from ktconvert.formats.inplace_sink import InplaceSink
 from ktconvert.methods.base import CpuMethod, check
 from ktconvert.quant import ct_int4, fp8
-from ktconvert.verify import numeric_inplace, structure
+from ktconvert.verification import numeric_inplace, structure
 
 _DTYPE_BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4, "I32": 4, "I64": 8}
 TensorSpecs = list[tuple[str, str, tuple[int, ...]]]   # (suffix, safetensors dtype, shape)

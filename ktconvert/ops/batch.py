@@ -186,8 +186,8 @@ def _output(raw: dict, defaults: dict, path: Path, where: str) -> dict:
 
 
 def plan_jobs(jobs: list[dict]) -> list[dict]:
-    """--dry-run: ktconvert.cpu.plan.plan(...) for every output of every job (headers only, no weights read)."""
-    from ktconvert.cpu.plan import plan
+    """--dry-run: ktconvert.api.plan(...) for every output of every job (headers only, no weights read)."""
+    from ktconvert.api import plan
 
     plans = []
     for job in jobs:
@@ -202,7 +202,7 @@ def plan_jobs(jobs: list[dict]) -> list[dict]:
                 cpu = output["cpu"]
                 entry["plan"] = plan(job["source"], method=cpu["method"], numa=cpu.get("numa", 1),
                                      layout=cpu.get("layout", "safetensors"), group_size=cpu.get("group_size"),
-                                     include_mtp=cpu.get("include_mtp", False), out=output["out"])
+                                     include_mtp=cpu.get("include_mtp", False), out=output["out"]).cpu.report
             plans.append(entry)
     return plans
 

@@ -152,7 +152,7 @@ def publish(out, repo: str, hub: str = "hf", revision: str | None = None, privat
     only what the hub lacks), add a model card, then verify the remote. Returns verify_remote's dict + "bytes",
     "files". VerifyError if the local folder or the remote does not match; RemoteError on hub failures."""
     from ktconvert.formats.out_manifest import load_manifest
-    from ktconvert.verify.hashes import verify_hashes
+    from ktconvert.verification.hashes import verify_hashes
     from ktconvert.progress import Progress
 
     progress = progress or Progress()

@@ -40,7 +40,7 @@ def check_repo_id(repo: str, hub: str = "hf") -> str:
             return repo
         reason = "expected owner/name of letters, digits, '-', '_', '.'"
     raise InputError(f"invalid {hub} repo id ({reason})", file=repr(repo)[1:-1],
-                     expected="ORG/NAME, e.g. my-org/Qwen3-30B-A3B-kt-amxint4")
+                     expected="ORG/NAME, e.g. my-org/Qwen3-30B-A3B-kt")
 
 
 def check_token(token: str | None, source: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ktconvert.errors import NumericError, ShapeError
+from ktconvert.native.decode import route
 from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 
 SUPPORTED_BITS = (2, 4, 8)       # widths that divide 32: no value straddles two words
@@ -85,8 +86,6 @@ def _scale_per_column(scale: np.ndarray, n: int, k: int, group_size: int | None,
 
 def _native(impl: str | None):
     """ktconvert.native.decode when `impl` selects native decoding (see its route()), else None."""
-    from ktconvert.native.decode import route
-
     return route(impl)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ktconvert.errors import NumericError, ShapeError
+from ktconvert.native.decode import route
 from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 
 E4M3_MAX = 448.0
@@ -37,11 +38,6 @@ def _e4m3_table() -> np.ndarray:
 
 
 E4M3_TO_F32: np.ndarray = _e4m3_table()
-
-
-def e4m3_to_f32(codes: np.ndarray) -> np.ndarray:
-    """uint8 [...] e4m3fn codes -> float32 [...] (exact)."""
-    return E4M3_TO_F32[np.asarray(codes, dtype=np.uint8)]
 
 
 def f32_to_e4m3(x: np.ndarray) -> np.ndarray:
@@ -101,8 +97,6 @@ def dequant_block(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], 
     bn, bk = block
     check_block_scale(n, k, block, np.shape(scale), where)
     scale = np.asarray(scale, dtype=np.float32)
-    from ktconvert.native.decode import route
-
     native = route(impl)
     if native is not None and codes.dtype == np.uint8 and codes.size:
         return native.fp8_block_dequant(codes, scale, block, np.dtype(product_dtype) == np.float16,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from ktconvert.errors import InputError, ShapeError
+from ktconvert.native import gguf as native_gguf
+from ktconvert.quant.bf16 import f32_to_bf16_bits
 
 # ggml type id -> (name, elements per block, bytes per block)   (ggml.h; gguf.constants.GGML_QUANT_SIZES)
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -55,8 +57,6 @@ def supported(ggml_type: int | str) -> bool:
 
 def native_supported(ggml_type: int | str) -> bool:
     """True when the native library is loaded and dequantizes this type in C."""
-    from ktconvert.native import gguf as native_gguf
-
     return supported(ggml_type) and native_gguf.supports(type_id(ggml_type))
 
 
@@ -112,8 +112,6 @@ def dequantize(raw: np.ndarray, ggml_type: int | str, threads: int = 1, impl: st
     gguf-py's ``gguf.quants.dequantize``. name: tensor named in errors."""
     _check(raw, ggml_type, name)
     if _use_native(ggml_type, impl):
-        from ktconvert.native import gguf as native_gguf
-
         return native_gguf.dequantize_f32(raw, type_id(ggml_type), threads=threads, impl=impl, name=name)
     return _numpy_f32(raw, ggml_type)
 
@@ -123,11 +121,7 @@ def dequantize_bf16(raw: np.ndarray, ggml_type: int | str, threads: int = 1, imp
     """Packed bytes -> uint16 BF16 bits [n_elements], flat: f32_to_bf16_bits (RNE) of ``dequantize``."""
     _check(raw, ggml_type, name)
     if _use_native(ggml_type, impl):
-        from ktconvert.native import gguf as native_gguf
-
         return native_gguf.dequantize_bf16(raw, type_id(ggml_type), threads=threads, impl=impl, name=name)
-    from ktconvert.quant.bf16 import f32_to_bf16_bits
-
     return f32_to_bf16_bits(_numpy_f32(raw, ggml_type))
 
 

@@ -1,6 +1,6 @@
 """``--quant mse``: error-minimising per-row scales for AMXINT4 / AMXINT8, numpy reference (data-free).
 
-Same on-disk format as kt-kernel's own rounding (quant/amx.py): one fp32 scale ``d`` per output row over the row's
+Same on-disk format as kt-kernel's own rounding (quant/amx_rows.py): one fp32 scale ``d`` per output row over the row's
 whole k (per NUMA part for down, since the pipeline quantizes each part separately), symmetric codes, no zero
 point, so kt-kernel runs the files unchanged. Only the choice of ``d`` and of the codes differs: kt-kernel sets the
 step from the row's largest value (one outlier flattens the rest of the row); here the step is picked from a grid of
@@ -11,7 +11,7 @@ Search definition (native/amx_mse.c implements the same steps and gives bit-iden
   qmax, step, G = 7, 0.5, 16 (INT4) or 127, 0.25, 16 (INT8).
   x[j]   the row as fp32, BF16 widened exactly, subnormals flushed to 0 (kt-kernel's DAZ); NaN/Inf -> NumericError.
   amax   max |x[j]| (fp32). A row with amax < 2**-118 (zero, or too small for fp32 inverse steps) gets kt-kernel's
-         own rounding (quant/amx.py: d = 0 and codes 0 when amax/112 resp. amax/127 is subnormal).
+         own rounding (quant/amx_rows.py: d = 0 and codes 0 when amax/112 resp. amax/127 is subnormal).
   e      the binary exponent of amax: amax = f * 2**e with 0.5 <= f < 1 (numpy.frexp).
   X[j]   rint_even(float64(x[j]) * 2**(24 - e)): the row as integers, |X| <= 2**24 (fixed point, exact for every
          value within 2**-16 of amax).

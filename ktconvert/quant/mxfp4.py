@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ktconvert.errors import ShapeError
+from ktconvert.native.decode import route
 from ktconvert.quant.bf16 import f32_to_bf16_bits
 
 BLOCK = 32                      # values per scale
@@ -44,8 +45,6 @@ def dequant(blocks: np.ndarray, scales: np.ndarray, where: str = "", *, threads:
     """blocks uint8 [n, G, 16] + scales uint8 [n, G] -> uint16 [n, G*32] BF16 bits (exact).
     impl: None (native C when built, else this numpy code), "numpy", or "scalar" | "avx2" | "avx512"."""
     n, k = check_shapes(blocks.shape, scales.shape, where)
-    from ktconvert.native.decode import route
-
     native = route(impl)
     if native is not None and blocks.dtype == np.uint8 and scales.dtype == np.uint8 and n and k:
         return native.mxfp4_dequant(blocks, scales, threads=threads, impl=impl, name=where or None)
@@ -56,9 +55,3 @@ def dequant(blocks: np.ndarray, scales: np.ndarray, where: str = "", *, threads:
         values = E2M1_TO_F32[nibbles] * e8m0_to_f32(scales)[:, :, None]
     return f32_to_bf16_bits(values.reshape(n, k))
 
-
-def split_interleaved(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[2I, k] with gate on even rows and up on odd rows -> (gate [I, k], up [I, k]) (also works on [2I] biases)."""
-    if w.shape[0] % 2:
-        raise ShapeError("interleaved gate/up has an odd row count", expected="2 * I rows", found=str(w.shape[0]))
-    return np.ascontiguousarray(w[0::2]), np.ascontiguousarray(w[1::2])

@@ -17,15 +17,15 @@ from ktconvert.formats.sources import open_recorded_source
 from ktconvert.formats.inplace_sink import EXPERT_PREFIX, PROJ_NAMES
 from ktconvert.formats.decoders import decode_matrix, detect_scheme
 from ktconvert.quant.bf16 import bf16_bits_to_f32
-from ktconvert.verify.folder import OutputFolder
-from ktconvert.verify.numeric_amx import choose_experts, choose_layers, rel_l2, silu_mul
+from ktconvert.verification.folder import OutputFolder
+from ktconvert.verification.numeric_amx import choose_experts, choose_layers, rel_l2, silu_mul
 
 
 
 def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=None, experts="4",
                            threshold=None, seed: int = 0, folder: OutputFolder | None = None, *, method) -> dict:
     """{"ok", "problems", "summary", "layers": [...]} for an in-place output folder (see module doc).
-    folder: the folder's verify.folder.OutputFolder when already walked (its shard headers are reused);
+    folder: the folder's verification.folder.OutputFolder when already walked (its shard headers are reused);
     method: the manifest's CPU method (its thresholds["moe_rel_l2"] is the default MoE-output limit)."""
     report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run"}
     try:

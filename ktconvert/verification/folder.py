@@ -4,7 +4,6 @@ runtime reader and the numeric checks all use this one walk, so a shard header i
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path

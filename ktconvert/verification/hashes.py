@@ -13,7 +13,7 @@ from ktconvert.layouts.naming import key_for_kt_path
 def verify_hashes(out_dir, manifest: dict | None = None, folder=None) -> dict:
     """Re-hash every file the manifest lists (and every tensor of its safetensors shards / .kt files).
 
-    folder: the verify.folder.OutputFolder already scanned (its parsed shard headers are reused), or None.
+    folder: the verification.folder.OutputFolder already scanned (its parsed shard headers are reused), or None.
     Returns {"ok", "files_checked", "tensors_checked", "mismatched", "missing", "extra", "tensor_mismatched",
     "tensor_missing", "tensor_extra", "problems"}: lists of relative paths / tensor names, and one line per problem.
     """

@@ -1,22 +1,21 @@
 """``verify``'s structure check of a CPU output: every expert tensor (or .kt file) the manifest's method, NUMA
 count and model dims call for is present with the right dtype and byte count, found the way kt-kernel's loader
-finds it, and nothing else is there. Works on the one walk of the folder (``verify.folder.OutputFolder``).
+finds it, and nothing else is there. Works on the one walk of the folder (``verification.folder.OutputFolder``).
 
 Two shapes of output: kt-kernel's converted tiles (``check_tiles``: merged shards or the ``.kt`` tree) and HF
 tensors kt-kernel reads in place (``check_hf_tensors``). Each returns (problem lines, detail).
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 
+from ktconvert.errors import InputError
 from ktconvert.formats.inplace_sink import InplaceSink
 from ktconvert.formats.safetensors_reader import DTYPES
 from ktconvert.layouts.naming import INDEX_NAME, PROJS, kt_relpath, merged_key, part_shape
-from ktconvert.verify.folder import OutputFolder
-from ktconvert.errors import InputError
 from ktconvert.safe_read import read_json
+from ktconvert.verification.folder import OutputFolder
 
 MAX_LINES_PER_KIND = 10
 _EXPERT_KEY = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_exps\.")

@@ -25,7 +25,7 @@ from ktconvert.errors import InputError, KtConvertError, VerifyError
 from ktconvert.formats.sources import open_recorded_source
 from ktconvert.native import forward as native_rt
 from ktconvert.quant.bf16 import bf16_bits_to_f32
-from ktconvert.verify.reader import KtOutput
+from ktconvert.verification.reader import KtOutput
 
 KERNEL_TOL = 1e-5
 # The limits on the layer's MoE output against the source weights (relative L2 max / cosine min) are the method's
@@ -46,7 +46,7 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
     experts:   experts per layer ("4", 4 or "all")
     threshold: None (the method's thresholds) or the MoE relative L2 limit
     methods:   the CPU method registry (ktconvert.methods.METHODS): the manifest's method and its thresholds
-    folder:    the folder's verify.folder.OutputFolder when already walked
+    folder:    the folder's verification.folder.OutputFolder when already walked
     returns:   {"ok", "problems": [str], "summary", "thresholds", "variant", "layers": [row per layer],
                 "verification": compact dict for the manifest}
     """

@@ -5,18 +5,18 @@ expert tensor or .kt file present with the byte count that the recorded method, 
 probed the way kt-kernel's loader probes, nothing extra; GPU outputs: ``gpu.verify``), hashes (``--hashes``: every
 file and tensor re-hashed against the manifest), numerics (the method's own numeric check, against ``--source``
 when given) and remote (``--remote``: ``ops.hub.verify_remote``). The folder is walked once
-(``verify.folder.OutputFolder``) and every check reads that walk. Returns a dict; ``render`` makes the table.
+(``verification.folder.OutputFolder``) and every check reads that walk. Returns a dict; ``render`` makes the table.
 """
 from __future__ import annotations
 
 from ktconvert.errors import InputError, ShapeError, UnknownNameError
+from ktconvert.extras import require
 from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.gpu import verify as gpu_verify
-from ktconvert.ops import bundle as ops_bundle, hub as ops_hub
 from ktconvert.methods import METHODS, CpuMethod
-from ktconvert.verify.folder import OutputFolder
-from ktconvert.verify.hashes import verify_hashes
-from ktconvert.extras import require
+from ktconvert.ops import bundle as ops_bundle, hub as ops_hub
+from ktconvert.verification.folder import OutputFolder
+from ktconvert.verification.hashes import verify_hashes
 
 
 def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None, experts="4", threshold=None,

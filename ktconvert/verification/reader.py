@@ -24,7 +24,7 @@ import numpy as np
 from ktconvert.errors import InputError, UnknownNameError, VerifyError
 from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.layouts.naming import PROJS, kt_relpath, merged_key, parse_kt_relpath, part_shape
-from ktconvert.verify.folder import OutputFolder
+from ktconvert.verification.folder import OutputFolder
 
 _NUMA_DIR = re.compile(r"^_numa_(\d+)$")
 
@@ -91,7 +91,7 @@ class KtOutput:
     def open(cls, out, manifest: dict | None = None, folder: OutputFolder | None = None, *,
              methods) -> "KtOutput":
         """Open folder ``out``; reads ``ktconvert.json`` unless ``manifest`` is given, walks the folder unless
-        ``folder`` (its verify.folder.OutputFolder) is given."""
+        ``folder`` (its verification.folder.OutputFolder) is given."""
         return cls(out, load_manifest(out) if manifest is None else manifest, methods, folder)
 
     # ---- merged safetensors -------------------------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""The Python API (issue 12 item 7): ktconvert.convert_cpu / convert_gpu / convert / plan / inspect / verify return
+result dataclasses, are listed by dir(ktconvert), and importing the package stays light."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+import ktconvert
+from ktconvert.errors import UsageError
+
+API = ["convert", "convert_cpu", "convert_gpu", "inspect", "plan", "verify"]
+
+
+def test_dir_lists_the_entry_points_and_import_is_light():
+    assert set(API) <= set(dir(ktconvert))
+    for name in ("ConvertResult", "PlanResult", "VerifyResult", "InspectResult", "CpuOptions", "GpuOptions"):
+        assert name in dir(ktconvert)
+    code = "import sys, ktconvert; print(sorted({'numpy', 'torch', 'safetensors'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
+        == "[]"
+
+
+def test_docstrings_give_values_progress_protocol_and_exceptions():
+    import ktconvert.api as api
+
+    assert "start(total_bytes, total_items, label)" in api.__doc__ and "UsageError" in api.__doc__
+    assert "method, numa, layout, quant, group_size" in ktconvert.convert_cpu.__doc__
+    assert "Raises" in ktconvert.convert_cpu.__doc__ and "Raises" in ktconvert.convert_gpu.__doc__
+    for name in API:
+        assert getattr(ktconvert, name).__doc__, name
+
+
+def test_convert_cpu_returns_a_result(tiny_model, tmp_path):
+    model, out = tiny_model("qwen3_moe"), tmp_path / "out"
+    result = ktconvert.convert_cpu(model, out, method="AMXINT8", numa=2, threads=1)
+    assert dataclasses.is_dataclass(result) and result.kind == "cpu" and result.method == "AMXINT8"
+    manifest = json.loads((out / "ktconvert.json").read_text())
+    assert result.files == len(manifest["files"]) and result.bytes == sum(f["bytes"] for f in manifest["files"].values())
+    assert result.flags == manifest["flags"]
+    assert result.sglang_args == f"--kt-method AMXINT8 --kt-weight-path {out} --kt-threadpool-count 2"
+    assert {"plan", "open", "convert", "finalize", "total"} <= set(result.timings) and not result.complete_before
+    assert json.loads(json.dumps(result.to_dict()))["out"] == str(out)
+    again = ktconvert.convert_cpu(model, out, method="amxint8", numa=2, resume=True)
+    assert again.complete_before and again.files == result.files
+    with pytest.raises(UsageError, match="unknown CPU option 'numaa'"):
+        ktconvert.convert_cpu(model, tmp_path / "x", method="amxint4", numaa=2)
+
+
+def test_convert_one_pass_gpu_plan_inspect_verify(tiny_model, tmp_path):
+    model = tiny_model("deepseek_v3")
+    results = ktconvert.convert(model, [(tmp_path / "cpu", {"method": "amxint4", "numa": 2}),
+                                        (tmp_path / "gpu", ktconvert.GpuOptions.make(experts="W8A16"))], threads=1)
+    assert [(r.kind, r.method) for r in results] == [("cpu", "AMXINT4"), ("gpu", "W8A16")]
+    assert results[1].sglang_args == f"--model {tmp_path / 'gpu'}" and results[1].flags == {"model": "."}
+    planned = ktconvert.plan(model, method="amxint4", numa=2, gpu={"experts": "w8a16"})
+    assert planned.to_dict()["cpu"]["numa"] == 2 and planned.gpu["bits"] == 8
+    assert planned.cpu.input is planned.gpu.input            # one opened source for both plans
+    info = ktconvert.inspect(model)
+    assert info.supported and info.family == "deepseek" and info.kt_methods["AMXINT8"].startswith("convert")
+    checked = ktconvert.verify(tmp_path / "cpu", source=model, hashes=True, sample_experts="all")
+    assert checked.ok and checked.numerics["layers"] and checked.hashes["ok"]
+    gpu_checked = ktconvert.verify(tmp_path / "gpu", sample_experts=1)
+    assert gpu_checked.ok, gpu_checked.problems
+    with pytest.raises(UsageError, match="own folder"):
+        ktconvert.convert(model, [(tmp_path / "same", {"method": "amxint4"}), (tmp_path / "same", {"experts": "w4a16"})])
