@@ -122,10 +122,11 @@ def _plan_placement(src, gpu, placement: dict) -> dict:
     return plan_placement(src, gpu_experts=experts, group_size=group_size, **values)
 
 
-def inspect(path) -> InspectResult:
+def inspect(path, expert_orientation: str | None = None) -> InspectResult:
     """Describe checkpoint `path` from its headers and config.json only: family, layers, experts, dims, dtypes,
-    quantization, bytes per component, expert layout and what each kt-kernel method can do with it."""
-    return InspectResult(**inspect_module.inspect(path))
+    quantization, bytes per component, expert layout (as detected: layout, orientation and why; expert_orientation
+    "out" / "in" settles square fused tensors) and what each kt-kernel method can do with it."""
+    return InspectResult(**inspect_module.inspect(path, expert_orientation))
 
 
 def verify(out, *, source=None, hashes: bool = False, tokens: int = 8, layers=None, sample_experts="4",

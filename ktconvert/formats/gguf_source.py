@@ -22,6 +22,7 @@ import numpy as np
 
 from ktconvert.architecture import ModelInfo, manifest_for
 from ktconvert.errors import InputError, ManifestError, ShapeError
+from ktconvert.formats import gguf_dense
 from ktconvert.formats.base import ExpertWeights, Source, TensorRef
 from ktconvert.formats.gguf_header import read_header
 from ktconvert.formats.stream import MatrixJob
@@ -193,8 +194,9 @@ class GGUFSource(Source):
             return False
 
     @classmethod
-    def open(cls, path) -> "GGUFSource":
-        """Parse the header(s) of the model at `path`; metadata comes from the first split part."""
+    def open(cls, path, expert_orientation: str | None = None) -> "GGUFSource":
+        """Parse the header(s) of the model at `path`; metadata comes from the first split part. (ggml stores
+        expert tensors [E, out, in] only: expert_orientation is not needed.)"""
         paths = gguf_files(path)
         meta: dict = {}
         tensors: dict[str, TensorRef] = {}
@@ -338,6 +340,11 @@ class GGUFSource(Source):
         biases = {f"{p}_bias": self._bias(layer, p, expert) for p in ("gate", "up", "down")}
         return ExpertWeights(mats["gate"], mats["up"], mats["down"], **biases)
 
+    def dense_tensors(self):
+        """(specs [(HF name, "F32" | "BF16", shape)], read) of every non-expert tensor under its HF name, for
+        ``--include-dense`` (formats/gguf_dense.py; InputError naming a tensor that cannot be written)."""
+        return gguf_dense.dense_tensors(self)
+
     # -- biases (gpt-oss)
 
     def _bias_names(self, layer: int) -> dict[str, str]:
@@ -403,9 +410,21 @@ def describe(source: GGUFSource) -> dict:
                    "mtp": list(source.present_mtp_layers()), "mtp_in_config": list(info.mtp_layers)},
         "experts": info.n_experts, "experts_per_tok": info.experts_per_tok, "shared_experts": info.n_shared,
         "hidden": info.hidden, "intermediate": info.intermediate,
-        "expert_layout": {"form": "fused", "gate_up": "ffn_gate_exps + ffn_up_exps [E, I, H]",
-                          "down": "ffn_down_exps [E, H, I]", "biases": source.has_expert_biases()},
+        "expert_layout": _expert_layout(source),
     }
+
+
+def _expert_layout(source: GGUFSource) -> dict:
+    """The GGUF experts' layout in inspect's terms: separate (or gate_up-fused) 3-D tensors, always out-major."""
+    layer = source.all_layers()[0]
+    why = "ggml stores every matrix as rows = out_features (ne[1]) x cols = in_features (ne[0])"
+    tensors = {("gate_up" if len(projs) == 2 else projs[0]): name.replace(f"blk.{layer}.", "blk.{L}.")
+               for name, projs in source._layer_tensors(layer)}
+    shapes = {"gate_up": "[E, 2I, H]", "gate": "[E, I, H]", "up": "[E, I, H]", "down": "[E, H, I]"}
+    return {"form": "fused" if "gate_up" in tensors else "fused_separate",
+            "family_usual": source.info.manifest.experts.form, "tensors": tensors,
+            "biases": source.has_expert_biases(),
+            "orientation": {role: {"stored": shapes[role], "orientation": "out", "why": why} for role in tensors}}
 
 
 _COMPONENTS = (("routed_experts", re.compile(r"\.ffn_(gate|up|down|gate_up)_exps\.")),

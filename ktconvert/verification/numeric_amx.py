@@ -23,7 +23,7 @@ import os
 import numpy as np
 
 from ktconvert.errors import InputError, KtConvertError, UsageError, VerifyError
-from ktconvert.formats.sources import open_source
+from ktconvert.formats.sources import open_recorded_source
 from ktconvert.native import forward as native_rt
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verification.reader import KtOutput
@@ -65,7 +65,7 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
     except InputError as exc:
         report["problems"].append(str(exc))
         return report
-    src = open_checked_source(source, rt.layers)
+    src = open_checked_source(source, manifest, rt.layers)
     mismatch = source_mismatch(src, rt.hidden, rt.intermediate, rt.experts, rt.layers)
     if mismatch:
         report["problems"].append(mismatch)
@@ -92,14 +92,14 @@ def _thresholds(method, threshold) -> dict:
     return limits
 
 
-def open_checked_source(source, layers):
+def open_checked_source(source, manifest: dict, layers):
     """The opened source (None without one) with every expert tensor header of its MoE layers, and of the `layers`
     among its MTP layers, checked as the conversion's plan checks them (dtype, shape, partners, data inside the
     file): the numerics sample experts, so a broken source must not pass unseen. Raises InputError (exit 3, bad
     input) instead of reporting a verification problem."""
     if source is None:
         return None
-    src = open_source(source)
+    src = open_recorded_source(source, manifest)
     src.validate(include_mtp=bool(set(layers) & set(src.info.mtp_layers)))
     return src
 

@@ -46,7 +46,7 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     except InputError as exc:
         report["problems"].append(str(exc))
         return report
-    src = open_checked_source(source, all_layers)
+    src = open_checked_source(source, manifest, all_layers)
     mismatch = source_mismatch(src, *dims, all_layers)
     if mismatch:
         report["problems"].append(mismatch)

@@ -53,7 +53,7 @@ class PackQuantizedDecoder(Decoder):
             raise shape_error(s, "weight_scale has the wrong dtype", "BF16, F16 or F32", s.dtype)
         n, words = matrix_shape(p, expert)
         s_shape = per_expert_shape(s, expert)
-        k = _packed_k(checkpoint, base, group, n, words, s_shape, partners)
+        k = _packed_k(checkpoint, base, group, n, words, s_shape, partners, expert)
         if words != ct_int4.packed_cols(k, group.num_bits):
             raise shape_error(p, f"weight_packed width does not hold {k} values of {group.num_bits} bits",
                               f"[{n}, {ct_int4.packed_cols(k, group.num_bits)}]", str([n, words]))
@@ -72,6 +72,10 @@ class PackQuantizedDecoder(Decoder):
         if g_idx is not None and group.strategy == "group":
             partners["g_idx"] = _checked_g_idx(g_idx, expert, k).name
         return MatrixRefs(cls.scheme, p.name, partners, expert, (n, k), group)
+
+    @classmethod
+    def fixed_orientation(cls, refs: MatrixRefs) -> str | None:
+        return "out"      # packed along in-features, groups of in-features
 
     @classmethod
     def decode(cls, checkpoint, refs: MatrixRefs, data: np.ndarray, where: str) -> np.ndarray:
@@ -100,12 +104,14 @@ class PackQuantizedDecoder(Decoder):
         return bits
 
 
-def _packed_k(checkpoint, base, group, n, words, s_shape, partners) -> int:
-    """in_features from weight_shape when present (it is tiny: read it), else from the group scale."""
+def _packed_k(checkpoint, base, group, n, words, s_shape, partners, expert=None) -> int:
+    """in_features from weight_shape when present (it is tiny: read it; a fused one is [2] or [E, 2]), else from
+    the group scale."""
     shape_name = f"{base}.weight_shape"
     if shape_name in checkpoint.tensors:
         partners["shape"] = shape_name
-        ws = np.asarray(checkpoint.read(shape_name)).reshape(-1)
+        ws = np.asarray(checkpoint.read(shape_name))
+        ws = (ws[expert] if expert is not None and ws.ndim == 2 else ws).reshape(-1)
         if ws.size != 2 or int(ws[0]) != n:
             ref = checkpoint.tensors[shape_name]
             raise shape_error(ref, "weight_shape disagrees with weight_packed", f"[{n}, k]", str(ws.tolist()))
