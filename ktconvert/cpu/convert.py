@@ -233,8 +233,9 @@ def _convert_cpu_gptq(src, out, method, numa, layout, calibration, resume, force
     result = convert_cpu_gptq(src, out, method=method, numa=numa, calibration=calibration, layout=layout,
                               force=force, allow_drop_bias=allow_drop_bias, progress=progress)
     fallback = sum(len(v) for v in result["fallback"].values())
-    return (f"wrote {out} (GPTQ; {fallback} experts without calibration tokens used {result['fallback_quant']}, "
-            f"{result['clamped']} codes clamped); run with {sglang_args(result['manifest'], out)}")
+    gptq = sum(c["gptq"] for c in result["selection"].values())
+    return (f"wrote {out} (GPTQ for {gptq} experts, {result['fallback_quant']} for {fallback} where GPTQ did not "
+            f"beat it on held-out calibration tokens or had too few); run with {sglang_args(result['manifest'], out)}")
 
 
 # ---------------------------------------------------------------------------------------------- the loop

@@ -173,3 +173,28 @@ def experts_module(layer):
         if isinstance(module, LinearExperts2D):
             return module
     return None
+
+
+def routed(top_k_index, top_k_weights, expert: int):
+    """(token indices int64 [n_e], routing weights [n_e]) of the tokens routed to `expert`, in the order
+    LinearExperts2D selects them. top_k_index int64 [T, k], top_k_weights [T, k]."""
+    import torch
+
+    pos, tokens = torch.where((top_k_index == expert).T)
+    return tokens, top_k_weights[tokens, pos]
+
+
+def float_params(expert) -> dict:
+    """{name: float32 tensor} of every parameter of an expert module (weights and biases)."""
+    return {name: p.detach().float() for name, p in expert.named_parameters()}
+
+
+def expert_forward(expert, params: dict, x, weights: dict | None = None):
+    """The expert module's own forward (its family's activation, its biases) in float32 on x [T, H], with
+    `params` (float_params) and, where given, `weights` {"gate" | "up" | "down": [n, k]} in place of its
+    projection weights. Returns float32 [T, H]."""
+    from torch.func import functional_call
+
+    if weights:
+        params = dict(params, **{f"{proj}_proj.weight": w.float() for proj, w in weights.items()})
+    return functional_call(expert, params, (x.float(),))
