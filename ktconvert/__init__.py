@@ -17,7 +17,7 @@ __all__ = ["KtConvertError", "__version__", "convert_cpu", "convert_gpu"]
 
 _LAZY = {
     "convert_cpu": ("ktconvert.cpu.convert", "convert_cpu"),
-    "convert_gpu": ("ktconvert.gpu.writer", "convert_gpu"),
+    "convert_gpu": ("ktconvert.gpu.convert", "convert_gpu"),
 }
 
 

@@ -262,9 +262,10 @@ def families() -> dict[str, Manifest]:
     return {m.family: m for m in load_manifests().values()}
 
 
-def manifest_for(model_type: str) -> Manifest:
-    """The manifest claiming model_type (a family name works too); ManifestError listing the known ones otherwise."""
-    manifests = load_manifests()
+def manifest_for(model_type: str, manifests: dict[str, Manifest] | None = None) -> Manifest:
+    """The manifest claiming model_type (a family name works too); ManifestError listing the known ones otherwise.
+    manifests: load_manifests() already done by the caller (each call parses every manifest file)."""
+    manifests = load_manifests() if manifests is None else manifests
     if model_type in manifests:
         return manifests[model_type]
     by_family = {m.family: m for m in manifests.values()}
@@ -445,7 +446,7 @@ def resolve(config: dict, tensor_names: Iterable[str] | None = None) -> ModelInf
             if isinstance(value, dict) and value.get("model_type") in manifests:
                 model_type = value["model_type"]
                 break
-    manifest = manifest_for(str(model_type))
+    manifest = manifest_for(str(model_type), manifests)
     fields, keys = _resolve_fields(config, manifest)
     _check_values(fields, keys)
     n_layers = fields["n_layers"]

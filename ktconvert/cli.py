@@ -14,6 +14,11 @@ from ktconvert.extras import require
 CPU_METHODS = ["amxint4", "amxint8", "bf16", "rawint4", "fp8"]
 
 
+def _given(**options) -> dict:
+    """The options given on the command line (None: not given, the API's default applies)."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def _emit(result: dict, as_json: bool, render) -> None:
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True))
@@ -99,16 +104,19 @@ def plan(src, method, numa, layout, group_size, include_mtp, gpu_experts, linear
                                "--gpu-experts (GPU expert placement), or several")
     if expert_stats and not placing:
         raise click.UsageError("--expert-stats needs --gpu-experts-ratio R or --gpu-experts N")
-    results, renders = {}, {}
-    if method is not None:
-        from ktconvert.cpu.plan import plan as run, render
+    from ktconvert.cpu.plan import render
+    from ktconvert.gpu.plan import render_gpu
 
-        results["cpu"], renders["cpu"] = run(src, method=method, numa=numa, layout=layout, group_size=group_size,
-                                             include_mtp=include_mtp, out=out), render
-    if gpu_experts is not None:
-        from ktconvert.gpu.plan import plan_gpu, render_gpu
+    results, renders = {}, {"cpu": render, "gpu": render_gpu}
+    if method is not None or gpu_experts is not None:
+        from ktconvert import api
 
-        results["gpu"], renders["gpu"] = plan_gpu(src, gpu_experts, group_size or 128, linears, include_mtp), render_gpu
+        cpu = None if method is None else dict(method=method, numa=numa, layout=layout, group_size=group_size,
+                                               include_mtp=include_mtp)
+        gpu = None if gpu_experts is None else dict(experts=gpu_experts, group_size=group_size or 128,
+                                                    linears=linears, include_mtp=include_mtp)
+        result = api.plan(src, cpu, gpu, out=out)
+        results = {k: v for k, v in result.to_dict().items() if k != "source" and v is not None}
     if placing:
         from ktconvert.activation.placement import plan_placement, render_placement
 
@@ -158,6 +166,8 @@ def tiny_model(out, arch, layers, experts, hidden, intermediate, dtype, seed, fo
 @click.option("--group-size", type=int, default=None, help="Group size for --method rawint4 (32, 64 or 128; default 128).")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
+@click.option("--dampening", type=float, help="For --quant gptq: Hessian dampening, relative (default 0.1).")
+@click.option("--min-tokens", type=int, help="For --quant gptq: routed tokens an expert needs for GPTQ (default 64).")
 @click.option("--threads", type=int, default=None, help="Worker threads (default: all cores). Bytes never depend on it.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion in OUT.")
 @click.option("--force", is_flag=True, help="Delete an existing OUT and start over.")
@@ -166,8 +176,8 @@ def tiny_model(out, arch, layers, experts, hidden, intermediate, dtype, seed, fo
 @click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.option("--json-progress", is_flag=True, help="Progress as JSON lines on stderr.")
-def cpu(src, out, method, numa, layout, quant, group_size, calibration, threads, resume, force, include_dense,
-        include_mtp, allow_drop_bias, quiet, json_progress) -> None:
+def cpu(src, out, method, numa, layout, quant, group_size, calibration, dampening, min_tokens, threads, resume,
+        force, include_dense, include_mtp, allow_drop_bias, quiet, json_progress) -> None:
     """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable)."""
     if quant == "gptq":
         require("gpu", "--quant gptq")
@@ -175,11 +185,12 @@ def cpu(src, out, method, numa, layout, quant, group_size, calibration, threads,
     from ktconvert.progress import make_progress
 
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        summary = convert_cpu(src, out, method=method, numa=numa, layout=layout, quant=quant,
-                              group_size=group_size, threads=threads, resume=resume, force=force,
-                              include_dense=include_dense, include_mtp=include_mtp,
-                              allow_drop_bias=allow_drop_bias, calibration=calibration, progress=progress)
-    click.echo(summary)
+        result = convert_cpu(src, out, method=method, numa=numa, layout=layout, quant=quant,
+                             group_size=group_size, threads=threads, resume=resume, force=force,
+                             include_dense=include_dense, include_mtp=include_mtp,
+                             allow_drop_bias=allow_drop_bias, calibration=calibration, progress=progress,
+                             **_given(dampening=dampening, min_tokens=min_tokens))
+    click.echo(result.summary())
 
 
 @cli.command()
@@ -194,13 +205,19 @@ def cpu(src, out, method, numa, layout, quant, group_size, calibration, threads,
 @click.option("--hub", type=click.Choice(["hf", "modelscope"]), default="hf", show_default=True)
 @click.option("--revision", default=None)
 @click.option("--endpoint", default=None, help="Hub endpoint URL.")
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), help="Numerics on these tokens' hidden states.")
+@click.option("--compare", type=click.Path(exists=True, file_okay=False), help="With --calibration: OUT2 side by side.")
 @click.option("--json", "as_json", is_flag=True)
-def verify(out, source, hashes, tokens, layers, experts, threshold, remote, hub, revision, endpoint, as_json) -> None:
+def verify(out, source, hashes, tokens, layers, experts, threshold, remote, hub, revision, endpoint, calibration,
+           compare, as_json) -> None:
     """Check a converted output OUT: structure, hashes, numerics (native kernels) and error against the source."""
+    if calibration is not None:
+        require("gpu", "verify --calibration")
     from ktconvert.verify.run import render, verify as run
 
     result = run(out, source=source, hashes=hashes, tokens=tokens, layers=layers, experts=experts,
-                 threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint)
+                 threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint,
+                 calibration=calibration, compare=compare)
     _emit(result, as_json, render)
     if not result.get("ok", False):
         sys.exit(4)
@@ -225,7 +242,7 @@ def demo(workdir, arch, method, numa) -> None:
     model = make_tiny_model(root / "model", arch=arch, force=True)
     click.echo(f"tiny model: {model}")
     with make_progress() as progress:
-        click.echo(convert_cpu(model, root / "out", method=method, numa=numa, force=True, progress=progress))
+        click.echo(convert_cpu(model, root / "out", method=method, numa=numa, force=True, progress=progress).summary())
     result = run_verify(str(root / "out"), source=str(model), hashes=True)
     click.echo(render(result))
     if not result.get("ok", False):
@@ -393,20 +410,22 @@ def gpu(src, out, experts, gpu_group_size, linears, algo, calibration, include_m
         as_json, quiet, json_progress) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
-    from ktconvert.gpu.writer import convert_gpu
+    from ktconvert import api
     from ktconvert.progress import make_progress
 
     if dry_run:
-        from ktconvert.gpu.plan import plan_gpu, render_gpu
+        from ktconvert.gpu.plan import render_gpu
 
-        _emit(plan_gpu(src, experts, int(gpu_group_size), linears, include_mtp), as_json, render_gpu)
+        gpu_plan = api.plan(src, gpu=dict(experts=experts, group_size=int(gpu_group_size), linears=linears,
+                                          include_mtp=include_mtp)).gpu
+        _emit(gpu_plan.report, as_json, render_gpu)
         return
     require("gpu", "ktconvert gpu")
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        summary = convert_gpu(src, out, experts=experts, algo=algo, group_size=int(gpu_group_size), linears=linears,
-                              include_mtp=include_mtp, threads=threads, resume=resume, force=force,
-                              calibration=calibration, progress=progress)
-    click.echo(summary)
+        result = api.convert_gpu(src, out, experts=experts, quant=algo, group_size=int(gpu_group_size),
+                                 linears=linears, include_mtp=include_mtp, threads=threads, resume=resume,
+                                 force=force, calibration=calibration, progress=progress)
+    click.echo(result.summary())
 
 
 @cli.command()
@@ -429,15 +448,17 @@ def convert(src, cpu_out, method, numa, layout, gpu_out, experts, gpu_group_size
     """Write the CPU and the GPU outputs of SRC in one pass (every source expert read once, RTN on both sides).
     Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write."""
     require("gpu", "ktconvert convert")
-    from ktconvert.gpu.convert import convert_both
+    from ktconvert import api
     from ktconvert.progress import make_progress
 
+    cpu = api.CpuOptions.make(method=method, numa=numa, layout=layout, include_mtp=include_mtp,
+                              allow_drop_bias=allow_drop_bias)
+    gpu = api.GpuOptions.make(experts=experts, group_size=int(gpu_group_size), linears=linears,
+                              include_mtp=include_mtp)
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        lines = convert_both(src, cpu_out, gpu_out, method=method, numa=numa, layout=layout, experts=experts,
-                             gpu_group_size=int(gpu_group_size), linears=linears, include_mtp=include_mtp,
-                             allow_drop_bias=allow_drop_bias, threads=threads, resume=resume, force=force,
-                             progress=progress)
-    click.echo("\n".join(lines))
+        results = api.convert(src, [(cpu_out, cpu), (gpu_out, gpu)], threads=threads, resume=resume, force=force,
+                              progress=progress)
+    click.echo("\n".join(r.summary() for r in results))
 
 
 @cli.command("expert-stats")

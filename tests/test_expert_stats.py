@@ -248,7 +248,7 @@ def test_plan_placement_cli(tiny_model, tmp_path):
     file, and their VRAM = count x the GPU plan's bytes per expert; without the file, SGLang's uniform rule."""
     from ktconvert.activation.counts import ExpertActivation, write_activation
     from ktconvert.cli import cli
-    from ktconvert.gpu.plan import plan_gpu
+    from ktconvert.gpu.plan import GpuOptions, plan_gpu
 
     src = tiny_model("deepseek_v3")                           # layers 0 dense, 1-2 MoE, 8 experts
     counts = np.zeros((3, 8), np.int64)
@@ -260,7 +260,7 @@ def test_plan_placement_cli(tiny_model, tmp_path):
                                    "--json"])
     assert res.exit_code == 0, res.output
     got = json.loads(res.output)
-    per_expert = plan_gpu(src, "w4a16", 128)["vram_per_expert_bytes"]
+    per_expert = plan_gpu(src, GpuOptions.make(experts="w4a16", group_size=128))["vram_per_expert_bytes"]
     assert got["budget"] == 4 and got["strategy"] == "frequency"   # int(2 layers * 8 * 0.25)
     assert [(r["layer"], r["gpu_experts"], r["vram_bytes"]) for r in got["layers"]] == \
         [(1, [1, 4], 2 * per_expert), (2, [0, 5], 2 * per_expert)]
@@ -310,6 +310,8 @@ def _by_product_checks(out, src, calib, samples):
 
 
 def test_cpu_gptq_conversion_leaves_activation_file(tiny_model, tmp_path):
+    from ktconvert.cpu.output import CpuOutput
+    from ktconvert.cpu.plan import CpuOptions, plan_cpu
     from ktconvert.gptq.cpu import convert_cpu_gptq
     from ktconvert.gptq.loop import GptqOptions
     from ktconvert.verify.run import verify
@@ -318,23 +320,25 @@ def test_cpu_gptq_conversion_leaves_activation_file(tiny_model, tmp_path):
     samples = _samples((12, 9))
     calib = _calibration(tmp_path, samples)
     out = tmp_path / "out"
-    summary = convert_cpu_gptq(src, out, method="amxint4", numa=2, calibration=calib,
-                               options=GptqOptions(calibrate_all=False))
-    _by_product_checks(out, src, calib, samples)
-    assert summary["manifest"]["expert_activation"] == "expert_activation.pt"
+    options = CpuOptions.make(method="amxint4", numa=2, quant="gptq", calibration=calib)
+    result = convert_cpu_gptq(CpuOutput(out, plan_cpu(src, options)), options=GptqOptions(calibrate_all=False))
+    manifest = _by_product_checks(out, src, calib, samples)
+    assert manifest["expert_activation"] == "expert_activation.pt"
+    assert result.sglang_args.endswith(f"--kt-weight-path {out} --kt-threadpool-count 2 --init-expert-location "
+                                       f"{out}/expert_activation.pt --kt-expert-placement-strategy frequency")
     report = verify(str(out), source=str(src), hashes=True, tokens=4, layers=None, experts="all", threshold=None,
                     remote=None, hub="hf", revision=None, endpoint=None)
     assert report["ok"], report["problems"]
 
 
 def test_gpu_gptq_conversion_leaves_activation_file(tiny_model, tmp_path):
-    from ktconvert.gpu.writer import convert_gpu
+    from ktconvert.gpu.convert import convert_gpu
 
     src = tiny_model("qwen3_moe", layers=1, experts=4, hidden=128, intermediate=128)
     samples = _samples((12, 9))
     calib = _calibration(tmp_path, samples)
     out = tmp_path / "gpu"
-    line = convert_gpu(src, out, experts="w4a16", algo="gptq", linears="bf16", calibration=calib)
+    line = convert_gpu(src, out, experts="w4a16", quant="gptq", linears="bf16", calibration=calib).summary()
     assert f"--init-expert-location {out}/expert_activation.pt --kt-expert-placement-strategy frequency" in line
     manifest = _by_product_checks(out, src, calib, samples)
     assert manifest["sglang_args"].startswith("--model . ")

@@ -62,7 +62,7 @@ def test_message_names_only_the_missing_module(tmp_path, model):
 
 
 def test_verify_of_a_gpu_checkpoint_is_a_missing_extra_not_a_failed_verification(tmp_path, model):
-    from ktconvert.gpu.writer import convert_gpu
+    from ktconvert.gpu.convert import convert_gpu
     from ktconvert.verify.run import verify
 
     out = tmp_path / "gpu"

@@ -176,6 +176,9 @@ def test_amx_codes_range_scales_and_error(small_qwen, bits):
 def test_amx_output_verifies(tmp_path, tiny_model):
     """convert_cpu_gptq writes a kt output that `ktconvert verify OUT --source SRC` accepts."""
     small_qwen = tiny_model("qwen3_moe", layers=1, experts=4, hidden=128, intermediate=256)
+    from ktconvert.cpu.output import CpuOutput
+    from ktconvert.cpu.plan import CpuOptions, plan_cpu
+    from ktconvert.formats.out_manifest import load_manifest
     from ktconvert.gptq.cpu import convert_cpu_gptq
     from ktconvert.gptq.loop import GptqOptions
     from ktconvert.verify.run import verify
@@ -183,9 +186,9 @@ def test_amx_output_verifies(tmp_path, tiny_model):
     calib = tmp_path / "c.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": s.tolist()}) + "\n" for s in _samples(2, 16)))
     out = tmp_path / "out"
-    summary = convert_cpu_gptq(small_qwen, out, method="amxint4", numa=2, calibration=calib,
-                               options=GptqOptions(calibrate_all=False))
-    assert summary["manifest"]["quant"] == "gptq" and summary["fallback_quant"] in ("mse", "rtn")
+    options = CpuOptions.make(method="amxint4", numa=2, quant="gptq", calibration=calib)
+    result = convert_cpu_gptq(CpuOutput(out, plan_cpu(small_qwen, options)), options=GptqOptions(calibrate_all=False))
+    assert load_manifest(out)["quant"] == "gptq" and result.details["fallback_quant"] in ("mse", "rtn")
     report = verify(str(out), source=str(small_qwen), hashes=True, tokens=4, layers=None, experts="all",
                     threshold=None, remote=None, hub="hf", revision=None, endpoint=None)
     assert report["ok"], report["problems"]
@@ -360,14 +363,14 @@ def test_gptq_gpu_checkpoint_of_every_family_verifies(tiny_model, tmp_path, arch
     (Kimi-K2 = DeepSeek-V3), and on an FP8 source; the checkpoint passes `verify --source`."""
     import json
 
-    from ktconvert.gpu.writer import convert_gpu
+    from ktconvert.api import convert_gpu
     from ktconvert.verify.run import verify
 
     model = tiny_model(arch, dtype=dtype)
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": list(range(3 + i, 40 + 3 * i))}) + "\n" for i in range(4)))
     out = tmp_path / "gpu"
-    convert_gpu(model, out, experts="w4a16", algo="gptq", linears=linears, calibration=calib)
+    convert_gpu(model, out, experts="w4a16", quant="gptq", linears=linears, calibration=calib)
     result = verify(out, source=str(model), experts="all")
     assert result["ok"], result["problems"]
     assert json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]

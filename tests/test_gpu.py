@@ -23,7 +23,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def gpu_out(tiny_model, tmp_path_factory):
-    from ktconvert.gpu.writer import convert_gpu
+    from ktconvert.api import convert_gpu
 
     cache = {}
 
@@ -124,12 +124,11 @@ def test_experts_bit_identical_to_model_free_ptq(gpu_out, tiny_model, tmp_path, 
 
 
 def test_one_pass_equals_separate_commands(tiny_model, tmp_path):
-    from ktconvert.gpu.convert import convert_both
-    from ktconvert.gpu.writer import convert_gpu
-    from ktconvert.cpu.convert import convert_cpu
+    from ktconvert.api import CpuOptions, GpuOptions, convert, convert_cpu, convert_gpu
 
     src = tiny_model("deepseek_v3", dtype="fp8")
-    convert_both(src, tmp_path / "cpu1", tmp_path / "gpu1", method="amxint4", numa=2, experts="w4a16", threads=2)
+    convert(src, [(tmp_path / "cpu1", CpuOptions.make(method="amxint4", numa=2)),
+                  (tmp_path / "gpu1", GpuOptions.make(experts="w4a16"))], threads=2)
     convert_cpu(src, tmp_path / "cpu2", method="amxint4", numa=2, threads=2)
     convert_gpu(src, tmp_path / "gpu2", experts="w4a16", threads=1)
     assert _tree(tmp_path / "cpu1") == _tree(tmp_path / "cpu2")
@@ -232,9 +231,11 @@ def test_gptq_hook_missing_is_a_clear_error(tiny_model, tmp_path, monkeypatch):
     import sys
 
     from ktconvert.errors import KtConvertError
-    from ktconvert.gpu.writer import convert_gpu
+    from ktconvert.api import convert_gpu
 
     monkeypatch.setitem(sys.modules, "ktconvert.gpu.gptq", None)      # as in an installation without the module
-    with pytest.raises(KtConvertError, match="--algo gptq is not available"):
-        convert_gpu(tiny_model("qwen3_moe"), tmp_path / "o", algo="gptq")
+    calibration = tmp_path / "calib.jsonl"
+    calibration.write_text('{"input_ids": [1, 2, 3]}\n')
+    with pytest.raises(KtConvertError, match="--quant gptq is not available"):
+        convert_gpu(tiny_model("qwen3_moe"), tmp_path / "o", quant="gptq", calibration=calibration)
     assert not (tmp_path / "o").exists()

@@ -182,7 +182,7 @@ def test_plan_disk_check(tiny_models, tmp_path, monkeypatch):
     out = tmp_path / "not" / "yet"
     p = plan(tiny_models["qwen3_moe"], method="amxint8", numa=1, out=str(out))
     assert p["disk_path"] == str(tmp_path) and p["disk_free_bytes"] == shutil.disk_usage(tmp_path).free
-    monkeypatch.setattr("ktconvert.cpu.plan.shutil.disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 10))
+    monkeypatch.setattr("ktconvert.cpu.sizes.shutil.disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 10))
     with pytest.raises(OutputError, match="not enough free disk"):
         plan(tiny_models["qwen3_moe"], method="amxint8", numa=1, out=str(out))
 
@@ -214,7 +214,7 @@ def test_cli_import_does_not_load_numpy():
 
 
 def test_index_size_multi_digit_experts():
-    from ktconvert.cpu.plan import _index_bytes
+    from ktconvert.cpu.sizes import index_bytes as _index_bytes
 
     layers, E, T = [5, 12, 100], 12, 3
     shards = [{"path": f"model-{i:05d}-of-00003.safetensors"} for i in range(1, 4)]

@@ -108,7 +108,7 @@ def test_wheel_holds_every_module_and_manifest(built):
     modules = {f for f in built.files if f.startswith("ktconvert/") and f.endswith(".py")}
     manifests = {"ktconvert/manifests/" + f.split("/", 1)[1] for f in built.files
                  if f.startswith("manifests/") and f.endswith((".toml", ".py"))}
-    assert "ktconvert/gpu/writer.py" in modules and "ktconvert/manifests/deepseek.toml" in manifests
+    assert "ktconvert/gpu/output.py" in modules and "ktconvert/manifests/deepseek.toml" in manifests
     assert sorted((modules | manifests) - built.wheel_names) == []
     outside = [n for n in built.wheel_names if not n.startswith(("ktconvert/", "ktconvert-"))]
     assert outside == []

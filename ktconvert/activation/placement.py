@@ -30,7 +30,7 @@ import numpy as np
 from ktconvert.activation.counts import load_activation
 from ktconvert.errors import InputError
 from ktconvert.formats.hf_source import HFSource
-from ktconvert.gpu.plan import plan_gpu
+from ktconvert.gpu.plan import GpuOptions, plan_gpu
 
 STRATEGIES = ("frequency", "uniform")
 
@@ -158,7 +158,7 @@ def plan_placement(src, *, ratio: float | None = None, per_layer: int | None = N
         activation = load_activation(stats, layers.num_layers, layers.num_experts)
         freq, made_from = activation.counts, (activation.meta.get("source") or {}).get("config_sha256")
     chosen, mask = placement(layers, budget, freq)
-    per_expert = plan_gpu(src, gpu_experts, group_size)["vram_per_expert_bytes"]
+    per_expert = plan_gpu(src, GpuOptions.make(experts=gpu_experts, group_size=group_size))["vram_per_expert_bytes"]
     rows = [{"layer": L, "gpu_experts": np.flatnonzero(mask[L]).tolist(), "count": int(mask[L].sum()),
              "vram_bytes": int(mask[L].sum()) * per_expert} for L in layers.moe_layers]
     result = {"source": str(src), "strategy": "frequency" if freq is not None else "uniform",

@@ -23,6 +23,7 @@ from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
 
 MANIFEST_NAME = "ktconvert.json"
 JOURNAL_NAME = ".ktconvert-journal.json"
+LOCK_NAME = ".ktconvert.lock"
 FORMAT = "ktconvert-manifest"
 FORMAT_VERSION = 1
 BYTE_PACKAGES = ("ktconvert", "numpy")  # the packages whose version can change output bytes (we write the files)
@@ -54,15 +55,21 @@ def kt_flags(kt_method: str, numa: int) -> dict:
     return {"kt-method": kt_method, "kt-weight-path": ".", "kt-threadpool-count": int(numa)}
 
 
+FLAG_ORDER = ("model", "kt-method", "kt-weight-path", "kt-threadpool-count")
+PATH_FLAGS = ("model", "kt-weight-path")     # flags naming the output folder ("." in the manifest)
+
+
 def sglang_args(manifest: dict, weight_path: str | None = None) -> str:
-    """``--kt-method M --kt-weight-path P --kt-threadpool-count T`` (P = weight_path, else the manifest's "."),
-    and ``--init-expert-location P/FILE --kt-expert-placement-strategy frequency`` when the output holds expert
-    activation counts (manifest key ``expert_activation``)."""
+    """The manifest's flags as SGLang arguments, e.g. ``--kt-method M --kt-weight-path P --kt-threadpool-count T``
+    or ``--model P`` (P = weight_path, else the manifest's "."), and ``--init-expert-location P/FILE
+    --kt-expert-placement-strategy frequency`` when the output holds expert activation counts (manifest key
+    ``expert_activation``)."""
     flags = dict(manifest["flags"])
     if weight_path is not None:
-        flags["kt-weight-path"] = str(weight_path)
-    args = " ".join(f"--{k} {flags[k]}" for k in ("kt-method", "kt-weight-path", "kt-threadpool-count"))
-    return args + placement_args(manifest, flags["kt-weight-path"])
+        flags.update({k: str(weight_path) for k in PATH_FLAGS if k in flags})
+    order = [k for k in FLAG_ORDER if k in flags] + sorted(k for k in flags if k not in FLAG_ORDER)
+    folder = next((flags[k] for k in PATH_FLAGS if k in flags), "." if weight_path is None else weight_path)
+    return " ".join(f"--{k} {flags[k]}" for k in order) + placement_args(manifest, folder)
 
 
 def placement_args(manifest: dict, folder) -> str:
@@ -93,11 +100,13 @@ def package_versions(names: Iterable[str] = BYTE_PACKAGES) -> dict[str, str]:
 
 def build_manifest(*, method: str, numa: int, layout: str, model: dict, source: dict, files, tensors: dict,
                    quant: str = "rtn", kind: str = "cpu", include_dense: bool = False,
-                   packages: dict | None = None, expert_activation: str | None = None) -> dict:
+                   packages: dict | None = None, flags: dict | None = None,
+                   expert_activation: str | None = None) -> dict:
     """The ktconvert.json dict. method: kt-kernel method name ("AMXINT4"); files: FileRecords or
     {path: {"bytes", "sha256", "git_sha1"}}; tensors: {name: sha256}; model must hold layers, experts, hidden,
-    intermediate (family and model_type recommended); expert_activation: the output's expert activation counts
-    file (relative path), recorded and added to the SGLang flags."""
+    intermediate (family and model_type recommended); flags: the options the output needs (default: kt-kernel's
+    kt_flags(method, numa)); expert_activation: the output's expert activation counts file (relative path),
+    recorded and added to the SGLang flags."""
     from ktconvert import __version__
 
     missing = [k for k in MODEL_KEYS if k not in model]
@@ -110,7 +119,7 @@ def build_manifest(*, method: str, numa: int, layout: str, model: dict, source: 
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "tool": "ktconvert", "tool_version": __version__,
         "kind": kind, "method": method, "numa": int(numa), "layout": layout, "quant": quant,
-        "include_dense": bool(include_dense), "flags": kt_flags(method, numa),
+        "include_dense": bool(include_dense), "flags": kt_flags(method, numa) if flags is None else dict(flags),
         "model": {**model, "layers": sorted(int(x) for x in model["layers"])},
         "source": source, "files": file_entries, "tensors": dict(tensors),
         "packages": package_versions() if packages is None else dict(packages),
@@ -155,13 +164,14 @@ def load_manifest(out_dir) -> dict:
 
 
 def output_files(out_dir) -> list[str]:
-    """Every file under out_dir as a sorted relative posix path, except the manifest and the resume journal."""
+    """Every file under out_dir as a sorted relative posix path, except the manifest, the resume journal and the
+    writer's lock."""
     root = Path(out_dir)
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for name in filenames:
             rel = (Path(dirpath) / name).relative_to(root).as_posix()
-            if rel not in (MANIFEST_NAME, JOURNAL_NAME):
+            if rel not in (MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME):
                 found.append(rel)
     return sorted(found)

@@ -22,12 +22,20 @@ from typing import Iterator
 
 import numpy as np
 
-from ktconvert.errors import InputError, ShapeError
+from ktconvert.activation.stats import write_gptq_activation
+from ktconvert.errors import InputError, ShapeError, UsageError
+from ktconvert.formats.fileio import hash_file
+from ktconvert.formats.hf_source import HFSource
+from ktconvert.gptq.calibration import load_samples
 from ktconvert.gptq.holdout import REASONS, SelectionOptions
 from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream
 from ktconvert.layouts.naming import PROJS
+from ktconvert.layouts.numa import numa_slices
+from ktconvert.methods import METHODS
+from ktconvert.onepass import write_in_layer_order
 from ktconvert.quant import mse  # noqa: F401  (registers the "mse" row quantizer)
 from ktconvert.quant.row_quant import ROW_QUANT
+from ktconvert.results import ConvertResult
 
 
 def split_parts(codes: np.ndarray, d: np.ndarray, numa: int, proj: str) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -100,8 +108,6 @@ class AmxQuantizer:
 
     def fallback(self, expert, where: str) -> dict:
         """Data-free per-row quantization of every NUMA part (``fallback_quant``: "mse" or "rtn")."""
-        from ktconvert.layouts.numa import numa_slices
-
         quantize_rows = ROW_QUANT.get(self.fallback_quant)
         out = {}
         for proj in PROJS:
@@ -148,13 +154,9 @@ def gptq_amx_codes(src, calibration, method_bits: int, numa: int, *, max_length:
     (tile with ktconvert.layouts.tiles.pack_int4 / pack_int8, or write_layer()), tokens (routed calibration
     tokens per expert), fallback / reasons (experts written data-free and why; quantizer name in
     ``result.fallback_quant``) and the held-out errors (``errors``)."""
-    from ktconvert.formats.hf_source import HFSource
-
     source = src if isinstance(src, HFSource) else HFSource.open(src)
     samples = calibration
     if isinstance(calibration, (str, Path)):
-        from ktconvert.gptq.calibration import load_samples
-
         samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
     quantizer = AmxQuantizer(method_bits, numa, fallback_quant, selection)
@@ -180,33 +182,25 @@ def write_layer(writer, method, result: LayerResult) -> None:
             writer.put(proj, e, t, method.pack(codes), np.asarray(d, np.float32))
 
 
-def convert_cpu_gptq(src, out, *, method: str, numa: int, calibration, layout: str = "safetensors",
-                     max_length: int = 2048, num_samples: int | None = None,
-                     options: GptqOptions = GptqOptions(), selection: SelectionOptions | None = SelectionOptions(),
-                     force: bool = False, allow_drop_bias: bool = False, progress=None) -> dict:
-    """``ktconvert cpu SRC OUT --method amxint4|amxint8 --quant gptq --calibration FILE``: the same output as
-    pipeline.convert_cpu (KtSink files, journal, ktconvert.json with quant "gptq"), layers produced by
-    gptq_amx_codes. Returns {"manifest", "tokens" {layer: [per expert]}, "fallback" {layer: [experts]},
-    "fallback_quant", "selection" {layer: selection_counts}}."""
-    from ktconvert.formats.fileio import hash_file
-    from ktconvert.cpu.convert import open_cpu_output
-    from ktconvert.methods import METHODS
-
-    qmethod = METHODS.get(method)
-    if not hasattr(qmethod, "bits"):
+def write_gptq_layers(output, progress=None, *, max_length: int = 2048, num_samples: int | None = None,
+                      options: GptqOptions = GptqOptions(),
+                      selection: SelectionOptions | None = SelectionOptions()) -> dict:
+    """Write every layer of an opened CPU output (cpu.output.CpuOutput, quant "gptq": its options hold method,
+    numa and calibration) from gptq_amx_codes, then record the source files' digests in its journal. Returns
+    {"tokens" {layer: [per expert]}, "fallback" {layer: [experts]}, "fallback_quant",
+    "selection" {layer: selection_counts}}."""
+    method, source = output.method, output.source
+    if not hasattr(method, "bits"):
         tiled = [name for name, m in METHODS.items() if hasattr(m, "bits")]
         raise InputError("--quant gptq needs a method with per-row tiles", expected=" or ".join(tiled),
-                         found=method)
-    output, source = open_cpu_output(src, out, method=method, numa=numa, layout=layout, quant="gptq", group_size=None,
-                                     include_dense=False, include_mtp=False, allow_drop_bias=allow_drop_bias,
-                                     resume=False, force=force)
-    journal = output.journal
+                         found=method.name)
     summary = {"tokens": {}, "fallback": {}, "fallback_quant": None, "selection": {}}
-    for result in gptq_amx_codes(source, calibration, qmethod.bits, numa, max_length=max_length,
-                                 num_samples=num_samples, options=options, selection=selection):
+    for result in gptq_amx_codes(source, output.options.calibration, method.bits, output.options.numa,
+                                 max_length=max_length, num_samples=num_samples, options=options,
+                                 selection=selection):
         consumer = output.begin_layer(result.layer)
         try:
-            write_layer(consumer.writer, qmethod, result)
+            write_layer(consumer.writer, method, result)
             output.layer_finished(result.layer, consumer.finish())
         except BaseException:
             consumer.abort()
@@ -219,10 +213,48 @@ def convert_cpu_gptq(src, out, *, method: str, numa: int, calibration, layout: s
             progress.advance(0, items=1, detail=f"layer {result.layer}")
     for path in source.files():
         size, sha256, _ = hash_file(path)
-        journal.finish_source(source.relative_name(path), {"bytes": size, "sha256": sha256})
-    from ktconvert.activation.stats import write_gptq_activation
-
-    activation = write_gptq_activation(out, source, summary["tokens"], calibration, max_length=max_length,
-                                       num_samples=num_samples)
-    summary["manifest"] = output.finalize(expert_activation=activation)
+        output.journal.finish_source(source.relative_name(path), {"bytes": size, "sha256": sha256})
     return summary
+
+
+def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, options: GptqOptions | None = None,
+                     selection: SelectionOptions | None = None, max_length: int = 2048,
+                     num_samples: int | None = None) -> ConvertResult:
+    """``ktconvert cpu SRC OUT --method amxint4|amxint8 --quant gptq --calibration FILE`` for an unopened CPU
+    output (cpu.output.CpuOutput of a validated plan): open OUT, write every layer, finalize (ktconvert.json with
+    quant "gptq" and a "gptq" record: the options and, per layer, how many experts took GPTQ / the data-free
+    quantizer and why). options / selection: None = from the output's CpuOptions (dampening, min_tokens). No
+    resume of a partial run. Returns the ConvertResult (details: tokens per expert, fallback experts,
+    fallback_quant, selection counts). OUT also gets expert_activation.pt, the routed-token counts of the
+    calibration (activation.stats.write_gptq_activation), recorded in the manifest and its SGLang flags."""
+    if output.resume:
+        raise UsageError("not available with --quant gptq", found="--resume")
+    opts = output.options
+    options = options or GptqOptions(dampening=opts.dampening)
+    selection = selection or SelectionOptions(min_tokens=opts.min_tokens)
+
+    def write(output) -> None:
+        summary = write_gptq_layers(output, progress, max_length=max_length, num_samples=num_samples,
+                                    options=options, selection=selection)
+        output.expert_activation = write_gptq_activation(output.out_dir, output.source, summary["tokens"],
+                                                         output.options.calibration, max_length=max_length,
+                                                         num_samples=num_samples)
+        counts = summary["selection"]
+        gptq = sum(c["gptq"] for c in counts.values())
+        output.run_notes.append(f"GPTQ written for {gptq} experts, {summary['fallback_quant']} for "
+                                f"{sum(len(v) for v in summary['fallback'].values())} (GPTQ not better on held-out "
+                                f"calibration tokens, or too few tokens)")
+        output.manifest_extra["gptq"] = gptq_record(options, selection, summary)
+        output.run_details.update(summary)
+
+    return write_in_layer_order(output, write, timings)
+
+
+def gptq_record(options: GptqOptions, selection: SelectionOptions | None, summary: dict) -> dict:
+    """The "gptq" entry of ktconvert.json: scales, dampening, Hessian inputs, held-out split, and per layer
+    {"gptq": n, <data-free quantizer>: n, "because": {...}} (selection_counts)."""
+    return {"scales": summary["fallback_quant"], "dampening": options.dampening, "block_size": options.block_size,
+            "calibrate_all": options.calibrate_all,
+            "holdout_every": selection.holdout_every if selection is not None else 0,
+            "min_tokens": selection.min_tokens if selection is not None else 0,
+            "layers": {str(L): counts for L, counts in sorted(summary["selection"].items())}}

@@ -200,8 +200,9 @@ class LayerStream(DecoderStream):
 
 class GpuQuantizer:
     """compressed-tensors pack-quantized W4A16/W8A16 (symmetric int, group `group_size`, actorder static, as
-    llmcompressor's GPTQModifier resolves it), scales from llmcompressor's weight observer `observer` ("mse": its
-    MSE grid search, the default; None: min-max). Quantizer interface used by LayerStream:
+    llmcompressor's GPTQModifier resolves it), scales from llmcompressor's weight observer `observer` (None: its
+    default, min-max; "mse": its MSE grid search, what ``ktconvert gpu --quant gptq`` uses). Quantizer interface
+    used by LayerStream:
 
     quantize(expert, (H_gu, n_gu), (H_down, n_down), options, where) -> {proj: payload}  (sets the QDQ weights
         on the modules for the propagation pass)
@@ -210,7 +211,7 @@ class GpuQuantizer:
     payload: {"weight_packed": int32 [n, k*bits/32], "weight_scale": uint16 BF16 bits [n, k/gs],
     "weight_shape": int64 [2]} — the same dict as ktconvert.gpu.experts.quantize_expert_rtn."""
 
-    def __init__(self, bits: int, group_size: int, actorder: str | None = "static", observer: str | None = "mse"):
+    def __init__(self, bits: int, group_size: int, actorder: str | None = "static", observer: str | None = None):
         self.bits, self.group_size, self.observer = bits, group_size, observer
         self.scheme = scheme(bits, group_size, actorder, observer)
         self.rtn_fallback: list[str] = []   # modules where llmcompressor itself fell back (not positive definite)

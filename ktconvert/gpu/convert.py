@@ -1,63 +1,84 @@
-"""``ktconvert convert``: CPU (kt-kernel) and GPU (SGLang-KT) outputs in one pass over the source.
+"""``ktconvert gpu``: the SGLang-KT GPU checkpoint of a source, streamed one MoE layer at a time.
 
-Every source file is read once, front to back; each decoded expert matrix goes to both outputs
-(``pipeline.convert_cpu(..., extra_outputs=[GpuOutput])``). Each output gets its own journal and ``ktconvert.json``;
-their bytes equal what ``ktconvert cpu`` and ``ktconvert gpu`` write separately.
+    plan (validate everything, no weights read: gpu.plan) -> open OUT (lock, journal)
+    -> rtn: one read of the source (onepass), every routed expert matrix RTN-quantized by compressed-tensors
+       gptq: layers in increasing order through the GPTQ hook (each layer needs the previous layer's outputs)
+    -> non-MoE shard, index, config.json, copies, ktconvert.json (last)
+
+GPTQ hook: ``ktconvert.gpu.gptq.quantize_layer_gptq(source, layer, state, bits=, group_size=, emit=,
+calibration=)`` with ``state`` None for the first layer; it calls ``emit(expert, proj, tensors)`` once per routed
+expert matrix (tensors as ``experts.quantize_expert_rtn`` returns them) and returns the state for the next layer.
+config.json then says ``actorder: "static"``.
 """
 from __future__ import annotations
 
-from pathlib import Path
+import time
 
-from ktconvert.errors import OutputError
+from ktconvert.activation.stats import write_gptq_activation
+from ktconvert.errors import KtConvertError
+from ktconvert.formats.out_manifest import source_fingerprint
+from ktconvert.gpu.output import GpuOutput
+from ktconvert.gpu.plan import GpuOptions, plan_gpu
+from ktconvert.inputs import open_input
+from ktconvert.onepass import write_in_layer_order, write_outputs
+from ktconvert.progress import Progress
+from ktconvert.results import ConvertResult
 
 
-def _complete(out: Path, resume: bool) -> bool:
-    from ktconvert.formats.out_manifest import JOURNAL_NAME, MANIFEST_NAME
+def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
+                force: bool = False, progress=None, **option_values) -> ConvertResult:
+    """Write the SGLang-KT GPU checkpoint (SGLang's --model) of HF safetensors checkpoint `src` (a folder, or
+    hf://ORG/NAME[@REV] / ms://ORG/NAME) into the folder `out`.
 
-    return resume and (out / MANIFEST_NAME).exists() and not (out / JOURNAL_NAME).exists()
+    options: a GpuOptions, or its fields as keywords (experts, group_size, quant, linears, include_mtp,
+    calibration; see GpuOptions). threads / resume / force / progress as for ktconvert.convert_cpu. Raises
+    UsageError (exit 2), InputError (3), OutputError (1); nothing is written before every check passed.
+    Returns the ConvertResult.
+    """
+    t0 = time.monotonic()
+    options = options or GpuOptions.make(**option_values)
+    if options.quant == "gptq":
+        gptq_hook()
+    plan = plan_gpu(open_input(src), options)
+    output = GpuOutput(out, plan, resume=resume, force=force)
+    timings = {"plan": time.monotonic() - t0}
+    if options.quant == "gptq":
+        return write_in_layer_order(output, lambda o: _run_gptq(o, progress or Progress()), timings)
+    return write_outputs([output], threads=threads, progress=progress, timings=timings)[0]
 
 
-def convert_both(src, cpu_out, gpu_out, *, method: str, numa: int = 1, layout: str = "safetensors",
-                 quant: str = "rtn", group_size: int | None = None, experts: str = "w4a16", gpu_group_size: int = 128,
-                 linears: str = "fp8", include_mtp: bool = False, allow_drop_bias: bool = False,
-                 threads: int | None = None, resume: bool = False, force: bool = False,
-                 progress=None) -> tuple[str, str]:
-    """Write the CPU output `cpu_out` and the GPU output `gpu_out` of `src` reading it once (RTN experts).
-    Returns (CPU summary, GPU summary)."""
-    from ktconvert.gpu.writer import GpuOptions, convert_gpu, open_gpu_output, summary
-    from ktconvert.cpu.convert import convert_cpu, prepare_output, resolve_source
-
-    cpu_out, gpu_out = Path(cpu_out), Path(gpu_out)
-    if cpu_out.resolve() == gpu_out.resolve():
-        raise OutputError("--cpu and --gpu must be different directories", file=str(cpu_out))
-    cpu_kw = dict(method=method, numa=numa, layout=layout, quant=quant, group_size=group_size, threads=threads,
-                  include_mtp=include_mtp, allow_drop_bias=allow_drop_bias, progress=progress)
-    gpu_kw = dict(experts=experts, group_size=gpu_group_size, linears=linears, include_mtp=include_mtp,
-                  threads=threads, progress=progress)
-    if _complete(cpu_out, resume):
-        return f"{cpu_out}: already complete", convert_gpu(src, gpu_out, resume=resume, force=force, **gpu_kw)
-    if _complete(gpu_out, resume):
-        return convert_cpu(src, cpu_out, resume=resume, force=force, **cpu_kw), f"{gpu_out}: already complete"
-    src_path, src_extra = resolve_source(str(src))
-    options = GpuOptions(experts.lower(), gpu_group_size, "rtn", linears, include_mtp)
-    prepare_output(gpu_out, src_path, resume, force)
-    _, gpu_output, _ = open_gpu_output(src_path, gpu_out, options, resume, src_extra)
+def gptq_hook():
+    """ktconvert.gpu.gptq.quantize_layer_gptq (imported on use: it brings torch and llmcompressor), or a clear
+    error where it cannot be imported."""
     try:
-        cpu_summary = convert_cpu(src, cpu_out, resume=resume, force=force, extra_outputs=[gpu_output], **cpu_kw)
-    except BaseException:
-        _remove_if_empty(gpu_out)
-        raise
-    from ktconvert.formats.out_manifest import load_manifest
+        from ktconvert.gpu.gptq import quantize_layer_gptq
+    except ImportError:
+        raise KtConvertError("--quant gptq is not available in this installation of ktconvert",
+                             expected="ktconvert.gpu.gptq.quantize_layer_gptq", found="not importable",
+                             hint="use --quant rtn") from None
+    return quantize_layer_gptq
 
-    return cpu_summary, summary(gpu_out, load_manifest(gpu_out))
 
-
-def _remove_if_empty(out: Path) -> None:
-    """Leave no stray GPU folder behind when the CPU side refused to start (journal only, nothing written)."""
-    from ktconvert.formats.out_manifest import JOURNAL_NAME
-
-    entries = {p.name for p in out.iterdir()} if out.is_dir() else set()
-    if entries <= {JOURNAL_NAME}:
-        import shutil
-
-        shutil.rmtree(out, ignore_errors=True)
+def _run_gptq(output: GpuOutput, progress) -> None:
+    """Layers in order through the GPTQ hook (not file order: each layer needs the previous layer's outputs);
+    then OUT/expert_activation.pt from the hook's routed-token counts (set as the output's expert_activation)."""
+    quantize_layer_gptq = gptq_hook()
+    opts, source = output.options, output.source
+    progress.start(len(output.layers), len(output.layers), f"gpu {opts.experts.upper()} gptq")
+    state = None
+    for layer in output.layers:
+        writer = output.begin_layer(layer)
+        try:
+            state = quantize_layer_gptq(source, layer, state, bits=opts.bits, group_size=opts.group_size,
+                                        emit=lambda e, proj, tensors: writer.put_tensors(e, proj, tensors),
+                                        calibration=opts.calibration)
+            output.layer_finished(layer, writer.finish())
+        except BaseException:
+            writer.abort()
+            raise
+        progress.advance(1, items=1, detail=f"layer {layer}")
+    fingerprint = source_fingerprint(source.root, source.files())
+    for name, entry in fingerprint["files"].items():
+        output.journal.finish_source(name, entry)
+    if state is not None and state.tokens:
+        output.expert_activation = write_gptq_activation(output.out_dir, source, state.tokens, opts.calibration)

@@ -1,6 +1,6 @@
-"""``ktconvert gpu --algo gptq``: the GPU writer's GPTQ hook over ktconvert.gptq.loop.LayerStream.
+"""``ktconvert gpu --quant gptq``: the GPU writer's GPTQ hook over ktconvert.gptq.loop.LayerStream.
 
-The writer (ktconvert/gpu/writer.py ``_run_gptq``) calls, for its MoE layers in increasing order::
+The writer (ktconvert/gpu/convert.py ``_run_gptq``) calls, for its MoE layers in increasing order::
 
     state = quantize_layer_gptq(source, layer, state, bits=bits, group_size=group_size, emit=emit,
                                 calibration=FILE_OR_SAMPLES, options=GptqOptions(...))
@@ -10,7 +10,8 @@ hidden states carried from layer to layer; layers in between — dense ones — 
 ``emit(expert, proj, tensors)`` is called once per routed expert matrix with the dict
 ``ktconvert.gpu.experts.quantize_expert_rtn`` returns (``weight_packed`` int32, ``weight_scale`` BF16 bits,
 ``weight_shape`` int64): GPTQ bytes equal llmcompressor ``oneshot`` GPTQModifier (W4A16/W8A16, group
-`group_size`, actorder static) on the same calibration data, except where oneshot is wrong (causal mask; experts
+`group_size`, actorder static, weight observer "mse" — each group's scale searched by llmcompressor's MSE
+observer, ``gpu.config.GPTQ_OBSERVER``) on the same calibration data, except where oneshot is wrong (causal mask; experts
 no token reaches in routed-only mode get RTN instead of all-zero weights). Layers the transformers model does not
 run (MTP / next-n layers) are RTN-quantized (``state.rtn_layers``).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ktconvert.errors import InputError
+from ktconvert.gpu.config import GPTQ_OBSERVER
 from ktconvert.gptq.loop import GpuQuantizer, GptqOptions, LayerStream
 
 
@@ -41,7 +43,7 @@ def start(source, bits: int, group_size: int, calibration, options: GptqOptions 
           max_length: int = 2048, num_samples: int | None = None) -> GptqState:
     """Open the stream: skeleton, calibration samples (tokenized with the checkpoint's tokenizer)."""
     if calibration is None:
-        raise InputError("--algo gptq needs calibration data", expected="--calibration FILE (jsonl of "
+        raise InputError("--quant gptq needs calibration data", expected="--calibration FILE (jsonl of "
                          '{"text": ...} or {"input_ids": [...]})', found="none")
     samples = calibration
     if not isinstance(calibration, list):
@@ -49,7 +51,7 @@ def start(source, bits: int, group_size: int, calibration, options: GptqOptions 
 
         samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
-    quantizer = GpuQuantizer(bits, group_size, "static")
+    quantizer = GpuQuantizer(bits, group_size, "static", GPTQ_OBSERVER)
     return GptqState(LayerStream(source, samples, quantizer, options or GptqOptions()), quantizer)
 
 

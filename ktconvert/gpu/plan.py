@@ -1,8 +1,116 @@
-"""What ``ktconvert gpu`` would write, from headers and config only: shards with exact bytes, bytes per component,
-GPU memory per expert, and the shape rules SGLang's kernels need."""
+"""`ktconvert plan --experts` / `gpu --dry-run` and the first step of every GPU conversion: the SGLang-KT GPU
+checkpoint checked and laid out from headers and config only, before OUT is created.
+
+    options = GpuOptions.make(experts="w4a16", linears="fp8")
+    plan = plan_gpu(open_input(src), options)    # GpuPlan: the opened source, the layout (gpu.layout.GpuLayout)
+    plan.report -> {experts, bits, group_size, linears, linear_fp8, layers, files [{path, bytes}] (exact),
+                    components {routed_experts, linears, embeddings, other: bytes}, total_bytes,
+                    vram_per_expert_bytes, vram_per_layer_all_experts_bytes, checks}; render_gpu(report) -> text
+"""
 from __future__ import annotations
 
-from ktconvert.gpu.linears import module_of
+from dataclasses import asdict, dataclass
+from functools import cached_property
+
+from ktconvert.errors import InputError, ShapeError, UsageError
+from ktconvert.formats.hf_source import HFSource
+from ktconvert.formats.st_writer import build_header, tensor_nbytes
+from ktconvert.gpu.experts import GROUP_SIZES, bits_of, expert_bytes
+from ktconvert.gpu.layout import GpuLayout
+from ktconvert.gpu.linears import LINEAR_MODES, module_of
+from ktconvert.inputs import Input, open_input
+from ktconvert.options import Options, Plan
+
+QUANTS = ("rtn", "gptq")
+
+
+@dataclass(frozen=True)
+class GpuOptions(Options):
+    """What the GPU checkpoint is: experts (compressed-tensors scheme of the routed experts: w4a16 | w8a16),
+    group_size (32 | 64 | 128, SGLang's Marlin MoE kernels), quant ("rtn": bytes equal llmcompressor's
+    model_free_ptq; "gptq": calibrated, needs calibration), linears ("fp8": 128x128 block FP8 + linear_fp8_config,
+    "bf16", "keep"), include_mtp (also the MTP layers), calibration (JSON lines of texts or token ids)."""
+
+    experts: str = "w4a16"
+    group_size: int = 128
+    quant: str = "rtn"
+    linears: str = "fp8"
+    include_mtp: bool = False
+    calibration: str | None = None
+
+    kind, lowercase = "GPU", ("experts", "quant", "linears")
+
+    @property
+    def bits(self) -> int:
+        return bits_of(self.experts)
+
+    def check(self) -> None:
+        """UsageError for an expert scheme, group size, linears mode or quant that does not exist."""
+        self.bits  # noqa: B018  (validates the scheme name)
+        for name, value, allowed in (("--group-size", self.group_size, GROUP_SIZES),
+                                     ("--linears", self.linears, LINEAR_MODES), ("--quant", self.quant, QUANTS)):
+            if value not in allowed:
+                raise UsageError(f"unsupported {name} for the GPU checkpoint", expected=" or ".join(map(str, allowed)),
+                                 found=str(value))
+        if self.quant == "gptq" and self.calibration is None:
+            raise UsageError("--quant gptq needs calibration data", expected="--calibration FILE (JSON lines)")
+        if self.quant != "gptq" and self.calibration is not None:
+            raise UsageError("--calibration is only used with --quant gptq", found=f"--quant {self.quant}")
+
+
+class GpuPlan(Plan):
+    """A validated GPU conversion: input (inputs.Input), options, layers, layout (gpu.layout.GpuLayout: which
+    tensor goes where); report (JSON-ready sizes, computed on first use); plan[key] reads the report."""
+
+    def __init__(self, input: Input, options: GpuOptions, layers: list[int], layout: GpuLayout, checks: list[dict]):
+        self.input, self.options, self.layers, self.layout, self.checks = input, options, layers, layout, checks
+
+    def journal_options(self) -> dict:
+        return {"kind": "gpu", **asdict(self.options), "layers": self.layers,
+                "source_config_sha256": self.input.source.config_sha256()}
+
+    @cached_property
+    def report(self) -> dict:
+        info, opts, layout = self.input.source.info, self.options, self.layout
+        files, components = [], {"routed_experts": 0, "linears": 0, "embeddings": 0, "other": 0}
+        for shard in sorted(layout.shards.values(), key=lambda s: s.name):
+            specs = shard.specs(opts.bits, opts.group_size)
+            header, spans = build_header(specs, None)
+            files.append({"path": shard.name, "bytes": len(header) + sum(e - b for b, e in spans.values()),
+                          "layer": shard.layer})
+            for name, dtype, shape in specs:
+                components[_component(name, layout)] += tensor_nbytes(dtype, shape)
+        H, I = info.hidden, info.intermediate
+        per_expert = expert_bytes(I, H, opts.bits, opts.group_size) * 2 + expert_bytes(H, I, opts.bits,
+                                                                                         opts.group_size)
+        return {"source": self.input.spec, "family": info.family, "experts": opts.experts, "bits": opts.bits,
+                "group_size": opts.group_size, "linears": opts.linears, "linear_fp8": layout.linear_fp8,
+                "layers": self.layers, "n_experts": info.n_experts, "files": files, "components": components,
+                "total_bytes": sum(f["bytes"] for f in files), "vram_per_expert_bytes": per_expert,
+                "vram_per_layer_all_experts_bytes": per_expert * info.n_experts, "checks": self.checks}
+
+
+def plan_gpu(src, options: GpuOptions) -> GpuPlan:
+    """Plan the GPU checkpoint of `src` (a path, hf:// / ms:// source or an opened inputs.Input): every routed
+    expert present with the config's shapes, the layout of every tensor, SGLang's shape rules. Raises
+    InputError (not an HF safetensors source, missing / unsupported tensors), ShapeError (a rule SGLang's kernels
+    need, e.g. H % group size), UsageError. Reads headers and config only."""
+    input = open_input(src)
+    source = input.source
+    if not isinstance(source, HFSource):
+        raise InputError(f"the GPU checkpoint is written from HF safetensors sources; this input is "
+                         f"{source.input_format}", file=str(input.path))
+    source.validate(include_mtp=options.include_mtp)
+    layers = list(source.all_layers(options.include_mtp))
+    layout = GpuLayout(source, layers, options.linears, options.bits, options.group_size)
+    checks = _checks(source.info, options.bits, options.group_size, layout)
+    failed = [c for c in checks if not c["ok"]]
+    if failed:
+        raise ShapeError("the GPU checkpoint would not load in SGLang", expected=failed[0]["check"],
+                         found=failed[0]["detail"],
+                         hint=f"choose --group-size among {list(GROUP_SIZES)} dividing H and I" if "H %" in
+                         failed[0]["check"] or "I %" in failed[0]["check"] else None)
+    return GpuPlan(input, options, layers, layout, checks)
 
 
 def _component(name: str, layout) -> str:
@@ -32,40 +140,8 @@ def _checks(info, bits: int, group_size: int, layout) -> list[dict]:
     return out
 
 
-def plan_gpu(src, experts: str = "w4a16", group_size: int = 128, linears: str = "fp8",
-             include_mtp: bool = False) -> dict:
-    """Plan the GPU checkpoint of `src`. Returns {experts, bits, group_size, linears, linear_fp8, layers, files
-    [{path, bytes}], components {routed_experts, linears, embeddings, other: bytes}, total_bytes,
-    vram_per_expert_bytes (one routed expert: 3 matrices), vram_per_layer_all_experts_bytes, checks}."""
-    from ktconvert.formats.hf_source import HFSource
-    from ktconvert.formats.st_writer import build_header, tensor_nbytes
-    from ktconvert.gpu.experts import bits_of, expert_bytes
-    from ktconvert.gpu.layout import GpuLayout
-
-    bits = bits_of(experts)
-    source = HFSource.open(src)
-    info = source.info
-    layers = list(source.all_layers(include_mtp))
-    layout = GpuLayout(source, layers, linears, bits, group_size)
-    files, components = [], {"routed_experts": 0, "linears": 0, "embeddings": 0, "other": 0}
-    for shard in sorted(layout.shards.values(), key=lambda s: s.name):
-        specs = shard.specs(bits, group_size)
-        header, spans = build_header(specs, None)
-        files.append({"path": shard.name, "bytes": len(header) + sum(e - b for b, e in spans.values()),
-                      "layer": shard.layer})
-        for name, dtype, shape in specs:
-            components[_component(name, layout)] += tensor_nbytes(dtype, shape)
-    H, I = info.hidden, info.intermediate
-    per_expert = expert_bytes(I, H, bits, group_size) * 2 + expert_bytes(H, I, bits, group_size)
-    return {"source": str(src), "family": info.family, "experts": experts.lower(), "bits": bits,
-            "group_size": group_size, "linears": linears, "linear_fp8": layout.linear_fp8, "layers": layers,
-            "n_experts": info.n_experts, "files": files, "components": components,
-            "total_bytes": sum(f["bytes"] for f in files), "vram_per_expert_bytes": per_expert,
-            "vram_per_layer_all_experts_bytes": per_expert * info.n_experts,
-            "checks": _checks(info, bits, group_size, layout)}
-
-
 def render_gpu(result: dict) -> str:
+    """The GPU plan report as text."""
     lines = [f"gpu plan: {result['source']} ({result['family']}) -> {result['experts'].upper()} g{result['group_size']}"
              f", linears {result['linears']}{' (linear_fp8_config)' if result['linear_fp8'] else ''}",
              f"layers: {len(result['layers'])} MoE x {result['n_experts']} experts; per GPU expert "

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ktconvert.errors import ShapeError, UsageError
+from ktconvert.formats.out_manifest import kt_flags
 from ktconvert.layouts.naming import PROJS, part_shape
 from ktconvert.registry import Registry
 
@@ -150,7 +151,7 @@ class CpuMethod:
     @classmethod
     def flags(cls, numa: int) -> dict:
         """The kt-kernel / SGLang options an output needs; "." is the folder holding ktconvert.json."""
-        return {"kt-method": cls.kt_method, "kt-weight-path": ".", "kt-threadpool-count": int(numa)}
+        return kt_flags(cls.kt_method, numa)
 
     @classmethod
     def quantization_config(cls) -> dict | None:

@@ -249,7 +249,7 @@ def _run_output(source: str, output: dict, progress) -> dict:
     from ktconvert.cpu.convert import convert_cpu
 
     cpu = dict(output["cpu"])
-    summary = convert_cpu(source, output["out"], resume=True, force=False, progress=progress, **cpu)
+    summary = str(convert_cpu(source, output["out"], resume=True, force=False, progress=progress, **cpu))
     manifest = load_manifest(output["out"])
     record = {"out": output["out"], "summary": summary, "method": manifest.get("method"),
               "numa": manifest.get("numa"), "bytes": sum(int(e["bytes"]) for e in manifest["files"].values()),

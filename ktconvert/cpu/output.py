@@ -1,0 +1,79 @@
+"""The CPU output being written: kt-kernel's expert files in the method's sink (``methods``: converted tiles or
+HF tensors), plus the non-expert tensors with ``include_dense``, the copied config / tokenizer and ktconvert.json.
+"""
+from __future__ import annotations
+
+from ktconvert.cpu.plan import CpuPlan
+from ktconvert.envinfo import cpu_flags
+from ktconvert.formats.fileio import LayerResult
+from ktconvert.output import Output
+
+
+class LayerConsumer:
+    """One layer of a CPU output: each expert matrix is written by the method (NUMA split + quantize + tile, or
+    encoded whole for in-place methods) into the sink's layer writer."""
+
+    def __init__(self, writer, method, numa: int, quant: str):
+        self.writer, self.method, self.numa, self.quant = writer, method, numa, quant
+
+    def put_matrix(self, proj: str, expert: int, w, where: str) -> None:
+        """w: uint16 BF16 bits, gate/up [I, H], down [H, I]."""
+        self.method.write_matrix(self.writer, proj, expert, w, numa=self.numa, quant=self.quant, where=where)
+
+    def finish(self) -> LayerResult:
+        return self.writer.finish()
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+class CpuOutput(Output):
+    """A kt-kernel CPU output in `out_dir` for `plan` (cpu.plan.CpuPlan); the sink is created when OUT opens."""
+
+    kind = "cpu"
+
+    def __init__(self, out_dir, plan: CpuPlan, *, resume: bool = False, force: bool = False):
+        super().__init__(out_dir, plan, resume=resume, force=force)
+        self.method, self.options = plan.method, plan.options
+        self.sink = None
+        self.run_notes: list[str] = []
+        self.run_details: dict = {}
+        self.manifest_extra: dict = {}   # ktconvert.json keys a calibrated run adds ("gptq", gptq/cpu.py)
+
+    def open(self) -> bool:
+        if not super().open():
+            return False
+        self.sink = self.method.open_sink(self.out_dir, self.layers, self.source.info, self.options.numa,
+                                          self.options.layout, self.options.include_dense)
+        return True
+
+    def journal_options(self) -> dict:
+        return self.plan.journal_options()
+
+    def label(self) -> str:
+        return f"convert {self.method.kt_method} T={self.options.numa}"
+
+    def begin_layer(self, layer: int) -> LayerConsumer:
+        return LayerConsumer(self.sink.begin_layer(layer), self.method, self.options.numa, self.options.quant)
+
+    def finish_files(self) -> LayerResult:
+        """The dense shard (include_dense), the index, config (with the method's quantization_config where it has
+        one, also for sources without a config.json) and copies of the tokenizer files."""
+        files, tensors = [], {}
+        if self.options.include_dense:
+            dense = self.sink.write_dense(*self.source.dense_tensors())
+            files, tensors = list(dense.files), dict(dense.tensors)
+        files += self.sink.finalize(copy_from=self.source.root, fallback_config=self.source.info.minimal_config())
+        return LayerResult(files, tensors)
+
+    def manifest_fields(self) -> dict:
+        o = self.options
+        return {"method": self.method.kt_method, "numa": o.numa, "layout": o.layout, "quant": o.quant,
+                "include_dense": o.include_dense, "flags": self.method.flags(o.numa),
+                "extra": {**self.method.manifest_fields(), **self.manifest_extra}}
+
+    def notes(self) -> list[str]:
+        return self.run_notes + self.method.runtime_notes(cpu_flags())
+
+    def details(self) -> dict:
+        return dict(self.run_details)

@@ -1,0 +1,139 @@
+"""The SGLang-KT GPU checkpoint being written (gpu-format.md §8), one MoE layer's shard at a time.
+
+    first matrix of MoE layer L: open L's output shard (header first), write its non-expert tensors (FP8-block /
+    BF16 linears, copies) -> each routed expert matrix: RTN W4A16/W8A16 through compressed-tensors (or GPTQ's
+    tensors, ``put_tensors``) -> last matrix: the shard is renamed into place and journalled (--resume skips it)
+    -> non-MoE shard, index, config.json (quantization_config, linear_fp8_config last), copies, ktconvert.json
+
+``GpuOutput`` is an ``output.Output``, so one pass (``onepass.write_outputs``) can feed it the same decoded
+matrices as a CPU output. Memory: one expert matrix per worker plus one non-expert tensor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ktconvert.formats.fileio import FileRecord, LayerResult, record_for, write_atomic
+from ktconvert.formats.out_manifest import BYTE_PACKAGES, MANIFEST_NAME, package_versions
+from ktconvert.formats.st_writer import StreamingSafetensorsWriter, tensor_nbytes
+from ktconvert.gpu import config as gpu_config
+from ktconvert.gpu.experts import quantize_expert_rtn
+from ktconvert.gpu.plan import GpuPlan
+from ktconvert.layouts.naming import INDEX_NAME
+from ktconvert.output import Output
+
+NO_COPY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+NO_COPY_NAMES = ("config.json", INDEX_NAME, MANIFEST_NAME, "README.md")
+EXPERT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
+
+
+class GpuLayerWriter:
+    """One MoE layer's shard: non-expert tensors written on open, then routed experts as they arrive."""
+
+    def __init__(self, output: "GpuOutput", shard):
+        self.output, self.shard, self.layer = output, shard, shard.layer
+        opts = output.options
+        self.writer = StreamingSafetensorsWriter(output.out_dir / shard.name, shard.specs(opts.bits, opts.group_size))
+        self.bases = {(e, p): base for e, p, base, _, _ in shard.experts}
+        try:
+            _write_items(self.writer, shard.items, output.source.checkpoint)
+        except BaseException:
+            self.writer.abort()
+            raise
+
+    def put_matrix(self, proj: str, expert: int, w, where: str) -> None:
+        """RTN-quantize one routed expert matrix (uint16 BF16 bits, HF orientation) and write its tensors."""
+        opts = self.output.options
+        self.put_tensors(expert, proj, quantize_expert_rtn(w, opts.bits, opts.group_size, where=where))
+
+    def put_tensors(self, expert: int, proj: str, tensors: dict) -> None:
+        """Write an already quantized expert matrix {weight_packed, weight_scale, weight_shape} (GPTQ's emit)."""
+        base = self.bases[(expert, proj)]
+        for suffix in EXPERT_SUFFIXES:
+            self.writer.write(f"{base}.{suffix}", tensors[suffix])
+
+    def finish(self) -> LayerResult:
+        self.writer.close()
+        w = self.writer
+        return LayerResult([FileRecord(self.shard.name, w.size, w.sha256, w.git_sha1)], dict(w.tensor_sha256))
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+def _write_items(writer, items, checkpoint) -> None:
+    for item in items:
+        for name, array in item.produce(checkpoint).items():
+            writer.write(name, array)
+
+
+class GpuOutput(Output):
+    """The GPU checkpoint of `plan` (gpu.plan.GpuPlan) in `out_dir`."""
+
+    kind = "gpu"
+
+    def __init__(self, out_dir, plan: GpuPlan, *, resume: bool = False, force: bool = False):
+        super().__init__(out_dir, plan, resume=resume, force=force)
+        self.options, self.layout = plan.options, plan.layout
+
+    def journal_options(self) -> dict:
+        return self.plan.journal_options()
+
+    def label(self) -> str:
+        return f"gpu {self.options.experts.upper()} linears={self.options.linears}"
+
+    def begin_layer(self, layer: int) -> GpuLayerWriter:
+        return GpuLayerWriter(self, self.layout.shards[layer])
+
+    def finish_files(self) -> LayerResult:
+        """The non-MoE shard, the index, config.json and the copied non-weight files."""
+        shard = self.layout.shards[None]
+        opts = self.options
+        with StreamingSafetensorsWriter(self.out_dir / shard.name, shard.specs(opts.bits, opts.group_size)) as w:
+            _write_items(w, shard.items, self.source.checkpoint)
+        write_atomic(self.out_dir / INDEX_NAME, self._index_bytes())
+        write_atomic(self.out_dir / "config.json", self._config_bytes())
+        extra = [INDEX_NAME, "config.json"]
+        for rel, src in self._copies():
+            write_atomic(self.out_dir / rel, src.read_bytes())
+            extra.append(rel)
+        records = [FileRecord(shard.name, w.size, w.sha256, w.git_sha1)]
+        return LayerResult(records + [record_for(self.out_dir, rel) for rel in extra], dict(w.tensor_sha256))
+
+    def _index_bytes(self) -> bytes:
+        weight_map, total = {}, 0
+        opts = self.options
+        for shard in self.layout.shards.values():
+            for name, dtype, shape in shard.specs(opts.bits, opts.group_size):
+                weight_map[name] = shard.name
+                total += tensor_nbytes(dtype, shape)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+
+    def _config_bytes(self) -> bytes:
+        hf, sgl = self.layout.ignore_modules()
+        ignore = gpu_config.build_ignore(hf, sgl, self.layout.expert_check_names())
+        gptq = self.options.quant == "gptq"
+        qc = gpu_config.quantization_config(self.options.bits, self.options.group_size, ignore,
+                                            "static" if gptq else None, linear_fp8=self.layout.linear_fp8,
+                                            observer=gpu_config.GPTQ_OBSERVER if gptq else "minmax")
+        config = gpu_config.output_config(self.source.checkpoint.config, qc)
+        return (json.dumps(config, indent=2) + "\n").encode()
+
+    def _copies(self) -> list[tuple[str, Path]]:
+        """Top-level non-weight files of the source: tokenizer, generation_config, chat template, custom code."""
+        out = []
+        for path in sorted(self.source.root.iterdir()):
+            name = path.name
+            if path.is_file() and not name.startswith(".") and name not in NO_COPY_NAMES \
+                    and not name.endswith(NO_COPY_SUFFIXES):
+                out.append((name, path))
+        return out
+
+    def manifest_fields(self) -> dict:
+        opts = self.options
+        gpu = {"experts": opts.experts, "bits": opts.bits, "group_size": opts.group_size, "linears": opts.linears,
+               "linear_fp8": self.layout.linear_fp8, "algo": opts.quant, "include_mtp": opts.include_mtp}
+        return {"method": opts.experts.upper(), "numa": 1, "layout": "compressed-tensors", "quant": opts.quant,
+                "kind": "gpu", "flags": {"model": "."},
+                "packages": package_versions(BYTE_PACKAGES + ("torch", "compressed-tensors")), "extra": {"gpu": gpu}}

@@ -1,0 +1,39 @@
+"""The input of a conversion, resolved and opened once: a local path, or ``hf://ORG/NAME[@REV]`` /
+``ms://ORG/NAME[@REV]`` downloaded and checked against the hub's hashes first (``ops.hub``), then opened with the
+source format that reads it (``formats.sources``). Every plan and output of one command shares this object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ktconvert.errors import InputError
+from ktconvert.formats.base import Source
+from ktconvert.formats.sources import open_source
+from ktconvert.ops import hub
+
+
+@dataclass
+class Input:
+    """spec: the source as the user gave it; path: the local checkpoint; source: it opened (headers parsed, family
+    resolved); hub: {"hub", "repo", "revision"} of a hub source (recorded in the output manifests), else {}."""
+
+    spec: str
+    path: Path
+    source: Source
+    hub: dict = field(default_factory=dict)
+
+
+def open_input(src) -> Input:
+    """Resolve and open `src` (an Input passes through). InputError when a local path does not exist."""
+    if isinstance(src, Input):
+        return src
+    spec = str(src)
+    if spec.startswith(("hf://", "ms://")):
+        path, extra = hub.resolve_source(spec)
+        path = Path(path)
+    else:
+        path, extra = Path(spec), {}
+        if not path.exists():
+            raise InputError("source does not exist", file=path)
+    return Input(spec, path, open_source(path), extra)
