@@ -26,7 +26,9 @@ from ktconvert.activation.stats import write_gptq_activation
 from ktconvert.errors import InputError, ShapeError, UsageError
 from ktconvert.formats.fileio import hash_file
 from ktconvert.formats.hf_source import HFSource
+from ktconvert.gptq import grid
 from ktconvert.gptq.calibration import load_samples
+from ktconvert.gptq.hessians import single_thread_on_cpu
 from ktconvert.gptq.holdout import REASONS, SelectionOptions
 from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream
 from ktconvert.layouts.naming import PROJS
@@ -79,9 +81,6 @@ class AmxQuantizer:
         """GPTQ payloads of one expert on the data-free quantizer's scales; None when a damped Hessian is not
         positive definite (the caller writes the data-free payloads)."""
         import torch
-
-        from ktconvert.gptq import grid
-        from ktconvert.gptq.hessians import single_thread_on_cpu
 
         weights = {p: getattr(expert, p + "_proj").weight.detach().to("cpu") for p in PROJS}
         if weights["down"].shape[1] % self.numa:

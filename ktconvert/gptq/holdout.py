@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ktconvert.gptq.hessians import single_thread_on_cpu
 from ktconvert.gptq.skeleton import expert_forward, float_params
 
 BLOCK_TOKENS = 64
@@ -60,15 +61,15 @@ def holdout_masks(lengths: list[int], every: int) -> list:
 def expert_errors(expert, candidates: dict, x, weight) -> dict:
     """{name: float} squared held-out error of each candidate (module docstring). candidates: {name: {"gate" |
     "up" | "down": float32 [n, k] dequantized weights}}; x [T, H] the held-out inputs, weight [T] their routing
-    weights. The expert's other parameters (biases) stay as they are; everything runs in float32."""
+    weights. The expert's other parameters (biases) stay as they are. Computed in float64 at one torch thread on
+    CPU, so near-ties cannot turn the choice with the host's thread count or SIMD width."""
     import torch
 
-    params = float_params(expert)
-    scale = weight.float().unsqueeze(1)
-    with torch.no_grad():
+    params = float_params(expert, torch.float64)
+    scale = weight.to(torch.float64).unsqueeze(1)
+    with torch.no_grad(), single_thread_on_cpu(x.device):
         reference = expert_forward(expert, params, x)
-        return {name: float(torch.sum(((expert_forward(expert, params, x, weights) - reference) * scale)
-                                      .double() ** 2))
+        return {name: float(torch.sum(((expert_forward(expert, params, x, weights) - reference) * scale) ** 2))
                 for name, weights in candidates.items()}
 
 

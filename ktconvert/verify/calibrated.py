@@ -183,7 +183,7 @@ def _limit(manifest: dict, threshold) -> dict:
 def _finish(report: dict) -> dict:
     rows = report["layers"]
     names = list(report.get("outputs", {}))
-    report["overall"] = {name: _overall(rows, name) for name in names}
+    report["overall"] = {name: overall_rel_l2(rows, name) for name in names}
     limit = report["thresholds"]["moe_rel_l2"]
     for row in rows:
         rel = row["outputs"]["out"]["moe_rel_l2"]
@@ -196,7 +196,8 @@ def _finish(report: dict) -> dict:
     return report
 
 
-def _overall(rows: list, name: str) -> float:
+def overall_rel_l2(rows: list, name: str) -> float:
+    """Output `name`'s relative L2 over every row (layer_errors rows): sqrt(sum err2 / sum ref2)."""
     err2 = sum(r["outputs"][name]["err2"] for r in rows)
     ref2 = sum(r["outputs"][name]["ref2"] for r in rows)
     return (err2 / ref2) ** 0.5 if ref2 > 0 else 0.0
