@@ -131,15 +131,18 @@ def inspect(path, expert_orientation: str | None = None) -> InspectResult:
 
 def verify(out, *, source=None, hashes: bool = False, tokens: int = 8, layers=None, sample_experts="4",
            threshold: float | None = None, remote: str | None = None, hub: str = "hf", revision: str | None = None,
-           endpoint: str | None = None) -> VerifyResult:
+           endpoint: str | None = None, calibration=None, compare=None) -> VerifyResult:
     """Check output folder `out` (or a .tar.zst bundle, or with remote="" the hub repo `out`): structure, hashes
     (hashes=True: every file and tensor against ktconvert.json), numerics (the native kernels on the written
     files; against `source` when given: layers None = first/middle/last, "all" or "1,3"; sample_experts: experts
     per layer, a count or "all"; tokens: random activations; threshold: the MoE relative-L2 limit, default per
-    method) and remote (remote=REPO: the hub copy's hashes). Never raises for a failed check: result.ok."""
+    method) and remote (remote=REPO: the hub copy's hashes). calibration: a JSON-lines calibration file; the
+    numerics then run on the hidden states its tokens produce in `source` (compare: a second output side by
+    side). Never raises for a failed check: result.ok."""
     return VerifyResult.from_dict(verify_run.verify(out, source=source, hashes=hashes, tokens=tokens, layers=layers,
                                           experts=sample_experts, threshold=threshold, remote=remote, hub=hub,
-                                          revision=revision, endpoint=endpoint))
+                                          revision=revision, endpoint=endpoint, calibration=calibration,
+                                          compare=compare))
 
 
 def families() -> dict:

@@ -122,6 +122,10 @@ def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, g
                                                            "lists each method's; default its largest).")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
+@click.option("--dampening", type=float, default=None,
+              help="For --quant gptq: GPTQ's relative Hessian dampening (default 0.1).")
+@click.option("--min-tokens", type=int, default=None,
+              help="For --quant gptq: routed calibration tokens an expert needs before GPTQ is tried (default 64).")
 @click.option("--include-dense", is_flag=True, help="Also write non-expert tensors (blk.-renamed) into OUT.")
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers' experts.")
 @click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
@@ -138,6 +142,7 @@ def cpu(src, out, threads, resume, force, quiet, json_progress, as_json, expert_
         raise click.UsageError("Missing option '--method'.")
     if options["quant"] == "gptq":
         require("gpu", "--quant gptq")
+    options = {k: v for k, v in options.items() if v is not None or k not in ("dampening", "min_tokens")}
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
         result = load_api().convert_cpu(source_arg(src, expert_orientation), out, threads=threads, resume=resume,
                                         force=force, progress=progress, **options)
@@ -249,13 +254,21 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
 @click.option("--hub", type=choice(["hf", "modelscope"]), default="hf", show_default=True)
 @click.option("--revision", default=None)
 @click.option("--endpoint", default=None, help="Hub endpoint URL.")
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Numerics on the hidden states these calibration tokens produce in --source (the model's own "
+                   "routing, streamed layer by layer) instead of random probes.")
+@click.option("--compare", type=click.Path(exists=True, file_okay=False), default=None,
+              help="With --calibration: a second output OUT2, side by side.")
 @json_option
 def verify(out, source, hashes, tokens, layers, sample_experts, experts_deprecated, threshold, remote, hub, revision,
-           endpoint, as_json) -> None:
+           endpoint, calibration, compare, as_json) -> None:
     """Check a converted output OUT: structure, hashes, numerics (native kernels) and error against the source."""
+    if calibration is not None:
+        require("gpu", "verify --calibration")
     sample = prefer(sample_experts, experts_deprecated, "--experts", "--sample-experts") or "4"
     result = load_api().verify(out, source=source, hashes=hashes, tokens=tokens, layers=layers, sample_experts=sample,
-                           threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint)
+                               threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint,
+                               calibration=calibration, compare=compare)
     emit(result, as_json)
     if not result.ok:
         sys.exit(4)

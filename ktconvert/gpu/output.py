@@ -113,9 +113,10 @@ class GpuOutput(Output):
     def _config_bytes(self) -> bytes:
         hf, sgl = self.layout.ignore_modules()
         ignore = gpu_config.build_ignore(hf, sgl, self.layout.expert_check_names())
-        actorder = "static" if self.options.quant == "gptq" else None
-        qc = gpu_config.quantization_config(self.options.bits, self.options.group_size, ignore, actorder,
-                                            linear_fp8=self.layout.linear_fp8)
+        gptq = self.options.quant == "gptq"
+        qc = gpu_config.quantization_config(self.options.bits, self.options.group_size, ignore,
+                                            "static" if gptq else None, linear_fp8=self.layout.linear_fp8,
+                                            observer=gpu_config.GPTQ_OBSERVER if gptq else "minmax")
         config = gpu_config.output_config(self.source.checkpoint.config, qc)
         return (json.dumps(config, indent=2) + "\n").encode()
 

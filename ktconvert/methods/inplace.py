@@ -89,6 +89,10 @@ class InplaceMethod(CpuMethod):
         return numeric_inplace.check_inplace_numerics(out, manifest, source, tokens, layers, experts, threshold,
                                                       folder=folder, method=cls)
 
+    @classmethod
+    def expert_reader(cls, out, manifest: dict, folder=None):
+        return numeric_inplace.expert_reader(out, manifest, folder)
+
 
 class Bf16Inplace(InplaceMethod):
     """BF16 experts as the hub stores them (per-expert ``weight``)."""

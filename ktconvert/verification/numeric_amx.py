@@ -271,13 +271,36 @@ def _check_expert(rt, src, layer: int, e: int, x: np.ndarray, ids: np.ndarray, w
     _weight_errors(rt, deq, parts, full, acc)
 
 
+def expert_reader(out, manifest: dict, folder=None, *, methods):
+    """A function (layer, expert) -> {"gate", "up": float32 [I, H], "down": float32 [H, I]}: the expert as the
+    folder's files hold it (numpy dequantization from the layout spec, NUMA parts joined). Every tensor read must
+    hash as ``ktconvert.json`` records it (VerifyError otherwise)."""
+    rt = KtOutput.open(out, manifest, folder, methods=methods)
+
+    def read(layer: int, e: int) -> dict:
+        blobs = rt.read_expert(layer, e)
+        problems = hash_problems(rt.manifest, blobs.sha256)
+        if problems:
+            raise VerifyError(problems[0], tensor=f"layer {layer} expert {e}")
+        parts = [_dequantize_part(rt, part) for part in blobs.parts]
+        return {"gate": np.concatenate([p[0] for p in parts]), "up": np.concatenate([p[1] for p in parts]),
+                "down": np.concatenate([p[2] for p in parts], axis=1)}
+
+    return read
+
+
 def _check_hashes(manifest: dict, sha256: dict, acc: _Layer) -> None:
+    problems = hash_problems(manifest, sha256)
+    acc.hash_mismatches += len(problems)
+    acc.problems.extend(problems)
+
+
+def hash_problems(manifest: dict, sha256: dict) -> list[str]:
+    """One line per tensor whose sha256 (``sha256[key]``) is not what ktconvert.json's ``tensors`` records."""
     recorded = manifest.get("tensors", {})
-    for key, digest in sorted(sha256.items()):
-        if recorded.get(key) != digest:
-            acc.hash_mismatches += 1
-            acc.problems.append(f"{key}: sha256 differs from ktconvert.json (file changed after conversion)"
-                                if key in recorded else f"{key}: not listed in ktconvert.json tensors")
+    return [f"{key}: sha256 differs from ktconvert.json (file changed after conversion)" if key in recorded
+            else f"{key}: not listed in ktconvert.json tensors"
+            for key, digest in sorted(sha256.items()) if recorded.get(key) != digest]
 
 
 def _dequantize_part(rt, part) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -12,7 +12,7 @@ import hashlib
 
 import numpy as np
 
-from ktconvert.errors import InputError, KtConvertError
+from ktconvert.errors import InputError, KtConvertError, VerifyError
 from ktconvert.formats.inplace_sink import EXPERT_PREFIX, PROJ_NAMES
 from ktconvert.formats.decoders import decode_matrix, detect_scheme, validate_matrix
 from ktconvert.quant.bf16 import bf16_bits_to_f32
@@ -65,6 +65,26 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     report["summary"] = (f"{len(report['layers'])} layer(s), decoded and hashed"
                          + (f"; MoE vs source rel L2 max {worst:.4g} (limit {limit:g})" if src else ""))
     return report
+
+
+def expert_reader(out, manifest: dict, folder: OutputFolder | None = None):
+    """A function (layer, expert) -> {"gate", "up": float32 [I, H], "down": float32 [H, I]}: the expert as the
+    folder's tensors hold it, decoded with the input decoders; every tensor read must hash as ``ktconvert.json``
+    records it (VerifyError otherwise)."""
+    ck = (folder or OutputFolder.scan(out)).checkpoint()
+    scheme = detect_scheme(ck.config)
+
+    def read(layer: int, e: int) -> dict:
+        mats, problems = {}, []
+        for proj, name in PROJ_NAMES.items():
+            base = EXPERT_PREFIX.format(L=layer, E=e, proj=name)
+            _check_hashes(ck, base, manifest, problems)
+            mats[proj] = _f32(decode_matrix(ck, base, scheme))
+        if problems:
+            raise VerifyError(problems[0], tensor=f"layer {layer} expert {e}")
+        return mats
+
+    return read
 
 
 def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng) -> dict:
