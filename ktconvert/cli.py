@@ -242,13 +242,17 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
 @click.option("--hub", type=choice(["hf", "modelscope"]), default="hf", show_default=True)
 @click.option("--revision", default=None)
 @click.option("--endpoint", default=None, help="Hub endpoint URL.")
+@click.option("--report", type=click.Path(dir_okay=False), default=None,
+              help="Also write an HTML page (outside OUT): error per layer, layer x expert heat map, worst experts, "
+                   "thresholds; written for a failed verification too.")
 @json_option
 def verify(out, source, hashes, tokens, layers, sample_experts, experts_deprecated, threshold, remote, hub, revision,
-           endpoint, as_json) -> None:
+           endpoint, report, as_json) -> None:
     """Check a converted output OUT: structure, hashes, numerics (native kernels) and error against the source."""
     sample = prefer(sample_experts, experts_deprecated, "--experts", "--sample-experts") or "4"
     result = load_api().verify(out, source=source, hashes=hashes, tokens=tokens, layers=layers, sample_experts=sample,
-                           threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint)
+                               threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint,
+                               report=report)
     emit(result, as_json)
     if not result.ok:
         sys.exit(4)
