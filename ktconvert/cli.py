@@ -259,16 +259,19 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
                    "routing, streamed layer by layer) instead of random probes.")
 @click.option("--compare", type=click.Path(exists=True, file_okay=False), default=None,
               help="With --calibration: a second output OUT2, side by side.")
+@click.option("--report", type=click.Path(dir_okay=False), default=None,
+              help="Also write an HTML page (outside OUT): error per layer, layer x expert heat map, worst experts, "
+                   "thresholds; written for a failed verification too.")
 @json_option
 def verify(out, source, hashes, tokens, layers, sample_experts, experts_deprecated, threshold, remote, hub, revision,
-           endpoint, calibration, compare, as_json) -> None:
+           endpoint, calibration, compare, report, as_json) -> None:
     """Check a converted output OUT: structure, hashes, numerics (native kernels) and error against the source."""
     if calibration is not None:
         require("gpu", "verify --calibration")
     sample = prefer(sample_experts, experts_deprecated, "--experts", "--sample-experts") or "4"
     result = load_api().verify(out, source=source, hashes=hashes, tokens=tokens, layers=layers, sample_experts=sample,
                                threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint,
-                               calibration=calibration, compare=compare)
+                               calibration=calibration, compare=compare, report=report)
     emit(result, as_json)
     if not result.ok:
         sys.exit(4)

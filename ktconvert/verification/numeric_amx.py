@@ -35,6 +35,7 @@ KERNEL_TOL = 1e-5
 # 0.03 / 0.9996. Garbage (tile layout misread as row-major, experts swapped) lands at 1.3-2.1 / cosine <= 0.15 for
 # both. The limits sit between the two.
 MAX_PROBLEMS = 20
+PROBE = "random"     # what the activations are: seeded Gaussian probe vectors (the report's "probe" key)
 
 
 def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=None, experts="4", threshold=None,
@@ -48,11 +49,12 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
     threshold: None (the method's thresholds) or the MoE relative L2 limit
     methods:   the CPU method registry (ktconvert.methods.METHODS): the manifest's method and its thresholds
     folder:    the folder's verification.folder.OutputFolder when already walked
-    returns:   {"ok", "problems": [str], "summary", "thresholds", "variant", "layers": [row per layer],
+    returns:   {"ok", "problems": [str], "summary", "probe": "random", "thresholds", "variant", "layers": [row per
+                layer; with a source also "expert_errors": [{expert, rel_l2}] of every sampled expert's output],
                 "verification": compact dict for the manifest}
     """
     tokens, layers, experts, threshold = numeric_options(tokens, layers, experts, threshold)
-    report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run"}
+    report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run", "probe": PROBE}
     try:
         rt = KtOutput.open(out, manifest, folder, methods=methods)
         variant = native_rt.variant(impl)
@@ -375,6 +377,7 @@ def _layer_metrics(acc: _Layer, with_source: bool, kt_method: str) -> dict:
         q2 = d2 + 2 * dw - w2            # |wq|^2 from |wq - w|^2 = |wq|^2 - 2 wq.w + |w|^2
         row[f"{proj}_cosine"] = float(dw / np.sqrt(max(q2, 1e-300) * w2)) if w2 > 0 else 1.0
     row["rtn_bound_violations"] = acc.bound_violations
+    row["expert_errors"] = [{"expert": e, "rel_l2": r} for e, r in sorted(acc.expert_rel.items())]
     worst = sorted(acc.expert_rel.items(), key=lambda kv: -kv[1])[:3]
     row["worst_experts"] = [{"expert": e, "rel_l2": r} for e, r in worst]
     return row

@@ -17,18 +17,20 @@ from ktconvert.formats.inplace_sink import EXPERT_PREFIX, PROJ_NAMES
 from ktconvert.formats.decoders import decode_matrix, detect_scheme, validate_matrix
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verification.folder import OutputFolder
-from ktconvert.verification.numeric_amx import (choose_experts, choose_layers, numeric_options, open_checked_source, rel_l2,
+from ktconvert.verification.numeric_amx import (PROBE, choose_experts, choose_layers, numeric_options, open_checked_source, rel_l2,
                                           silu_mul, source_mismatch)
 
 
 
 def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=None, experts="4",
                            threshold=None, seed: int = 0, folder: OutputFolder | None = None, *, method) -> dict:
-    """{"ok", "problems", "summary", "layers": [...]} for an in-place output folder (see module doc).
+    """{"ok", "problems", "summary", "probe": "random", "layers": [{layer, experts, weight_rel_l2 (the worst
+    matrix), with a source also moe_rel_l2, gate_rel_l2 / up_rel_l2 / down_rel_l2 (over the sampled experts) and
+    expert_errors [{expert, rel_l2 of its output}]}]} for an in-place output folder (see module doc).
     folder: the folder's verification.folder.OutputFolder when already walked (its shard headers are reused);
     method: the manifest's CPU method (its thresholds["moe_rel_l2"] is the default MoE-output limit)."""
     tokens, layers, experts, threshold = numeric_options(tokens, layers, experts, threshold)
-    report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run"}
+    report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run", "probe": PROBE}
     try:
         ck = (folder or OutputFolder.scan(out)).checkpoint()
         scheme = detect_scheme(ck.config)
@@ -93,21 +95,31 @@ def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng) -> dict:
     got_y = np.zeros((tokens, hidden), np.float64)
     ref_y = np.zeros((tokens, hidden), np.float64)
     row = {"layer": layer, "experts": list(sample), "problems": [], "weight_rel_l2": 0.0}
+    energy = {p: [0.0, 0.0] for p in PROJ_NAMES}      # sum |w_out - w_src|^2, sum |w_src|^2 per projection
+    experts = []
     for e in sample:
         try:
             mats = _decoded_expert(ck, scheme, manifest, layer, e, (hidden, inter), row["problems"])
         except KtConvertError as exc:      # a tensor of the output missing, misshapen or undecodable
             row["problems"].append(str(exc))
             continue
-        got_y += _expert(mats, x)
+        got_e = _expert(mats, x)
+        got_y += got_e
         if src is not None:
             ew = src.read_expert(layer, e)
             ref = {p: _f32(getattr(ew, p)) for p in PROJ_NAMES}
-            ref_y += _expert(ref, x)
+            ref_e = _expert(ref, x)
+            ref_y += ref_e
+            experts.append({"expert": e, "rel_l2": rel_l2(got_e, ref_e)})
             err = max(rel_l2(mats[p], ref[p]) for p in PROJ_NAMES)
             row["weight_rel_l2"] = max(row["weight_rel_l2"], err)
+            for p in PROJ_NAMES:
+                energy[p][0] += float(((mats[p].astype(np.float64) - ref[p]) ** 2).sum())
+                energy[p][1] += float((ref[p].astype(np.float64) ** 2).sum())
     if src is not None:
         row["moe_rel_l2"] = rel_l2(got_y, ref_y)
+        row.update({f"{p}_rel_l2": float(np.sqrt(d2 / w2)) if w2 > 0 else 0.0 for p, (d2, w2) in energy.items()})
+        row["expert_errors"] = experts
     return row
 
 
