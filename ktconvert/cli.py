@@ -20,7 +20,7 @@ import click
 from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
 from ktconvert.extras import require
 from ktconvert.cli_options import (GPU_GROUP_SIZES, RegistryChoice, choice, cpu_options, emit, gpu_options,
-                                   json_option, load_api, orientation_option, prefer, progress_options, run_options,
+                                   json_option, load_api, orientation_option, prefer, profiling, progress_options, run_options,
                                    source_arg)
 from ktconvert.progress import make_progress
 
@@ -133,7 +133,7 @@ def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, g
 @progress_options
 @json_option
 @orientation_option
-def cpu(src, out, threads, resume, force, quiet, json_progress, as_json, expert_orientation, **options) -> None:
+def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation, **options) -> None:
     """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable).
 
     SRC may be a folder, a .safetensors or .gguf file, hf://ORG/NAME[@REV] or ms://ORG/NAME.
@@ -143,10 +143,10 @@ def cpu(src, out, threads, resume, force, quiet, json_progress, as_json, expert_
     if options["quant"] == "gptq":
         require("gpu", "--quant gptq")
     options = {k: v for k, v in options.items() if v is not None or k not in ("dampening", "min_tokens")}
-    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+    with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
         result = load_api().convert_cpu(source_arg(src, expert_orientation), out, threads=threads, resume=resume,
                                         force=force, progress=progress, **options)
-    emit(result, as_json)
+    emit(result, as_json, profile=prof.get("report"))
 
 
 @cli.command()
@@ -167,7 +167,7 @@ def cpu(src, out, threads, resume, force, quiet, json_progress, as_json, expert_
 @json_option
 @orientation_option
 def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibration, include_mtp, threads, resume,
-        force, dry_run, quiet, json_progress, as_json, expert_orientation) -> None:
+        force, profile, dry_run, quiet, json_progress, as_json, expert_orientation) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
     quant = prefer(quant, algo_deprecated, "--algo", "--quant") or "rtn"
@@ -178,9 +178,9 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
         emit(api.plan(src, gpu=options), as_json)
         return
     require("gpu", "ktconvert gpu")
-    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+    with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
         result = api.convert_gpu(src, out, threads=threads, resume=resume, force=force, progress=progress, **options)
-    emit(result, as_json)
+    emit(result, as_json, profile=prof.get("report"))
 
 
 @cli.command()
@@ -198,7 +198,7 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
 @json_option
 @orientation_option
 def convert(src, cpu_out, gpu_out, method, numa, layout, experts, linears, group_size, include_mtp, allow_drop_bias,
-            threads, resume, force, quiet, json_progress, as_json, expert_orientation) -> None:
+            threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation) -> None:
     """Write the CPU and the GPU outputs of SRC in one pass (every source expert read once, RTN on both sides).
     Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write."""
     if method is None:
@@ -208,10 +208,11 @@ def convert(src, cpu_out, gpu_out, method, numa, layout, experts, linears, group
                               allow_drop_bias=allow_drop_bias)),
                (gpu_out, dict(experts=experts or "w4a16", group_size=group_size or 128, linears=linears,
                               include_mtp=include_mtp))]
-    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+    with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
         results = load_api().convert(source_arg(src, expert_orientation), targets, threads=threads, resume=resume,
                                      force=force, progress=progress)
-    emit({"outputs": [r.to_dict() for r in results]}, as_json, "\n".join(r.summary() for r in results))
+    emit({"outputs": [r.to_dict() for r in results]}, as_json, "\n".join(r.summary() for r in results),
+         profile=prof.get("report"))
 
 
 @cli.command("expert-stats")

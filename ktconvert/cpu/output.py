@@ -3,6 +3,7 @@ HF tensors), plus the non-expert tensors with ``include_dense``, the copied conf
 """
 from __future__ import annotations
 
+from ktconvert import profile
 from ktconvert.cpu.plan import CpuPlan
 from ktconvert.envinfo import cpu_flags
 from ktconvert.formats.fileio import LayerResult
@@ -18,7 +19,8 @@ class LayerConsumer:
 
     def put_matrix(self, proj: str, expert: int, w, where: str) -> None:
         """w: uint16 BF16 bits, gate/up [I, H], down [H, I]."""
-        self.method.write_matrix(self.writer, proj, expert, w, numa=self.numa, quant=self.quant, where=where)
+        with profile.span("quantize.cpu", w.nbytes):
+            self.method.write_matrix(self.writer, proj, expert, w, numa=self.numa, quant=self.quant, where=where)
 
     def finish(self) -> LayerResult:
         return self.writer.finish()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from ktconvert import profile
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.safetensors_reader import ShardHeader, parse_header
 from ktconvert.safe_read import check_regular, open_regular
@@ -53,8 +54,10 @@ class _DualHash:
         self.git = hashlib.sha1(b"blob %d\0" % size)
 
     def update(self, data) -> None:
-        self.sha256.update(data)
-        self.git.update(data)
+        with profile.span("hash.file", len(data)):
+            self.sha256.update(data)
+        with profile.span("hash.git", len(data)):
+            self.git.update(data)
 
     def hexdigests(self) -> tuple[str, str]:
         return self.sha256.hexdigest(), self.git.hexdigest()
@@ -78,7 +81,8 @@ def _read_chunks(path: Path, size: int):
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         while True:
-            got = fh.readinto(view)
+            with profile.span("read.output", len(view)):
+                got = fh.readinto(view)
             if not got:
                 break
             done += got
@@ -143,7 +147,8 @@ def fsync_dir(directory: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
+        with profile.span("fsync"):
+            os.fsync(fd)
     except OSError:
         pass
     finally:
@@ -158,10 +163,12 @@ def write_atomic(path: Path, data, durable: bool = True) -> None:
     tmp = temp_path_for(path)
     try:
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            with profile.span("write", memoryview(data).nbytes):
+                fh.write(data)
             if durable:
                 fh.flush()
-                os.fsync(fh.fileno())
+                with profile.span("fsync"):
+                    os.fsync(fh.fileno())
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

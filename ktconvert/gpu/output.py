@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ktconvert import profile
 from ktconvert.formats.fileio import FileRecord, LayerResult, record_for, write_atomic
 from ktconvert.formats.out_manifest import BYTE_PACKAGES, GPU_FLAGS, MANIFEST_NAME, package_versions
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter, tensor_nbytes
@@ -43,7 +44,9 @@ class GpuLayerWriter:
     def put_matrix(self, proj: str, expert: int, w, where: str) -> None:
         """RTN-quantize one routed expert matrix (uint16 BF16 bits, HF orientation) and write its tensors."""
         opts = self.output.options
-        self.put_tensors(expert, proj, quantize_expert_rtn(w, opts.bits, opts.group_size, where=where))
+        with profile.span("quantize.gpu", w.nbytes):
+            tensors = quantize_expert_rtn(w, opts.bits, opts.group_size, where=where)
+        self.put_tensors(expert, proj, tensors)
 
     def put_tensors(self, expert: int, proj: str, tensors: dict) -> None:
         """Write an already quantized expert matrix {weight_packed, weight_scale, weight_shape} (GPTQ's emit)."""
@@ -62,7 +65,9 @@ class GpuLayerWriter:
 
 def _write_items(writer, items, checkpoint) -> None:
     for item in items:
-        for name, array in item.produce(checkpoint).items():
+        with profile.span("linears"):
+            tensors = item.produce(checkpoint)
+        for name, array in tensors.items():
             writer.write(name, array)
 
 
