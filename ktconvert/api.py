@@ -38,6 +38,7 @@ from ktconvert.gpu.plan import QUANTS as GPU_QUANTS, GpuOptions, plan_gpu, rende
 from ktconvert.inputs import open_input
 from ktconvert.methods import METHODS, all_methods, writable_names
 from ktconvert.onepass import write_outputs
+from ktconvert.parts import select_layers
 from ktconvert.quant.row_quant import ROW_QUANT
 from ktconvert.results import ConvertResult, InspectResult, PlanResult, VerifyResult
 from ktconvert.testing.tiny import make_tiny_model
@@ -66,12 +67,13 @@ def _target_options(value):
 
 
 def convert(src, outputs, *, threads: int | None = None, resume: bool = False, force: bool = False,
-            progress=None) -> list[ConvertResult]:
+            progress=None, layers=None) -> list[ConvertResult]:
     """Write several outputs of `src` reading it once: outputs = [(out folder, CpuOptions | GpuOptions | a dict of
     either's fields: one with "experts" is a GPU checkpoint), ...] (RTN on every side; GPTQ runs one output at a
     time: use convert_cpu / convert_gpu).
     Each output's bytes equal what convert_cpu / convert_gpu write alone. Every plan is checked before any OUT
-    is created; outputs must be different folders. Returns one ConvertResult per output, in order.
+    is created; outputs must be different folders. layers: a MoE layer range ("A-B"): every output becomes that
+    part (as convert_cpu's `layers`). Returns one ConvertResult per output, in order.
     """
     t0 = time.monotonic()
     input = open_input(src)
@@ -83,9 +85,10 @@ def convert(src, outputs, *, threads: int | None = None, resume: bool = False, f
         if isinstance(options, CpuOptions):
             plan = plan_cpu(input, options, out=out, threads=threads)
             plan.refuse_dropped_biases()
-            built.append(CpuOutput(out, plan, resume=resume, force=force))
+            built.append(CpuOutput(out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers)))
         else:
-            built.append(GpuOutput(out, plan_gpu(input, options), resume=resume, force=force))
+            plan = plan_gpu(input, options)
+            built.append(GpuOutput(out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers)))
     folders = [o.out_dir.resolve() for o in built]
     if len(set(folders)) != len(folders):
         raise UsageError("every output needs its own folder", found=", ".join(map(str, folders)))

@@ -19,9 +19,9 @@ import click
 
 from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
 from ktconvert.extras import require
-from ktconvert.cli_options import (GPU_GROUP_SIZES, RegistryChoice, choice, cpu_options, emit, gpu_options,
-                                   json_option, load_api, orientation_option, prefer, profiling, progress_options, run_options,
-                                   source_arg)
+from ktconvert.cli_options import (GPU_GROUP_SIZES, RegistryChoice, choice, cpu_options, distribution_options, emit,
+                                   gpu_options, json_option, load_api, orientation_option, pop_distribution, prefer,
+                                   profiling, progress_options, run_on_ray, run_options, source_arg)
 from ktconvert.progress import make_progress
 
 
@@ -130,6 +130,7 @@ def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, g
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers' experts.")
 @click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
 @run_options
+@distribution_options
 @progress_options
 @json_option
 @orientation_option
@@ -142,10 +143,16 @@ def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json
         raise click.UsageError("Missing option '--method'.")
     if options["quant"] == "gptq":
         require("gpu", "--quant gptq")
+    distribution = pop_distribution(options)
     options = {k: v for k, v in options.items() if v is not None or k not in ("dampening", "min_tokens")}
+    src = source_arg(src, expert_orientation)
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        result = load_api().convert_cpu(source_arg(src, expert_orientation), out, threads=threads, resume=resume,
-                                        force=force, progress=progress, **options)
+        if distribution["executor"] == "ray":
+            result = run_on_ray(src, [(out, options)], distribution, threads=threads, resume=resume, force=force,
+                                progress=progress)[0]
+        else:
+            result = load_api().convert_cpu(src, out, threads=threads, resume=resume, force=force,
+                                            progress=progress, layers=distribution["layers"], **options)
     emit(result, as_json, profile=prof.get("report"))
 
 
@@ -162,12 +169,13 @@ def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers (else they are left out).")
 @run_options
+@distribution_options
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes per component, VRAM per expert) only.")
 @progress_options
 @json_option
 @orientation_option
 def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibration, include_mtp, threads, resume,
-        force, profile, dry_run, quiet, json_progress, as_json, expert_orientation) -> None:
+        force, profile, dry_run, quiet, json_progress, as_json, expert_orientation, **distribution) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
     quant = prefer(quant, algo_deprecated, "--algo", "--quant") or "rtn"
@@ -178,8 +186,14 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
         emit(api.plan(src, gpu=options), as_json)
         return
     require("gpu", "ktconvert gpu")
+    distribution = pop_distribution(distribution)
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        result = api.convert_gpu(src, out, threads=threads, resume=resume, force=force, progress=progress, **options)
+        if distribution["executor"] == "ray":
+            result = run_on_ray(src, [(out, options)], distribution, threads=threads, resume=resume, force=force,
+                                progress=progress)[0]
+        else:
+            result = api.convert_gpu(src, out, threads=threads, resume=resume, force=force, progress=progress,
+                                     layers=distribution["layers"], **options)
     emit(result, as_json, profile=prof.get("report"))
 
 
@@ -194,11 +208,12 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers, on both sides.")
 @click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
 @run_options
+@distribution_options
 @progress_options
 @json_option
 @orientation_option
 def convert(src, cpu_out, gpu_out, method, numa, layout, experts, linears, group_size, include_mtp, allow_drop_bias,
-            threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation) -> None:
+            threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation, **distribution) -> None:
     """Write the CPU and the GPU outputs of SRC in one pass (every source expert read once, RTN on both sides).
     Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write."""
     if method is None:
@@ -208,11 +223,30 @@ def convert(src, cpu_out, gpu_out, method, numa, layout, experts, linears, group
                               allow_drop_bias=allow_drop_bias)),
                (gpu_out, dict(experts=experts or "w4a16", group_size=group_size or 128, linears=linears,
                               include_mtp=include_mtp))]
+    distribution, src = pop_distribution(distribution), source_arg(src, expert_orientation)
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        results = load_api().convert(source_arg(src, expert_orientation), targets, threads=threads, resume=resume,
-                                     force=force, progress=progress)
+        if distribution["executor"] == "ray":
+            results = run_on_ray(src, targets, distribution, threads=threads, resume=resume, force=force,
+                                 progress=progress)
+        else:
+            results = load_api().convert(src, targets, threads=threads, resume=resume, force=force,
+                                         progress=progress, layers=distribution["layers"])
     emit({"outputs": [r.to_dict() for r in results]}, as_json, "\n".join(r.summary() for r in results),
          profile=prof.get("report"))
+
+
+@cli.command()
+@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("parts", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@json_option
+def merge(out, parts, as_json) -> None:
+    """Join the part folders PARTS (written with --layers A-B, in any order) into OUT: hard links (copies across
+    filesystems) and the ktconvert.json a single run writes. Refuses parts of other conversions, overlapping
+    parts and missing layers (exit 3)."""
+    from ktconvert.merge import merge as merge_parts
+
+    result = merge_parts(out, parts)
+    emit(result, as_json, result.summary())
 
 
 @cli.command("expert-stats")

@@ -143,3 +143,48 @@ def gpu_options(fn):
                            "linear_fp8_config, bf16 = BF16 (for transformers / vLLM), keep = as stored.")(fn)
     return click.option("--experts", type=RegistryChoice("experts"), default=None,
                         help="compressed-tensors scheme of the GPU checkpoint's routed experts.")(fn)
+
+
+DISTRIBUTION = ("layers", "executor", "ray_address", "parts", "parts_dir")
+
+
+def distribution_options(fn):
+    """--layers (write one part) / --executor ray with --ray-address, --parts, --parts-dir (of cpu, gpu, convert)."""
+    for option in reversed([
+            click.option("--layers", "layers", default=None, metavar="A-B",
+                         help="Write only MoE layers A..B (decoder layer numbers) as a part: their files and "
+                              "ktconvert-part.json; `ktconvert merge OUT PART...` joins the parts."),
+            click.option("--executor", type=choice(["local", "ray"]), default="local", show_default=True,
+                         help="ray: split the layers into parts run as Ray tasks, merged into OUT on this host."),
+            click.option("--ray-address", default=None, help="Ray cluster to join (default: a local Ray instance)."),
+            click.option("--parts", type=int, default=None,
+                         help="With --executor ray: layer ranges of about equal bytes (default: the cluster's CPUs "
+                              "divided by --threads)."),
+            click.option("--parts-dir", type=click.Path(file_okay=False), default=None,
+                         help="With --executor ray: where the parts are written, a folder every node sees "
+                              "(default: OUT.parts next to OUT).")]):
+        fn = option(fn)
+    return fn
+
+
+def pop_distribution(options: dict) -> dict:
+    """The distribution options taken out of a command's keyword arguments; UsageError for ones that clash."""
+    chosen = {key: options.pop(key) for key in DISTRIBUTION}
+    ray_only = [f"--{k.replace('_', '-')}" for k in ("ray_address", "parts", "parts_dir") if chosen[k] is not None]
+    if chosen["executor"] != "ray" and ray_only:
+        raise click.UsageError(f"{ray_only[0]} needs --executor ray")
+    if chosen["executor"] == "ray" and chosen["layers"] is not None:
+        raise click.UsageError("--layers writes one part by itself; --executor ray splits the layers (--parts)")
+    return chosen
+
+
+def run_on_ray(src, targets: list, distribution: dict, *, threads, resume, force, progress) -> list:
+    """A conversion of `targets` ([(OUT, options)]) as Ray tasks, merged into each OUT (ktconvert.ray_executor)."""
+    from ktconvert.extras import require
+
+    require("ray", "--executor ray")
+    from ktconvert import ray_executor
+
+    return ray_executor.convert_on_ray(src, targets, parts=distribution["parts"], address=distribution["ray_address"],
+                                       parts_dir=distribution["parts_dir"], threads=threads, resume=resume,
+                                       force=force, progress=progress)

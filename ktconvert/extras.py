@@ -15,6 +15,7 @@ from ktconvert.errors import MissingExtraError
 # extra -> the top-level modules it provides (what `pip install 'ktconvert[extra]'` brings; pyproject.toml).
 EXTRAS: dict[str, tuple[str, ...]] = {
     "gpu": ("torch", "compressed_tensors", "llmcompressor", "transformers"),
+    "ray": ("ray",),
 }
 
 

@@ -12,8 +12,8 @@ import os
 import time
 
 from ktconvert import profile
-from ktconvert.errors import OutputError
-from ktconvert.formats.out_manifest import load_manifest, sglang_args
+from ktconvert.errors import OutputError, UsageError
+from ktconvert.formats.out_manifest import sglang_args
 from ktconvert.progress import Progress
 from ktconvert.results import ConvertResult
 from ktconvert.runner import JointJournal, run_jobs
@@ -69,12 +69,30 @@ def _run(outputs: list, threads: int | None, progress) -> None:
     layers = outputs[0].layers
     journal = JointJournal([o.journal for o in outputs])
     jobs = source.matrix_jobs(layers)
+    files = part_files(outputs[0], jobs) if outputs[0].part else None
     done = [layer for layer in layers if journal.layer_done(layer)]
     if done:
         progress.message(f"resuming: {len(done)} of {len(layers)} layers already done")
     progress.start(sum(j.nbytes for j in jobs if not journal.layer_done(j.layer)), len(layers) - len(done),
                    " + ".join(o.label() for o in outputs))
-    run_jobs(jobs, source, outputs, journal, threads or os.cpu_count() or 1, progress)
+    run_jobs(jobs, source, outputs, journal, threads or os.cpu_count() or 1, progress, files)
+
+
+def part_files(output, jobs: list) -> set:
+    """The source files a part reads: those holding its layers' experts (`jobs`), and, for the part that writes
+    the rest, those holding no MoE layer's experts (so every source file is fingerprinted by some part)."""
+    files = {job.file for job in jobs}
+    if output.writes_rest:
+        layer_files = {job.file for job in output.source.matrix_jobs(output.all_layers)}
+        files |= {path for path in output.source.files() if path not in layer_files}
+    return files
+
+
+def refuse_gptq_part(output) -> None:
+    """GPTQ runs every layer in order on the previous layers' outputs: a part of it cannot run alone."""
+    if output.part:
+        raise UsageError("--layers (parts) is not available with --quant gptq",
+                         hint="GPTQ needs every layer in order: convert it in one run")
 
 
 def write_in_layer_order(output, write, timings: dict | None = None) -> ConvertResult:
@@ -98,7 +116,7 @@ def write_in_layer_order(output, write, timings: dict | None = None) -> ConvertR
 def result_of(output, manifest: dict | None, timings: dict) -> ConvertResult:
     """The ConvertResult of a finalized output (manifest None: it was complete before; its manifest is read)."""
     complete_before = manifest is None
-    manifest = load_manifest(output.out_dir) if complete_before else manifest
+    manifest = output.finished_manifest() if complete_before else manifest
     return ConvertResult(out=str(output.out_dir), kind=manifest.get("kind", "cpu"), method=manifest["method"],
                          files=len(manifest["files"]), bytes=sum(int(f["bytes"]) for f in manifest["files"].values()),
                          flags=dict(manifest["flags"]), sglang_args=sglang_args(manifest, str(output.out_dir)),

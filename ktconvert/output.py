@@ -32,6 +32,7 @@ from ktconvert.formats.fileio import FileRecord, LayerResult, hash_file
 from ktconvert.formats.out_manifest import (JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, build_manifest, load_manifest,
                                             write_manifest)
 from ktconvert.journal import Journal, mismatch_error, option_name
+from ktconvert.parts import PART_NAME, load_part, write_part
 
 
 class Output:
@@ -41,17 +42,25 @@ class Output:
     kind = ""
     option_of: dict[str, str] = {}   # ktconvert.json keys set by an option other than "--" + the key (error messages)
 
-    def __init__(self, out_dir, plan, *, resume: bool = False, force: bool = False):
+    def __init__(self, out_dir, plan, *, resume: bool = False, force: bool = False, part: list[int] | None = None):
         self.out_dir = Path(out_dir)
         self.plan = plan
         self.source = plan.input.source
-        self.layers = list(plan.layers)
+        self.all_layers = list(plan.layers)           # every MoE layer of the conversion (names, manifest)
+        self.part = part is not None                  # a part: only `part`'s layers, finished by a part manifest
+        self.layers = list(part) if self.part else list(self.all_layers)   # the layers this folder gets
         self.resume, self.force = resume, force
         self.journal: Journal | None = None
         self.created = False          # open() made OUT (discard() may remove it again)
         self._lock_fd: int | None = None
         self._journal_lock = threading.Lock()
         self.expert_activation: FileRecord | None = None   # a calibrated run's expert_activation.pt in OUT
+
+    @property
+    def writes_rest(self) -> bool:
+        """Whether this folder gets the files of no MoE layer (index, config, copies, non-expert shards) and reads
+        the source files holding no MoE layer: a whole run, or the part holding the first MoE layer."""
+        return not self.part or min(self.layers) == min(self.all_layers)
 
     # ---------------------------------------------------------------- to implement
 
@@ -92,10 +101,12 @@ class Output:
         complete (ktconvert.json, no journal): nothing to do. OutputError for anything that could lose data."""
         self._prepare()
         try:
-            if self.resume and (self.out_dir / MANIFEST_NAME).exists() and not (self.out_dir / JOURNAL_NAME).exists():
+            if self.resume and (self.out_dir / self.finished_name()).exists() \
+                    and not (self.out_dir / JOURNAL_NAME).exists():
                 self._check_finished()
                 return False
-            self.journal = Journal.start(self.out_dir, self.journal_options(), self.resume)
+            options = {**self.journal_options(), **({"part": self.layers} if self.part else {})}
+            self.journal = Journal.start(self.out_dir, options, self.resume)
         except BaseException:
             self.close()
             raise
@@ -107,19 +118,33 @@ class Output:
         fields = self.manifest_fields()
         extra = fields.pop("extra", {})
         fields.pop("flags", None), fields.pop("packages", None)
-        claims = {"kind": self.kind, **fields, "model.layers": sorted(self.layers),
+        claims = {"kind": self.kind, **fields, "model.layers": sorted(self.all_layers),
                   "source.config_sha256": self._config_sha256()}
         claims.update({f"source.{key}": value for key, value in self.plan.input.hub.items()})
         for key, value in extra.items():
             claims.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
         return claims
 
+    def finished_name(self) -> str:
+        """The file whose presence marks this folder complete: ktconvert.json, or a part's part manifest."""
+        return PART_NAME if self.part else MANIFEST_NAME
+
+    def finished_manifest(self) -> dict:
+        """The ktconvert.json of a complete folder (a part's: restricted to its own files); InputError."""
+        if not self.part:
+            return load_manifest(self.out_dir)
+        record = load_part(self.out_dir)
+        if record["layers"] != self.layers:
+            raise InputError("the part holds other MoE layers", file=str(self.out_dir / PART_NAME),
+                             expected=f"layers {self.layers}", found=f"layers {record['layers']}")
+        return record["manifest"]
+
     def _check_finished(self) -> None:
         """ResumeMismatchError unless OUT's ktconvert.json records what this plan would write."""
         try:
-            manifest = load_manifest(self.out_dir)
+            manifest = self.finished_manifest()
         except InputError as exc:
-            raise OutputError(f"cannot resume: {exc.detail}", file=str(self.out_dir / MANIFEST_NAME),
+            raise OutputError(f"cannot resume: {exc.detail}", file=str(self.out_dir / self.finished_name()),
                               hint="pass --force to start over") from None
         claims = self.resume_claims()
         if manifest.get("kind", "cpu") != self.kind:     # another kind of output: its other fields say nothing
@@ -167,7 +192,7 @@ class Output:
     def _check_contents(self) -> None:
         entries = [p for p in self.out_dir.iterdir() if p.name != LOCK_NAME]
         if entries and self.resume:
-            if not (self.out_dir / JOURNAL_NAME).exists() and not (self.out_dir / MANIFEST_NAME).exists():
+            if not (self.out_dir / JOURNAL_NAME).exists() and not (self.out_dir / self.finished_name()).exists():
                 raise OutputError("nothing to resume: no ktconvert journal in the output directory",
                                   file=self.out_dir, hint="use --force to overwrite it")
         elif entries and self.force:
@@ -184,30 +209,7 @@ class Output:
             raise OutputError(f"output directory is not writable ({exc.strerror})", file=self.out_dir) from exc
 
     def _lock(self) -> None:
-        """Take OUT's lock (exclusive, non-blocking) and write our pid into it; OutputError naming the holder."""
-        path = self.out_dir / LOCK_NAME
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as exc:
-                raise OutputError(f"output directory is not writable ({exc.strerror})", file=self.out_dir) from exc
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise OutputError(f"another ktconvert process (pid {holder}) is writing this output directory",
-                                  file=self.out_dir, hint="wait for it to finish, or stop that process") from None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(path).st_ino   # not a lock file its holder just removed
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        self._lock_fd = lock_folder(self.out_dir)
 
     # ---------------------------------------------------------------- layers and the manifest
 
@@ -224,8 +226,12 @@ class Output:
         if missing:
             raise OutputError(f"{len(missing)} MoE layer(s) not written", file=str(self.out_dir),
                               found="layers " + ", ".join(map(str, missing[:8])))
-        manifest = self._manifest(self.finish_files())
-        write_manifest(self.out_dir, manifest)
+        manifest = self._manifest(self.finish_files() if self.writes_rest else LayerResult([], {}))
+        if self.part:
+            write_part(self.out_dir, self.layers, self.all_layers, self.writes_rest, self.journal_options(),
+                       manifest)
+        else:
+            write_manifest(self.out_dir, manifest)
         self.journal.remove()
         return manifest
 
@@ -243,7 +249,7 @@ class Output:
         info = self.source.info
         source = {"config_sha256": self._config_sha256(),
                   "files": dict(sorted(self.journal.sources.items())), **self.plan.input.hub}
-        model = {"family": info.family, "model_type": info.model_type, "layers": self.layers,
+        model = {"family": info.family, "model_type": info.model_type, "layers": self.all_layers,
                  "experts": info.n_experts, "hidden": info.hidden, "intermediate": info.intermediate}
         fields = self.manifest_fields()
         extra = fields.pop("extra", {})
@@ -257,6 +263,34 @@ class Output:
         """sha256 of the source's config.json as ktconvert.json records it (None without one)."""
         config = self.source.root / "config.json"
         return hash_file(config)[1] if config.is_file() else None
+
+
+def lock_folder(out_dir: Path) -> int:
+    """Take `out_dir`'s lock (exclusive, non-blocking ``flock`` on OUT/.ktconvert.lock), write our pid into it and
+    return its descriptor; OutputError naming the holder when another process has it."""
+    path = out_dir / LOCK_NAME
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise OutputError(f"output directory is not writable ({exc.strerror})", file=out_dir) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OutputError(f"another ktconvert process (pid {holder}) is writing this output directory",
+                              file=out_dir, hint="wait for it to finish, or stop that process") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino   # not a lock file its holder just removed
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _dig(manifest: dict, key: str):

@@ -40,8 +40,10 @@ class JointJournal:
             j.finish_source(name, digest)
 
 
-def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int, progress) -> None:
-    """Read every source file front to back; each decoded matrix goes to every output in `outputs`.
+def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int, progress,
+             files: list | None = None) -> None:
+    """Read every source file (or those in `files`, in the source's order) front to back; each decoded matrix
+    goes to every output in `outputs`.
 
     `journal` decides what is already done (layers, fully hashed source files); each output gets
     begin_layer(L) -> consumer (put_matrix / finish / abort) and layer_finished(L, result)."""
@@ -86,7 +88,7 @@ def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int
     grouped = jobs_by_file(jobs)
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for path in source.files():
+            for path in source.files() if files is None else [p for p in source.files() if p in files]:
                 name = source.relative_name(path)
                 file_jobs = grouped.get(path, [])
                 if journal.source_digest(name) and all(journal.layer_done(j.layer) for j in file_jobs):

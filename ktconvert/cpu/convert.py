@@ -14,13 +14,14 @@ from ktconvert.cpu.output import CpuOutput
 from ktconvert.cpu.plan import CpuOptions, plan_cpu
 from ktconvert.gptq import cpu as gptq_cpu
 from ktconvert.inputs import open_input
-from ktconvert.onepass import write_outputs
+from ktconvert.onepass import refuse_gptq_part, write_outputs
+from ktconvert.parts import select_layers
 from ktconvert.progress import Progress
 from ktconvert.results import ConvertResult
 
 
 def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
-                force: bool = False, progress=None, **option_values) -> ConvertResult:
+                force: bool = False, progress=None, layers=None, **option_values) -> ConvertResult:
     """Convert the routed experts of checkpoint `src` (a folder, a .safetensors / .gguf file, hf://ORG/NAME[@REV]
     or ms://ORG/NAME) for kt-kernel into the folder `out`.
 
@@ -28,6 +29,8 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     include_mtp, allow_drop_bias, calibration; see CpuOptions). threads: worker threads (default: all cores; bytes
     never depend on it). resume: continue an interrupted run in `out` (a complete one is left as is); force:
     empty `out` first. progress: a ktconvert.progress.Progress (start / advance / message are called).
+    layers: a MoE layer range ("A-B" or (A, B), inclusive): `out` becomes a part holding those layers' files and
+    ktconvert-part.json (ktconvert.parts; `ktconvert merge` joins the parts).
     Raises UsageError (exit 2), InputError (3), OutputError (1, e.g. `out` not empty or locked by another
     process); nothing is written before every check passed. Returns the ConvertResult.
     """
@@ -35,8 +38,9 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     options = options or CpuOptions.make(**option_values)
     plan = plan_cpu(open_input(src), options, out=out, threads=threads)
     plan.refuse_dropped_biases()
-    output = CpuOutput(out, plan, resume=resume, force=force)
+    output = CpuOutput(out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
     timings = {"plan": time.monotonic() - t0}
     if options.quant == "gptq":
+        refuse_gptq_part(output)
         return gptq_cpu.convert_cpu_gptq(output, progress or Progress(), timings)
     return write_outputs([output], threads=threads, progress=progress, timings=timings)[0]

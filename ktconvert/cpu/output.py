@@ -34,8 +34,9 @@ class CpuOutput(Output):
 
     kind = "cpu"
 
-    def __init__(self, out_dir, plan: CpuPlan, *, resume: bool = False, force: bool = False):
-        super().__init__(out_dir, plan, resume=resume, force=force)
+    def __init__(self, out_dir, plan: CpuPlan, *, resume: bool = False, force: bool = False,
+                 part: list[int] | None = None):
+        super().__init__(out_dir, plan, resume=resume, force=force, part=part)
         self.method, self.options = plan.method, plan.options
         self.sink = None
         self.run_notes: list[str] = []
@@ -45,7 +46,7 @@ class CpuOutput(Output):
     def open(self) -> bool:
         if not super().open():
             return False
-        self.sink = self.method.open_sink(self.out_dir, self.layers, self.source.info, self.options.numa,
+        self.sink = self.method.open_sink(self.out_dir, self.all_layers, self.source.info, self.options.numa,
                                           self.options.layout, self.options.include_dense)
         return True
 
@@ -65,7 +66,8 @@ class CpuOutput(Output):
         if self.options.include_dense:
             dense = self.sink.write_dense(*self.source.dense_tensors())
             files, tensors = list(dense.files), dict(dense.tensors)
-        files += self.sink.finalize(copy_from=self.source.root, fallback_config=self.source.info.minimal_config())
+        files += self.sink.finalize(copy_from=self.source.root, fallback_config=self.source.info.minimal_config(),
+                                    check_layers=not self.part)
         return LayerResult(files, tensors)
 
     def manifest_fields(self) -> dict:

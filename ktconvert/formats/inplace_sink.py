@@ -61,10 +61,11 @@ class InplaceSink:
             raise OutputError("layer not in this output's plan", file=self.out_dir, found=str(layer))
         return InplaceLayerWriter(self, layer)
 
-    def finalize(self, copy_from=None, fallback_config: dict | None = None) -> list[FileRecord]:
+    def finalize(self, copy_from=None, fallback_config: dict | None = None,
+                 check_layers: bool = True) -> list[FileRecord]:
         """Write the index, config.json (the source's — or `fallback_config` when the source has none — with this
         method's quantization_config) and copies of the tokenizer / generation config from `copy_from`; returns
-        their records."""
+        their records. The index comes from the plan (check_layers: KtSink's; no layer file is read here)."""
         weight_map = {name: self.shard_of(layer) for layer in self.layers for name, _, _ in self.layer_specs(layer)}
         total = sum(sum(self.method.matrix_bytes(n, k).values()) for n, k in self.shapes.values()) \
             * self.n_experts * len(self.layers)

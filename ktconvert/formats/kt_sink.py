@@ -29,7 +29,7 @@ from ktconvert import profile
 from ktconvert.errors import OutputError
 from ktconvert.formats.fileio import FileRecord, LayerResult, fsync_dir, hash_bytes, record_for, write_atomic
 from ktconvert.formats.safetensors_reader import parse_header
-from ktconvert.formats.st_writer import StreamingSafetensorsWriter
+from ktconvert.formats.st_writer import StreamingSafetensorsWriter, tensor_nbytes
 from ktconvert.layouts.naming import INDEX_NAME, PROJS, dense_key, kt_relpath, merged_key, part_shape, shard_name
 
 LAYOUTS = ("safetensors", "kt")
@@ -121,11 +121,13 @@ class KtSink:
     def missing_layers(self) -> list[int]:
         return [layer for layer in self.moe_layers if not self.layer_done(layer)]
 
-    def finalize(self, copy_from=None, fallback_config: dict | None = None) -> list[FileRecord]:
-        """Check every layer is done, write the index (merged) and copy config/tokenizer files from `copy_from`;
-        returns the records of the files it wrote. (fallback_config: unused, kt-kernel's converted files need no
-        config.json; the in-place sink's finalize takes it.)"""
-        missing = self.missing_layers()
+    def finalize(self, copy_from=None, fallback_config: dict | None = None,
+                 check_layers: bool = True) -> list[FileRecord]:
+        """Check every layer is done (unless not `check_layers`: a part of the conversion holding other layers),
+        write the index (merged) and copy config/tokenizer files from `copy_from`; returns the records of the
+        files it wrote. (fallback_config: unused, kt-kernel's converted files need no config.json; the in-place
+        sink's finalize takes it.)"""
+        missing = self.missing_layers() if check_layers else []
         if missing:
             raise OutputError(f"{len(missing)} MoE layer(s) not written", file=str(self.out_dir),
                               found="layers " + ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else ""))
@@ -139,11 +141,16 @@ class KtSink:
         return records
 
     def _write_index(self) -> FileRecord:
+        """The index from the layer shards' planned tensors (what their headers hold: the shards need not be in
+        this folder, e.g. in a part) and the dense shard's header on disk."""
         weight_map, total = {}, 0
-        for i in range(1, self.n_shards + 1):
-            header = parse_header(self.out_dir / shard_name(i, self.n_shards))
-            for key, ref in header.tensors.items():
-                weight_map[key] = shard_name(i, self.n_shards)
+        for layer in self.moe_layers:
+            for key, dtype, shape in self.layer_tensors(layer):
+                weight_map[key] = self.shard_for(layer)
+                total += tensor_nbytes(dtype, shape)
+        if self.include_dense:
+            for key, ref in parse_header(self.out_dir / self.dense_shard()).tensors.items():
+                weight_map[key] = self.dense_shard()
                 total += ref.nbytes
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         write_atomic(self.out_dir / INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())

@@ -20,18 +20,19 @@ from ktconvert.formats.out_manifest import source_fingerprint
 from ktconvert.gpu.output import GpuOutput
 from ktconvert.gpu.plan import GpuOptions, plan_gpu
 from ktconvert.inputs import open_input
-from ktconvert.onepass import write_in_layer_order, write_outputs
+from ktconvert.onepass import refuse_gptq_part, write_in_layer_order, write_outputs
+from ktconvert.parts import select_layers
 from ktconvert.progress import Progress
 from ktconvert.results import ConvertResult
 
 
 def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
-                force: bool = False, progress=None, **option_values) -> ConvertResult:
+                force: bool = False, progress=None, layers=None, **option_values) -> ConvertResult:
     """Write the SGLang-KT GPU checkpoint (SGLang's --model) of HF safetensors checkpoint `src` (a folder, or
     hf://ORG/NAME[@REV] / ms://ORG/NAME) into the folder `out`.
 
     options: a GpuOptions, or its fields as keywords (experts, group_size, quant, linears, include_mtp,
-    calibration; see GpuOptions). threads / resume / force / progress as for ktconvert.convert_cpu. Raises
+    calibration; see GpuOptions). threads / resume / force / progress / layers as for ktconvert.convert_cpu. Raises
     UsageError (exit 2), InputError (3), OutputError (1); nothing is written before every check passed.
     Returns the ConvertResult.
     """
@@ -40,9 +41,10 @@ def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | N
     if options.quant == "gptq":
         gptq_hook()
     plan = plan_gpu(open_input(src), options)
-    output = GpuOutput(out, plan, resume=resume, force=force)
+    output = GpuOutput(out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
     timings = {"plan": time.monotonic() - t0}
     if options.quant == "gptq":
+        refuse_gptq_part(output)
         return write_in_layer_order(output, lambda o: _run_gptq(o, progress or Progress()), timings)
     return write_outputs([output], threads=threads, progress=progress, timings=timings)[0]
 

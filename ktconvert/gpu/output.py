@@ -77,8 +77,9 @@ class GpuOutput(Output):
     kind = "gpu"
     option_of = {"method": "--experts", "gpu.bits": "--experts", "gpu.algo": "--quant", "gpu.linear_fp8": "--linears"}
 
-    def __init__(self, out_dir, plan: GpuPlan, *, resume: bool = False, force: bool = False):
-        super().__init__(out_dir, plan, resume=resume, force=force)
+    def __init__(self, out_dir, plan: GpuPlan, *, resume: bool = False, force: bool = False,
+                 part: list[int] | None = None):
+        super().__init__(out_dir, plan, resume=resume, force=force, part=part)
         self.options, self.layout = plan.options, plan.layout
 
     def journal_options(self) -> dict:

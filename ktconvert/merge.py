@@ -1,0 +1,197 @@
+"""``ktconvert merge OUT PART...``: one output folder from the parts of a conversion (``--layers A-B`` runs).
+
+    load every part manifest -> check they agree (options, source config, everything a single run's manifest
+    records besides its files), that their layers neither overlap nor leave a gap, that every MoE layer is held
+    and that each part's files are there with their recorded size
+    -> under OUT's lock: hard-link each file into OUT (copied where OUT is on another filesystem)
+    -> ktconvert.json = the parts' manifests joined (files, tensors and source files united), written last
+
+OUT is then byte-identical to a single run's, ktconvert.json included, whatever the split and the order of the
+parts. Refusals are InputError (exit 3) naming the part folders concerned; nothing is written before every check
+passed. The part folders are left as they are (hard links share their bytes).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ktconvert.errors import InputError, OutputError
+from ktconvert.formats.fileio import fsync_dir, temp_path_for
+from ktconvert.formats.out_manifest import LOCK_NAME, MANIFEST_NAME, write_manifest
+from ktconvert.output import lock_folder
+from ktconvert.parts import load_part
+
+JOINED = ("files", "tensors")          # manifest tables united across parts
+SOURCE_JOINED = "files"                # ... and source.files
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What merge wrote: OUT, the parts in layer order, files linked / copied, bytes."""
+
+    out: str
+    parts: tuple[str, ...]
+    files: int
+    copied: int
+    bytes: int
+
+    def to_dict(self) -> dict:
+        return {"out": self.out, "parts": list(self.parts), "files": self.files, "copied": self.copied,
+                "bytes": self.bytes}
+
+    def summary(self) -> str:
+        how = f" ({self.copied} copied across filesystems)" if self.copied else ""
+        return f"merged {len(self.parts)} parts into {self.out}: {self.files} files, {self.bytes} bytes{how}"
+
+
+def merge(out, parts) -> MergeResult:
+    """Join the part folders `parts` (any order) into the new or empty folder `out`; see the module docstring."""
+    loaded = sorted(((Path(p), load_part(p)) for p in parts), key=lambda item: min(item[1]["layers"]))
+    if not loaded:
+        raise InputError("no parts given", expected="one or more part folders")
+    check_parts(loaded)
+    manifest = joined_manifest(loaded)
+    files = _file_sources(loaded)
+    out = Path(out)
+    _prepare(out, [folder for folder, _ in loaded])
+    fd = lock_folder(out)
+    try:
+        copied = sum(_place(source, out / rel) for rel, source in sorted(files.items()))
+        for folder in {out / rel for rel in files}:
+            fsync_dir(folder.parent)
+        write_manifest(out, manifest)
+    finally:
+        (out / LOCK_NAME).unlink(missing_ok=True)
+        os.close(fd)
+    return MergeResult(str(out), tuple(str(f) for f, _ in loaded), len(files), copied,
+                       sum(int(entry["bytes"]) for entry in manifest["files"].values()))
+
+
+def check_parts(loaded: list[tuple[Path, dict]]) -> None:
+    """InputError unless the parts are of one conversion and hold every MoE layer exactly once."""
+    first_folder, first = loaded[0]
+    reference = _comparable(first)
+    for folder, record in loaded[1:]:
+        for key in sorted(set(reference) | set(_comparable(record))):
+            if _comparable(record).get(key) != reference.get(key):
+                raise InputError(f"parts of different conversions ({key} differs)",
+                                 file=f"{folder} vs {first_folder}", expected=_short(reference.get(key)),
+                                 found=_short(_comparable(record).get(key)))
+    owner: dict[int, Path] = {}
+    for folder, record in loaded:
+        for layer in record["layers"]:
+            if layer in owner:
+                raise InputError(f"parts overlap: both hold MoE layer {layer}", file=f"{owner[layer]} and {folder}",
+                                 hint="give each layer range once")
+            owner[layer] = folder
+    all_layers = first["all_layers"]
+    stray = sorted(set(owner) - set(all_layers))
+    if stray:
+        raise InputError("part holds layers outside the conversion", file=str(owner[stray[0]]),
+                         expected=f"layers of {all_layers}", found=f"layer {stray[0]}")
+    missing = [layer for layer in all_layers if layer not in owner]
+    if missing:
+        raise InputError(f"{len(missing)} MoE layer(s) held by no part (a part is missing)",
+                         found="layers " + _ranges(missing), hint="convert them with --layers and merge again")
+    if sum(record["writes_rest"] for _, record in loaded) != 1:
+        raise InputError("no part (or more than one) holds the files outside the MoE layers",
+                         expected="the part of the first MoE layer")
+
+
+def _comparable(record: dict) -> dict:
+    """What every part of one conversion records alike: options (its own range aside), the layers of the whole
+    conversion, and its manifest except the joined tables."""
+    manifest = {k: v for k, v in record["manifest"].items() if k not in JOINED}
+    source = {k: v for k, v in manifest.pop("source", {}).items() if k != SOURCE_JOINED}
+    options = {k: v for k, v in record["options"].items() if k != "part"}
+    return {"options": options, "all_layers": record["all_layers"], "source": source,
+            **{f"manifest.{k}": v for k, v in manifest.items()}}
+
+
+def joined_manifest(loaded: list[tuple[Path, dict]]) -> dict:
+    """The single run's ktconvert.json: the first part's manifest with files, tensors and source files united;
+    InputError where two parts record one file differently (a source file both read must have one digest)."""
+    manifest = {k: v for k, v in loaded[0][1]["manifest"].items()}
+    manifest["source"] = dict(manifest["source"])
+    tables = {"files": {}, "tensors": {}, "source files": {}}
+    for folder, record in loaded:
+        part = record["manifest"]
+        for name, table in (("files", part["files"]), ("tensors", part["tensors"]),
+                            ("source files", part["source"][SOURCE_JOINED])):
+            for key, value in table.items():
+                if key in tables[name] and tables[name][key][1] != value:
+                    raise InputError(f"parts record {name} entry {key!r} differently",
+                                     file=f"{tables[name][key][0]} and {folder}")
+                tables[name].setdefault(key, (folder, value))
+    manifest["files"] = {k: v for k, (_, v) in tables["files"].items()}
+    manifest["tensors"] = {k: v for k, (_, v) in tables["tensors"].items()}
+    manifest["source"][SOURCE_JOINED] = dict(sorted((k, v) for k, (_, v) in tables["source files"].items()))
+    return manifest
+
+
+def _file_sources(loaded: list[tuple[Path, dict]]) -> dict[str, Path]:
+    """{relative path in OUT: the part's file}; InputError for a file two parts hold or one that is missing or
+    not of its recorded size."""
+    found: dict[str, Path] = {}
+    for folder, record in loaded:
+        for rel, entry in record["manifest"]["files"].items():
+            path = folder / rel
+            if rel in found:
+                raise InputError("parts overlap: both hold the file", file=f"{found[rel].parent} and {folder}",
+                                 tensor=rel)
+            if Path(rel).is_absolute() or ".." in Path(rel).parts:
+                raise InputError("part manifest names a file outside its folder", file=str(folder), tensor=rel)
+            if not path.is_file() or path.stat().st_size != int(entry["bytes"]):
+                raise InputError("part file missing or not of its recorded size", file=str(path),
+                                 expected=f"{entry['bytes']} bytes",
+                                 found=f"{path.stat().st_size} bytes" if path.is_file() else "no file")
+            found[rel] = path
+    return found
+
+
+def _prepare(out: Path, part_folders: list[Path]) -> None:
+    """OUT must be new or empty, and not one of the parts."""
+    if out.exists() and not out.is_dir():
+        raise OutputError("output path exists and is not a directory", file=str(out))
+    if out.resolve() in {p.resolve() for p in part_folders}:
+        raise OutputError("OUT is one of the parts", file=str(out), hint="merge into a new folder")
+    if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
+        raise OutputError("output directory exists and is not empty", file=str(out),
+                          hint="merge into a new or empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _place(source: Path, target: Path) -> bool:
+    """Hard-link `source` as `target` (its folder created); copied (temp name, renamed) across filesystems.
+    True when copied."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise OutputError(f"cannot link part file ({exc.strerror})", file=str(target)) from None
+    temp = temp_path_for(target)
+    shutil.copyfile(source, temp)
+    with open(temp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(temp, target)
+    return True
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _ranges(layers: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    spans, start = [], layers[0]
+    for a, b in zip(layers, layers[1:] + [None]):
+        if b != a + 1:
+            spans.append(f"{start}-{a}" if a != start else str(a))
+            start = b
+    return ", ".join(spans)
