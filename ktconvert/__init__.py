@@ -18,7 +18,7 @@ from ktconvert.errors import KtConvertError
 __version__ = "0.1.0"
 
 _API = ("ConvertResult", "CpuOptions", "GpuOptions", "InspectResult", "PlanResult", "VerifyResult", "convert",
-        "convert_cpu", "convert_gpu", "families", "inspect", "plan", "verify")
+        "convert_cpu", "convert_gpu", "families", "inspect", "merge", "plan", "verify")
 __all__ = ["KtConvertError", "__version__", *_API]
 
 

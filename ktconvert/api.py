@@ -36,6 +36,7 @@ from ktconvert.gpu.experts import EXPERT_SCHEMES
 from ktconvert.gpu.output import GpuOutput
 from ktconvert.gpu.plan import QUANTS as GPU_QUANTS, GpuOptions, plan_gpu, render_gpu
 from ktconvert.inputs import open_input
+from ktconvert.merge import merge
 from ktconvert.methods import METHODS, all_methods, writable_names
 from ktconvert.onepass import write_outputs
 from ktconvert.parts import select_layers
@@ -45,8 +46,8 @@ from ktconvert.testing.tiny import make_tiny_model
 from ktconvert.verification import report_html, run as verify_run
 
 __all__ = ["ConvertResult", "CpuOptions", "GpuOptions", "InspectResult", "PlanResult", "VerifyResult", "convert",
-           "convert_cpu", "convert_gpu", "env_info", "families", "inspect", "make_tiny_model", "methods", "plan",
-           "verify"]
+           "convert_cpu", "convert_gpu", "env_info", "families", "inspect", "make_tiny_model", "merge", "methods",
+           "plan", "verify"]
 
 
 def _options(value, cls):
@@ -76,6 +77,14 @@ def convert(src, outputs, *, threads: int | None = None, resume: bool = False, f
     part (as convert_cpu's `layers`). Returns one ConvertResult per output, in order.
     """
     t0 = time.monotonic()
+    built = plan_outputs(src, outputs, threads=threads, resume=resume, force=force, layers=layers)
+    return write_outputs(built, threads=threads, progress=progress, timings={"plan": time.monotonic() - t0})
+
+
+def plan_outputs(src, outputs, *, threads: int | None = None, resume: bool = False, force: bool = False,
+                 layers=None) -> list:
+    """The output.Output of each (out folder, options) of `outputs` (as convert() takes them), planned on one
+    opening of `src` and not yet opened; UsageError for GPTQ or two outputs in one folder."""
     input = open_input(src)
     built = []
     for out, options in outputs:
@@ -92,7 +101,7 @@ def convert(src, outputs, *, threads: int | None = None, resume: bool = False, f
     folders = [o.out_dir.resolve() for o in built]
     if len(set(folders)) != len(folders):
         raise UsageError("every output needs its own folder", found=", ".join(map(str, folders)))
-    return write_outputs(built, threads=threads, progress=progress, timings={"plan": time.monotonic() - t0})
+    return built
 
 
 def plan(src, cpu=None, gpu=None, *, out=None, threads: int | None = None, placement: dict | None = None,

@@ -243,9 +243,7 @@ def merge(out, parts, as_json) -> None:
     """Join the part folders PARTS (written with --layers A-B, in any order) into OUT: hard links (copies across
     filesystems) and the ktconvert.json a single run writes. Refuses parts of other conversions, overlapping
     parts and missing layers (exit 3)."""
-    from ktconvert.merge import merge as merge_parts
-
-    result = merge_parts(out, parts)
+    result = load_api().merge(out, parts)
     emit(result, as_json, result.summary())
 
 

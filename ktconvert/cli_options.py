@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import click
 
 from ktconvert.errors import KtConvertError
+from ktconvert.extras import require
 
 LAYOUTS = ["safetensors", "kt"]
 GPU_GROUP_SIZES = ["32", "64", "128"]
@@ -180,8 +181,6 @@ def pop_distribution(options: dict) -> dict:
 
 def run_on_ray(src, targets: list, distribution: dict, *, threads, resume, force, progress) -> list:
     """A conversion of `targets` ([(OUT, options)]) as Ray tasks, merged into each OUT (ktconvert.ray_executor)."""
-    from ktconvert.extras import require
-
     require("ray", "--executor ray")
     from ktconvert import ray_executor
 

@@ -174,22 +174,33 @@ def _throttle(tracker: _LayerTracker, workers: int) -> None:
 
 class _FaultInjector:
     """Crash testing: KTCONVERT_FAULT_AFTER_JOBS=N makes the process SIGKILL itself after N converted matrices,
-    exactly like a power cut or the OOM killer (no cleanup, no exception handlers)."""
+    exactly like a power cut or the OOM killer (no cleanup, no exception handlers). With KTCONVERT_FAULT_ONCE=PATH
+    only the first process to get there dies (it creates PATH; a retried worker then runs to the end)."""
 
-    def __init__(self, after: int | None):
-        self.after = after
+    def __init__(self, after: int | None, once: str | None = None):
+        self.after, self.once = after, once
         self.count = 0
         self.lock = threading.Lock()
 
     @classmethod
     def from_env(cls) -> "_FaultInjector":
         value = os.environ.get("KTCONVERT_FAULT_AFTER_JOBS")
-        return cls(int(value) if value else None)
+        return cls(int(value) if value else None, os.environ.get("KTCONVERT_FAULT_ONCE"))
 
     def tick(self) -> None:
         if self.after is None:
             return
         with self.lock:
             self.count += 1
-            if self.count >= self.after:
+            if self.count >= self.after and self._first():
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def _first(self) -> bool:
+        if self.once is None:
+            return True
+        try:
+            os.close(os.open(self.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            self.after = None
+            return False
+        return True

@@ -2,7 +2,7 @@
 # Installs ktconvert and everything its tests use into ./.venv (created when missing, recreated when broken or older
 # than Python 3.11). Safe to re-run: what is installed already is kept.
 #   1. torch 2.13.0, CPU build, first: PyPI's own torch wheel is the multi-GB CUDA build.
-#   2. ktconvert, editable, with the [gpu] and [test] extras (pinned in pyproject.toml).
+#   2. ktconvert, editable, with the [gpu], [ray] and [test] extras (pinned in pyproject.toml).
 #   3. kt-kernel 0.7.2 (interop tests) and all-MiniLM-L6-v2's weights (quality tests); their tests skip without them.
 # Environment: PYTHON=/path/to/python3.x picks the interpreter; KTCONVERT_TORCH_INDEX overrides PyTorch's CPU index.
 set -euo pipefail
@@ -41,7 +41,7 @@ if ! "${PIP[@]}" install -q "torch==${TORCH_VERSION}+cpu" 2>/dev/null &&
 fi
 
 # 2. ktconvert (compiles native/*.c; without a C compiler the numpy paths are used and `ktconvert env` says so).
-"${PIP[@]}" install -q -e '.[gpu,test]'
+"${PIP[@]}" install -q -e '.[gpu,ray,test]'
 
 # 3. kt-kernel itself (its metadata pins a CUDA torch and triton, which are not needed on CPU) and real weights.
 "${PIP[@]}" install -q --no-deps kt-kernel==0.7.2 || say "kt-kernel not installed; interop tests will skip"

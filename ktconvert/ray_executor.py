@@ -1,0 +1,215 @@
+"""``--executor ray``: one conversion (one or several outputs of one source) as Ray tasks, one per layer range.
+
+    plan every output on the driver (all checks, no weight read) -> N ranges of MoE layers of about equal source
+    bytes (parts.balanced_ranges) -> one Ray task per range: ``api.convert(..., layers=range, resume=True)`` into
+    PARTS_DIR/<OUT name>/layers-A-B (CPUs: --threads; memory: the plan's peak RAM estimate) -> on the driver,
+    ``merge`` of each output's parts into its OUT (byte-identical to a single run)
+
+What runs where: the driver plans, shows progress and merges (hard links: no byte copied when PARTS_DIR and OUT
+share a filesystem); each task reads only the source files holding its layers and writes its part. SRC and
+PARTS_DIR must be the same path on every node (a shared filesystem), or SRC a hub source each node resolves
+itself. A task whose worker dies is retried by Ray (``max_retries``) and resumes from its part's journal, so the
+bytes are the same. Progress: every task reports its bytes to a small actor the driver reads twice a second.
+
+``import ray`` happens only here, inside the functions: ``ktconvert --help`` never loads it.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from ktconvert import api
+from ktconvert.cpu import sizes
+from ktconvert.errors import KtConvertError, OutputError
+from ktconvert.formats.out_manifest import MANIFEST_NAME, load_manifest
+from ktconvert.inputs import open_input
+from ktconvert.merge import merge
+from ktconvert.onepass import result_of
+from ktconvert.parts import balanced_ranges
+from ktconvert.progress import Progress
+
+MAX_RETRIES = 3               # Ray re-runs a task whose worker died this many times (each resumes its part)
+POLL_SECONDS = 0.5
+
+
+class PartFailed(KtConvertError):
+    """A part's conversion failed on its worker; exit_code is the part's own error's."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str | None = None, parts_dir=None,
+                   threads: int | None = None, resume: bool = False, force: bool = False, progress=None,
+                   runtime_env: dict | None = None) -> list:
+    """Convert `targets` ([(OUT, CpuOptions | GpuOptions | dict of their fields)], as ktconvert.api.convert) of
+    `src` on a Ray cluster (`address`; None: the one this process is connected to, else a local instance) in
+    `parts` layer ranges (None: the cluster's CPUs / threads per task). threads: CPUs per task (default 1).
+    resume: an OUT already complete is left alone, finished parts are reused; force: OUTs and their parts
+    emptied first. runtime_env: Ray's runtime_env of the tasks (e.g. {"env_vars": {...}}). Returns one
+    ConvertResult per OUT."""
+    t0 = time.monotonic()
+    progress = progress or Progress()
+    cpus = max(1, threads or 1)
+    spec, orientation = _source_spec(src)
+    outputs = api.plan_outputs(open_input(spec, orientation), targets, threads=cpus)
+    layers = outputs[0].layers
+    if resume and all((o.out_dir / MANIFEST_NAME).is_file() for o in outputs):
+        return [result_of(o, None, {}) for o in outputs]
+    _check_outs(outputs, force)
+    ray = _connect(address)
+    count = parts or max(1, min(len(layers), int(ray.cluster_resources().get("CPU", 1)) // cpus))
+    ranges = _ranges(outputs[0].source, layers, count)
+    folders = _part_folders(outputs, ranges, parts_dir, force)
+    timings = {"plan": time.monotonic() - t0}
+    resources = {"num_cpus": cpus, "memory": _memory(outputs, cpus), "max_retries": MAX_RETRIES,
+                 **({"runtime_env": runtime_env} if runtime_env else {})}
+    _run_tasks(ray, spec, orientation, outputs, ranges, folders, resources, progress)
+    timings["convert"] = time.monotonic() - t0 - timings["plan"]
+    t1 = time.monotonic()
+    for k, output in enumerate(outputs):
+        merge(output.out_dir, [folders[(k, r)] for r in ranges])
+    timings["merge"] = time.monotonic() - t1
+    timings["total"] = time.monotonic() - t0
+    return [result_of(o, load_manifest(o.out_dir), timings) for o in outputs]
+
+
+def _source_spec(src) -> tuple[str, str | None]:
+    """(SRC as every node opens it: an absolute path or a hub spec, --expert-orientation) of `src` (a path, a
+    spec or an opened inputs.Input)."""
+    spec = str(getattr(src, "spec", src))
+    orientation = getattr(src, "hub", {}).get("expert_orientation")
+    if not spec.startswith(("hf://", "ms://")):
+        spec = str(Path(spec).resolve())
+    return spec, orientation
+
+
+def _check_outs(outputs: list, force: bool) -> None:
+    """Every OUT new or empty (emptied with force): refused here, before any task starts."""
+    for output in outputs:
+        out = output.out_dir
+        if out.exists() and not out.is_dir():
+            raise OutputError("output path exists and is not a directory", file=str(out))
+        if out.exists() and any(out.iterdir()):
+            if not force:
+                raise OutputError("output directory exists and is not empty", file=str(out),
+                                  hint="pass --force to start over (or --resume once it is complete)")
+            shutil.rmtree(out)
+
+
+def _connect(address: str | None):
+    """The ray module, connected to `address` (or the cluster this process already joined, or a new local one)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    return ray
+
+
+def _ranges(source, layers: list[int], count: int) -> list[tuple[int, int]]:
+    layer_bytes = dict.fromkeys(layers, 0)
+    for job in source.matrix_jobs(layers):
+        layer_bytes[job.layer] += job.nbytes
+    return balanced_ranges(layer_bytes, count)
+
+
+def _part_folders(outputs: list, ranges: list, parts_dir, force: bool) -> dict:
+    """{(output index, range): absolute part folder}: PARTS_DIR/<OUT name>/layers-A-B (PARTS_DIR default
+    OUT.parts next to the first OUT). With force the folders of these outputs are emptied first."""
+    first = outputs[0].out_dir.resolve()
+    root = Path(parts_dir).resolve() if parts_dir else first.with_name(first.name + ".parts")
+    names = [o.out_dir.name for o in outputs]
+    if len(set(names)) != len(names):
+        names = [f"{k}-{name}" for k, name in enumerate(names)]
+    if force:
+        for name in names:
+            shutil.rmtree(root / name, ignore_errors=True)
+    return {(k, r): root / names[k] / f"layers-{r[0]}-{r[1]}" for k in range(len(outputs)) for r in ranges}
+
+
+def _memory(outputs: list, cpus: int) -> int:
+    """Bytes a task declares: the largest of the outputs' peak RAM estimates with `cpus` workers."""
+    info = outputs[0].source.info
+    estimates = [o.plan.report.get("peak_ram_bytes") or 0 for o in outputs]
+    estimates.append(sizes.peak_ram(outputs[0].source, info.hidden, info.intermediate, 1, cpus)["peak_ram_bytes"])
+    return int(max(estimates))
+
+
+def _run_tasks(ray, spec, orientation, outputs, ranges, folders, resources: dict, progress) -> None:
+    """One task per range with `resources` (Ray task options); the driver's progress sums what the tasks report.
+    PartFailed names a failed part."""
+    board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+    task = ray.remote(run_part).options(**resources)
+    cpus = resources["num_cpus"]
+    refs = {}
+    for index, r in enumerate(ranges):
+        targets = [(str(folders[(k, r)]), o.plan.options) for k, o in enumerate(outputs)]
+        refs[task.remote(spec, orientation, targets, r, cpus, board, index)] = r
+    total = sum(job.nbytes for job in outputs[0].source.matrix_jobs(outputs[0].layers))
+    progress.start(total, len(outputs[0].layers), f"{len(ranges)} parts on Ray: "
+                   + " + ".join(o.label() for o in outputs))
+    shown, pending = 0, list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_SECONDS)
+        for ref in ready:
+            _raise_failed(ray, ref, refs[ref], folders)
+        done_bytes, done_layers = ray.get(board.totals.remote())
+        if done_bytes > shown:
+            progress.advance(done_bytes - shown, items=max(0, done_layers - progress.items_done))
+            shown = done_bytes
+    progress.advance(max(0, total - shown), items=max(0, len(outputs[0].layers) - progress.items_done))
+
+
+def _raise_failed(ray, ref, layer_range, folders) -> None:
+    where = ", ".join(str(f) for (k, r), f in folders.items() if r == layer_range)
+    try:
+        outcome = ray.get(ref)
+    except ray.exceptions.RayError as exc:
+        raise PartFailed(f"part {where}: Ray task failed after {MAX_RETRIES} retries "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})", 1) from None
+    if outcome.get("error"):
+        raise PartFailed(f"part {where}: {outcome['error']}", outcome["exit_code"])
+
+
+class ProgressBoard:
+    """Ray actor: the bytes and layers each part reported so far (a retried part reports afresh)."""
+
+    def __init__(self):
+        self.parts: dict[int, tuple[int, int]] = {}
+
+    def report(self, part: int, nbytes: int, layers: int) -> None:
+        self.parts[part] = (nbytes, layers)
+
+    def totals(self) -> tuple[int, int]:
+        return sum(b for b, _ in self.parts.values()), sum(n for _, n in self.parts.values())
+
+
+class BoardProgress(Progress):
+    """A task's progress: its counters sent to the ProgressBoard every `interval` seconds and at the end."""
+
+    def __init__(self, board, part: int, interval: float = POLL_SECONDS):
+        super().__init__(interval=interval)
+        self.board, self.part = board, part
+
+    def _on_advance(self, nbytes: int, due: bool) -> None:
+        if due:
+            self.board.report.remote(self.part, self.bytes_done, self.items_done)
+
+    def _on_done(self, status: str) -> None:
+        self.board.report.remote(self.part, self.bytes_done, self.items_done)
+
+
+def run_part(spec: str, orientation, targets: list, layer_range: tuple[int, int], threads: int, board,
+             index: int) -> dict:
+    """A Ray task: the part `layer_range` of every target (resumed from its journal when a previous attempt of
+    this task died). Returns {} or {"error": one line, "exit_code": n} for a ktconvert error."""
+    progress = BoardProgress(board, index)
+    try:
+        with progress:
+            api.convert(open_input(spec, orientation), targets, threads=threads, resume=True,
+                        layers=layer_range, progress=progress)
+    except KtConvertError as exc:
+        return {"error": str(exc), "exit_code": exc.exit_code}
+    return {}
