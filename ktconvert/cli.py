@@ -19,9 +19,10 @@ import click
 
 from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
 from ktconvert.extras import require
-from ktconvert.cli_options import (GPU_GROUP_SIZES, RegistryChoice, choice, cpu_options, distribution_options, emit,
-                                   gpu_options, json_option, load_api, orientation_option, pop_distribution, prefer,
-                                   profiling, progress_options, run_on_ray, run_options, source_arg)
+from ktconvert.cli_options import (GPU_GROUP_SIZES, RegistryChoice, batch_executor_options, choice, cpu_options,
+                                   distribution_options, emit, gpu_options, json_option, load_api, orientation_option,
+                                   pop_distribution, prefer, profiling, progress_options, run_batch, run_on_ray,
+                                   run_options, source_arg)
 from ktconvert.progress import make_progress
 
 
@@ -409,9 +410,10 @@ def publish(out, repo, hub, revision, private, endpoint, as_json, quiet, json_pr
 @click.option("--dry-run", is_flag=True, help="Print every job's plan; read no weights.")
 @click.option("--summary", "summary_path", type=click.Path(dir_okay=False), default=None,
               help="Write the per-job summary JSON here.")
+@batch_executor_options
 @json_option
 @progress_options
-def batch(jobs, keep_going, dry_run, summary_path, as_json, quiet, json_progress) -> None:
+def batch(jobs, keep_going, dry_run, summary_path, executor, ray_address, as_json, quiet, json_progress) -> None:
     """Run the conversion / bundle / publish jobs of JOBS (TOML, see examples/jobs.toml) in order, resumably.
 
     Exits non-zero if any job failed (with the first failed job's exit code).
@@ -424,7 +426,7 @@ def batch(jobs, keep_going, dry_run, summary_path, as_json, quiet, json_progress
         emit(plans, as_json, mod.render_plans(plans))
         return
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        summary = mod.run_jobs(job_list, keep_going=keep_going, progress=progress)
+        summary = run_batch(job_list, keep_going, progress, executor, ray_address)
     if summary_path:
         with open(summary_path, "w", encoding="utf-8") as fh:
             fh.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")

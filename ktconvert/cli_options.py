@@ -187,3 +187,24 @@ def run_on_ray(src, targets: list, distribution: dict, *, threads, resume, force
     return ray_executor.convert_on_ray(src, targets, parts=distribution["parts"], address=distribution["ray_address"],
                                        parts_dir=distribution["parts_dir"], threads=threads, resume=resume,
                                        force=force, progress=progress)
+
+
+def batch_executor_options(fn):
+    """--executor / --ray-address of batch."""
+    fn = click.option("--ray-address", default=None, help="Ray cluster to join (default: a local Ray instance).")(fn)
+    return click.option("--executor", type=choice(["local", "ray"]), default="local", show_default=True,
+                        help="ray: every job a Ray task, run at once; the same summary.")(fn)
+
+
+def run_batch(jobs: list, keep_going: bool, progress, executor: str, ray_address: str | None) -> dict:
+    """The summary of a batch run here in order (ops.batch) or as Ray tasks (ops.batch_ray)."""
+    if executor != "ray":
+        if ray_address is not None:
+            raise click.UsageError("--ray-address needs --executor ray")
+        from ktconvert.ops import batch
+
+        return batch.run_jobs(jobs, keep_going=keep_going, progress=progress)
+    require("ray", "--executor ray")
+    from ktconvert.ops import batch_ray
+
+    return batch_ray.run_jobs_on_ray(jobs, keep_going=keep_going, progress=progress, address=ray_address)

@@ -59,7 +59,7 @@ def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str
     if resume and all((o.out_dir / MANIFEST_NAME).is_file() for o in outputs):
         return [result_of(o, None, {}) for o in outputs]
     _check_outs(outputs, force)
-    ray = _connect(address)
+    ray = connect(address)
     count = parts or max(1, min(len(layers), int(ray.cluster_resources().get("CPU", 1)) // cpus))
     ranges = _ranges(outputs[0].source, layers, count)
     folders = _part_folders(outputs, ranges, parts_dir, force)
@@ -99,7 +99,7 @@ def _check_outs(outputs: list, force: bool) -> None:
             shutil.rmtree(out)
 
 
-def _connect(address: str | None):
+def connect(address: str | None):
     """The ray module, connected to `address` (or the cluster this process already joined, or a new local one)."""
     import ray
 

@@ -4,6 +4,7 @@ SIGKILLed mid-task is retried by Ray and resumes from its part's journal (same b
 conversion is refused naming the part. Skipped when ray is not installed (the [ray] extra)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -91,3 +92,41 @@ def test_convert_cpu_and_gpu_on_ray_equal_single_run(cluster, source, tmp_path):
 def test_cli_does_not_import_ray():
     code = "import sys, ktconvert.cli; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+JOBS = """
+[defaults]
+method = "amxint4"
+numa = 2
+
+[[jobs]]
+name = "bad"
+source = "missing-model"
+out = "out/bad"
+
+[[jobs]]
+name = "good"
+source = "SOURCE"
+  [[jobs.outputs]]
+  out = "out/good"
+  bundle = "dist/good.tar.zst"
+"""
+
+
+def test_batch_on_ray_gives_the_local_summary(cluster, source, tmp_path):
+    from ktconvert.ops.batch import load_jobs, run_jobs
+    from ktconvert.ops.batch_ray import run_jobs_on_ray
+
+    summaries = {}
+    for name, runner in (("local", run_jobs), ("ray", run_jobs_on_ray)):
+        (tmp_path / name).mkdir()
+        job_file = tmp_path / name / "jobs.toml"
+        job_file.write_text(JOBS.replace("SOURCE", str(source)))
+        summary = runner(load_jobs(job_file), keep_going=True)
+        for job in summary["jobs"]:
+            job.pop("wall_s", None)
+        summaries[name] = json.loads(json.dumps(summary).replace(str(tmp_path / name), "ROOT"))
+    assert summaries["ray"] == summaries["local"]
+    assert [j["status"] for j in summaries["ray"]["jobs"]] == ["failed", "ok"] and summaries["ray"]["exit_code"] == 3
+    assert (tmp_path / "ray" / "dist" / "good.tar.zst").read_bytes() == \
+        (tmp_path / "local" / "dist" / "good.tar.zst").read_bytes()
