@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ktconvert import api
 from ktconvert.cpu import sizes
-from ktconvert.errors import KtConvertError, OutputError
+from ktconvert.errors import KtConvertError, OutputError, UsageError
 from ktconvert.formats.out_manifest import MANIFEST_NAME, load_manifest
 from ktconvert.inputs import open_input
 from ktconvert.merge import merge
@@ -47,8 +47,9 @@ def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str
     """Convert `targets` ([(OUT, CpuOptions | GpuOptions | dict of their fields)], as ktconvert.api.convert) of
     `src` on a Ray cluster (`address`; None: the one this process is connected to, else a local instance) in
     `parts` layer ranges (None: the cluster's CPUs / threads per task). threads: CPUs per task (default 1).
-    resume: an OUT already complete is left alone, finished parts are reused; force: OUTs and their parts
-    emptied first. runtime_env: Ray's runtime_env of the tasks (e.g. {"env_vars": {...}}). Returns one
+    resume: an OUT already complete is left alone. Part folders are always resumed (a rerun after a failure
+    continues where the tasks stopped; parts of other options are refused); force: OUTs and their parts emptied
+    first. runtime_env: Ray's runtime_env of the tasks (e.g. {"env_vars": {...}}). Returns one
     ConvertResult per OUT."""
     t0 = time.monotonic()
     progress = progress or Progress()
@@ -66,6 +67,7 @@ def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str
     timings = {"plan": time.monotonic() - t0}
     resources = {"num_cpus": cpus, "memory": _memory(outputs, cpus), "max_retries": MAX_RETRIES,
                  **({"runtime_env": runtime_env} if runtime_env else {})}
+    _check_feasible(ray, resources)
     _run_tasks(ray, spec, orientation, outputs, ranges, folders, resources, progress)
     timings["convert"] = time.monotonic() - t0 - timings["plan"]
     t1 = time.monotonic()
@@ -106,6 +108,18 @@ def connect(address: str | None):
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     return ray
+
+
+def _check_feasible(ray, resources: dict) -> None:
+    """UsageError when no live node has the CPUs and memory a task asks for (Ray would wait for one forever)."""
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    if not any(n.get("CPU", 0) >= resources["num_cpus"] and n.get("memory", 0) >= resources["memory"]
+               for n in nodes):
+        largest = max(nodes, key=lambda n: (n.get("CPU", 0), n.get("memory", 0)), default={})
+        raise UsageError("no Ray node can run a part", expected=f"{resources['num_cpus']} CPUs and "
+                         f"{resources['memory'] >> 20} MiB (the plan's peak RAM estimate)",
+                         found=f"at most {largest.get('CPU', 0):g} CPUs, {int(largest.get('memory', 0)) >> 20} MiB",
+                         hint="use fewer --threads per part")
 
 
 def _ranges(source, layers: list[int], count: int) -> list[tuple[int, int]]:

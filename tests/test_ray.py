@@ -17,13 +17,7 @@ from ktconvert import api  # noqa: E402
 from ktconvert.cli import cli  # noqa: E402
 from ktconvert.progress import Progress  # noqa: E402
 from ktconvert.ray_executor import convert_on_ray  # noqa: E402
-
-MODEL = dict(layers=4, experts=4, hidden=128, intermediate=256)   # deepseek_v3: MoE layers 1..3
-CPU = dict(method="amxint4", numa=2)
-
-
-def tree(folder) -> dict:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+from test_parts import CPU, source, single, tree  # noqa: E402,F401  (fixtures: a tiny deepseek_v3, its single run)
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +32,6 @@ def cluster():
     yield nodes
     ray.shutdown()
     nodes.shutdown()
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    from ktconvert.testing.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("ray") / "ds", "deepseek_v3", **MODEL)
-
-
-@pytest.fixture(scope="module")
-def single(source, tmp_path_factory):
-    out = tmp_path_factory.mktemp("single") / "out"
-    api.convert_cpu(source, out, **CPU)
-    return out
 
 
 def test_cli_executor_ray_three_parts_equals_single_run(cluster, source, single, tmp_path):
@@ -94,23 +74,14 @@ def test_cli_does_not_import_ray():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-JOBS = """
-[defaults]
-method = "amxint4"
-numa = 2
-
-[[jobs]]
-name = "bad"
-source = "missing-model"
-out = "out/bad"
-
-[[jobs]]
-name = "good"
-source = "SOURCE"
-  [[jobs.outputs]]
-  out = "out/good"
-  bundle = "dist/good.tar.zst"
-"""
+def job_file(folder, source) -> str:
+    """A failing job (missing source) and one converting and bundling `source`."""
+    bad = '[[jobs]]\nname = "bad"\nsource = "missing-model"\nout = "out/bad"\nmethod = "amxint4"\n'
+    good = (f'[[jobs]]\nname = "good"\nsource = "{source}"\nout = "out/good"\nmethod = "amxint4"\nnuma = 2\n'
+            'bundle = "dist/good.tar.zst"\n')
+    path = folder / "jobs.toml"
+    path.write_text(bad + good)
+    return path
 
 
 def test_batch_on_ray_gives_the_local_summary(cluster, source, tmp_path):
@@ -120,9 +91,7 @@ def test_batch_on_ray_gives_the_local_summary(cluster, source, tmp_path):
     summaries = {}
     for name, runner in (("local", run_jobs), ("ray", run_jobs_on_ray)):
         (tmp_path / name).mkdir()
-        job_file = tmp_path / name / "jobs.toml"
-        job_file.write_text(JOBS.replace("SOURCE", str(source)))
-        summary = runner(load_jobs(job_file), keep_going=True)
+        summary = runner(load_jobs(job_file(tmp_path / name, source)), keep_going=True)
         for job in summary["jobs"]:
             job.pop("wall_s", None)
         summaries[name] = json.loads(json.dumps(summary).replace(str(tmp_path / name), "ROOT"))
@@ -130,3 +99,10 @@ def test_batch_on_ray_gives_the_local_summary(cluster, source, tmp_path):
     assert [j["status"] for j in summaries["ray"]["jobs"]] == ["failed", "ok"] and summaries["ray"]["exit_code"] == 3
     assert (tmp_path / "ray" / "dist" / "good.tar.zst").read_bytes() == \
         (tmp_path / "local" / "dist" / "good.tar.zst").read_bytes()
+
+
+def test_part_no_node_can_run_is_refused_before_any_task(cluster, source, tmp_path):
+    result = CliRunner().invoke(cli, ["cpu", str(source), str(tmp_path / "out"), "--method", "amxint4", "--numa", "2",
+                                      "--executor", "ray", "--threads", "2", "--quiet"])
+    assert result.exit_code == 2 and "no Ray node can run a part" in result.output and "2 CPUs" in result.output
+    assert not (tmp_path / "out.parts").exists()
