@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ktconvert.errors import InputError
 from ktconvert.formats.decoders.base import (FLOAT_DTYPES, Decoder, MatrixRefs, QuantGroup, QuantScheme, bad_config,
                                              float_values, matrix_shape, per_expert_shape, read_partner, shape_error,
                                              tensor_ref)
@@ -27,10 +28,22 @@ def effective_block(group: QuantGroup, n: int, k: int) -> tuple[int, int]:
     return group.block
 
 
+def _scale_ref(checkpoint, base: str, weight, suffixes: tuple[str, ...]):
+    """The scale tensor of FP8 weight `weight` (module `base`): the first of `suffixes` present; InputError naming
+    the shard holding the weight and the scheme's own scale name (suffixes[0]) when none is."""
+    for suffix in suffixes:
+        ref = checkpoint.tensors.get(f"{base}.{suffix}")
+        if ref is not None:
+            return ref
+    raise InputError("FP8 weight without its scale tensor", file=weight.file.name, tensor=f"{base}.{suffixes[0]}",
+                     expected=" or ".join(suffixes), found="neither")
+
+
 class Fp8BlockDecoder(Decoder):
     """``quant_method: fp8`` with ``weight_block_size``: DeepSeek-convention block FP8."""
 
     scheme, quant_method = "fp8-block", "fp8"
+    scale_suffixes = ("weight_scale_inv", "weight_scale")   # the scheme's own name first
 
     @classmethod
     def parse_config(cls, qc: dict) -> QuantScheme:
@@ -51,9 +64,8 @@ class Fp8BlockDecoder(Decoder):
     @classmethod
     def locate(cls, checkpoint, base: str, group: QuantGroup, expert: int | None) -> MatrixRefs:
         w = tensor_ref(checkpoint, f"{base}.weight")
-        scale_name = f"{base}.weight_scale_inv" if f"{base}.weight_scale_inv" in checkpoint.tensors \
-            else f"{base}.weight_scale"
-        s = tensor_ref(checkpoint, scale_name)
+        s = _scale_ref(checkpoint, base, w, cls.scale_suffixes)
+        scale_name = s.name
         if w.dtype != "F8_E4M3":
             raise shape_error(w, "FP8 weight has the wrong dtype", "F8_E4M3", w.dtype)
         if s.dtype not in FLOAT_DTYPES:
@@ -84,6 +96,7 @@ class FloatQuantizedDecoder(Fp8BlockDecoder):
     """compressed-tensors ``float-quantized`` 8-bit float groups: block / channel / tensor strategies."""
 
     scheme, quant_method, ct_format = "float-quantized", None, "float-quantized"
+    scale_suffixes = ("weight_scale", "weight_scale_inv")
     ct_description = "float-quantized 8-bit float (block/channel/tensor)"
 
     @classmethod
