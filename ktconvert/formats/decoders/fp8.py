@@ -28,22 +28,28 @@ def effective_block(group: QuantGroup, n: int, k: int) -> tuple[int, int]:
     return group.block
 
 
-def _scale_ref(checkpoint, base: str, weight, suffixes: tuple[str, ...]):
-    """The scale tensor of FP8 weight `weight` (module `base`): the first of `suffixes` present; InputError naming
-    the shard holding the weight and the scheme's own scale name (suffixes[0]) when none is."""
+def _weight_name(checkpoint, base: str, expert: int | None) -> str:
+    """``<base>.weight``, or a fused FP8 tensor stored under its own name (transformers 5: ``gate_up_proj`` +
+    ``gate_up_proj_scale_inv``)."""
+    return base if expert is not None and base in checkpoint.tensors else f"{base}.weight"
+
+
+def _scale_ref(checkpoint, weight, suffixes: tuple[str, ...]):
+    """The scale tensor of FP8 weight `weight`: the weight's name + the first of `suffixes` present; InputError
+    naming the shard holding the weight and the scheme's own scale name (suffixes[0]) when none is."""
     for suffix in suffixes:
-        ref = checkpoint.tensors.get(f"{base}.{suffix}")
+        ref = checkpoint.tensors.get(weight.name + suffix)
         if ref is not None:
             return ref
-    raise InputError("FP8 weight without its scale tensor", file=weight.file.name, tensor=f"{base}.{suffixes[0]}",
-                     expected=" or ".join(suffixes), found="neither")
+    raise InputError("FP8 weight without its scale tensor", file=weight.file.name, tensor=weight.name + suffixes[0],
+                     expected=" or ".join(weight.name + x for x in suffixes), found="neither")
 
 
 class Fp8BlockDecoder(Decoder):
     """``quant_method: fp8`` with ``weight_block_size``: DeepSeek-convention block FP8."""
 
     scheme, quant_method = "fp8-block", "fp8"
-    scale_suffixes = ("weight_scale_inv", "weight_scale")   # the scheme's own name first
+    scale_suffixes = ("_scale_inv", "_scale")   # the scheme's own name first
 
     @classmethod
     def parse_config(cls, qc: dict) -> QuantScheme:
@@ -63,9 +69,8 @@ class Fp8BlockDecoder(Decoder):
 
     @classmethod
     def locate(cls, checkpoint, base: str, group: QuantGroup, expert: int | None) -> MatrixRefs:
-        w = tensor_ref(checkpoint, f"{base}.weight")
-        s = _scale_ref(checkpoint, base, w, cls.scale_suffixes)
-        scale_name = s.name
+        w = tensor_ref(checkpoint, _weight_name(checkpoint, base, expert))
+        s = _scale_ref(checkpoint, w, cls.scale_suffixes)
         if w.dtype != "F8_E4M3":
             raise shape_error(w, "FP8 weight has the wrong dtype", "F8_E4M3", w.dtype)
         if s.dtype not in FLOAT_DTYPES:
@@ -78,7 +83,11 @@ class Fp8BlockDecoder(Decoder):
         if not ok:
             raise shape_error(s, f"scale shape does not match weight [{n}, {k}] in "
                                  f"{list(effective_block(group, n, k))} blocks", str(list(want)), str(list(s_shape)))
-        return MatrixRefs(group.fmt, w.name, {"scale": scale_name}, expert, shape, group)
+        return MatrixRefs(group.fmt, w.name, {"scale": s.name}, expert, shape, group)
+
+    @classmethod
+    def fixed_orientation(cls, refs: MatrixRefs) -> str | None:
+        return "out" if refs.group is not None and refs.group.strategy == "channel" else None
 
     @classmethod
     def decode(cls, checkpoint, refs: MatrixRefs, data: np.ndarray, where: str) -> np.ndarray:
@@ -96,7 +105,7 @@ class FloatQuantizedDecoder(Fp8BlockDecoder):
     """compressed-tensors ``float-quantized`` 8-bit float groups: block / channel / tensor strategies."""
 
     scheme, quant_method, ct_format = "float-quantized", None, "float-quantized"
-    scale_suffixes = ("weight_scale", "weight_scale_inv")
+    scale_suffixes = ("_scale", "_scale_inv")
     ct_description = "float-quantized 8-bit float (block/channel/tensor)"
 
     @classmethod
