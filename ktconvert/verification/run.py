@@ -10,6 +10,8 @@ when given) and remote (``--remote``: ``ops.hub.verify_remote``). The folder is 
 """
 from __future__ import annotations
 
+import os
+
 from ktconvert.errors import InputError, ShapeError, UnknownNameError
 from ktconvert.extras import require
 from ktconvert.formats.out_manifest import load_manifest
@@ -28,7 +30,9 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
     status ("ok" | "failed" | "skipped"), detail}], plus "hashes" / "numerics" / "remote" reports
     when those ran}. calibration: numerics on the hidden states these calibration tokens produce in `source`
     (verification.calibrated; `compare`: a second output side by side) instead of random probes; the numerics report's
-    "probe" says which ("calibration" or "random")."""
+    "probe" says which ("calibration" or "random"). InputError when `out` (a folder or bundle) does not exist."""
+    if remote != "" and not os.path.lexists(out):     # nothing to verify: bad input (3), like a missing SRC
+        raise InputError("OUT does not exist", file=str(out))
     result = {"ok": True, "out": str(out), "problems": [], "checks": []}
     if str(out).endswith(".tar.zst"):
         report = ops_bundle.verify_bundle(out)
