@@ -55,6 +55,8 @@ class InputPath(click.Path):
 
     def convert(self, value, param, ctx):
         what = param.human_readable_name if param is not None else "path"
+        if "://" in str(value) and not os.path.lexists(value):
+            raise InputError(f"{what} must be a local path here (hub sources: cpu, gpu, convert)", file=value)
         if not os.path.lexists(value):
             raise InputError(f"{what} does not exist", file=value)
         if not self.dir_okay and os.path.isdir(value):

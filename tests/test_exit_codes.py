@@ -103,6 +103,7 @@ def test_a_nonexistent_path_is_bad_input_in_every_command(workdir, args):
     pytest.param(["bundle", "{cal}", "{root}/b.tar.zst"], "is not a folder", id="bundle-file"),
     pytest.param(["unbundle", "{out}", "{root}/d"], "is a folder", id="unbundle-folder"),
     pytest.param(["batch", "{out}"], "is a folder", id="batch-folder"),
+    pytest.param(["inspect", "hf://org/name"], "must be a local path", id="inspect-hub-source"),
 ])
 def test_a_path_of_the_wrong_kind_is_bad_input(workdir, args, needle):
     where = {"out": workdir / "out", "root": workdir, "cal": workdir / "cal.jsonl"}
