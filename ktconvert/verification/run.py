@@ -96,9 +96,17 @@ def _calibrated(out, manifest: dict, kind: str, source, calibration, compare, la
 
 
 def check_structure(folder: OutputFolder, manifest: dict) -> tuple[list[str], str]:
-    """(problems, detail) of the folder's layout against the manifest's method / NUMA count / model."""
+    """(problems, detail) of the folder's layout against the manifest's method / NUMA count / model. The NUMA count
+    must be one the converter accepts for the method and dims (in-place outputs' files do not depend on it, so
+    nothing else would catch an edited one)."""
     try:
-        return CpuMethod.from_manifest(manifest).check_structure(folder, manifest)
+        method = CpuMethod.from_manifest(manifest)
+        model, numa = manifest["model"], manifest["numa"]
+        failed = [c for c in method.alignment_checks(model["hidden"], model["intermediate"], numa) if not c["ok"]]
+        if failed:
+            return [f"ktconvert.json: numa {numa} is not a NUMA count {method.kt_method} converts H={model['hidden']},"
+                    f" I={model['intermediate']} with; expected {failed[0]['check']}, found {failed[0]['detail']}"], ""
+        return method.check_structure(folder, manifest)
     except (KeyError, TypeError, ValueError, UnknownNameError, ShapeError) as exc:
         return [f"ktconvert.json: cannot derive the expected tensors ({exc})"], ""
 
