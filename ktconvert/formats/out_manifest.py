@@ -167,9 +167,9 @@ def load_manifest(out_dir) -> dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise InputError("unsupported manifest format_version", file=str(path), expected=str(FORMAT_VERSION),
                          found=repr(manifest.get("format_version")), hint="upgrade ktconvert")
-    for key, kind in (("files", dict), ("tensors", dict), ("model", dict), ("numa", int), ("layout", str),
-                      ("method", str), ("kind", str)):
-        if type(manifest.get(key, "") if key in ("method", "kind") else manifest.get(key)) is not kind:
+    for key, kind, default in (("files", dict, None), ("tensors", dict, None), ("model", dict, None),
+                               ("numa", int, None), ("layout", str, None), ("method", str, ""), ("kind", str, "")):
+        if type(manifest.get(key, default)) is not kind:       # type(): true is not a NUMA count
             raise InputError(f"manifest field {key!r} missing or not a {kind.__name__}", file=str(path),
                              found=repr(manifest.get(key))[:60])
     if manifest["numa"] < 1:
