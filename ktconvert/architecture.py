@@ -341,6 +341,10 @@ def _resolve_fields(config: dict, manifest: Manifest) -> tuple[dict[str, Any], d
 INT_MINIMUM = {"n_layers": 1, "n_experts": 1, "hidden": 1, "intermediate": 1, "experts_per_tok": 1,
                "first_dense": 0, "layer_freq": 1, "sparse_step": 1, "mtp_layers": 0, "n_shared": 0,
                "shared_intermediate": 0}
+# far above any model (61 layers, 512 experts, dims of a few thousand); they bound every loop over layers / experts
+MAX_LAYERS, MAX_EXPERTS, MAX_DIM = 1 << 12, 1 << 16, 1 << 20
+INT_MAXIMUM = {"n_layers": MAX_LAYERS, "mtp_layers": MAX_LAYERS, "n_experts": MAX_EXPERTS, "n_shared": MAX_EXPERTS,
+               "hidden": MAX_DIM, "intermediate": MAX_DIM, "shared_intermediate": MAX_DIM}
 
 
 def _bad_value(keys: dict[str, str], name: str, value, expected: str) -> ManifestError:
@@ -350,11 +354,12 @@ def _bad_value(keys: dict[str, str], name: str, value, expected: str) -> Manifes
 def _check_values(fields: dict[str, Any], keys: dict[str, str]) -> None:
     """Every integer field an int (not a bool, not 8.5) in range; ManifestError naming the config key."""
     for name, minimum in INT_MINIMUM.items():
-        value = fields[name]
+        value, maximum = fields[name], INT_MAXIMUM.get(name)
         if value is None and name == "shared_intermediate":
             continue
-        if type(value) is not int or value < minimum:
-            raise _bad_value(keys, name, value, f"an integer >= {minimum}")
+        if type(value) is not int or value < minimum or (maximum is not None and value > maximum):
+            raise _bad_value(keys, name, value, f"an integer >= {minimum}" if maximum is None else
+                             f"an integer in [{minimum}, {maximum}]")
     if fields["experts_per_tok"] > fields["n_experts"]:
         raise _bad_value(keys, "experts_per_tok", fields["experts_per_tok"],
                          f"at most {keys['n_experts']} = {fields['n_experts']}")

@@ -19,7 +19,7 @@ import click
 
 from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
 from ktconvert.extras import require
-from ktconvert.cli_options import (GPU_GROUP_SIZES, RegistryChoice, batch_executor_options, choice, cpu_options,
+from ktconvert.cli_options import (GPU_GROUP_SIZES, InputPath, RegistryChoice, batch_executor_options, choice, cpu_options,
                                    distribution_options, emit, gpu_options, json_option, load_api, orientation_option,
                                    pop_distribution, prefer, profiling, progress_options, run_batch, run_on_ray,
                                    run_options, source_arg)
@@ -60,7 +60,7 @@ def cli() -> None:
 
 
 @cli.command()
-@click.argument("src", type=click.Path(exists=True))
+@click.argument("src", type=InputPath())
 @json_option
 @orientation_option
 def inspect(src: str, as_json: bool, expert_orientation) -> None:
@@ -70,7 +70,7 @@ def inspect(src: str, as_json: bool, expert_orientation) -> None:
 
 
 @cli.command()
-@click.argument("src", type=click.Path(exists=True))
+@click.argument("src", type=InputPath())
 @cpu_options
 @click.option("--group-size", type=int, default=None, help="Group size of grouped outputs: a grouped CPU method "
                                                            "(`ktconvert methods`) and the GPU experts.")
@@ -82,7 +82,7 @@ def inspect(src: str, as_json: bool, expert_orientation) -> None:
                    "--experts scheme, default w4a16).")
 @click.option("--gpu-experts", "gpu_count", type=int, default=None,
               help="The same with --kt-num-gpu-experts N (per MoE layer).")
-@click.option("--expert-stats", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--expert-stats", type=InputPath(dir_okay=False), default=None,
               help="Activation counts (ktconvert expert-stats): frequency placement; without: SGLang's uniform.")
 @json_option
 @orientation_option
@@ -121,7 +121,7 @@ def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, g
                    "(same files, kt-kernel runs them unchanged); gptq: calibrated, needs --calibration.")
 @click.option("--group-size", type=int, default=None, help="Group size of a grouped method (`ktconvert methods` "
                                                            "lists each method's; default its largest).")
-@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--calibration", type=InputPath(dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--dampening", type=float, default=None,
               help="For --quant gptq: GPTQ's relative Hessian dampening (default 0.1).")
@@ -166,7 +166,7 @@ def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json
 @click.option("--quant", type=RegistryChoice("gpu-quant"), default=None,
               help="rtn (default): bytes equal llmcompressor's model_free_ptq; gptq: calibrated, needs --calibration.")
 @click.option("--algo", "algo_deprecated", type=RegistryChoice("gpu-quant"), default=None, hidden=True)
-@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--calibration", type=InputPath(dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers (else they are left out).")
 @run_options
@@ -238,7 +238,7 @@ def convert(src, cpu_out, gpu_out, method, numa, layout, experts, linears, group
 
 @cli.command()
 @click.argument("out", type=click.Path(file_okay=False))
-@click.argument("parts", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.argument("parts", nargs=-1, required=True, type=InputPath(file_okay=False))
 @json_option
 def merge(out, parts, as_json) -> None:
     """Join the part folders PARTS (written with --layers A-B, in any order) into OUT: hard links (copies across
@@ -249,9 +249,9 @@ def merge(out, parts, as_json) -> None:
 
 
 @cli.command("expert-stats")
-@click.argument("src", type=click.Path(exists=True))
+@click.argument("src", type=InputPath())
 @click.argument("out", type=click.Path(dir_okay=False))
-@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), required=True,
+@click.option("--calibration", type=InputPath(dir_okay=False), required=True,
               help="JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--max-length", type=int, default=2048, show_default=True, help="Tokens per sample at most.")
 @click.option("--num-samples", type=int, default=None, help="Use the first N samples (default: all).")
@@ -277,7 +277,7 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
 
 @cli.command()
 @click.argument("out")
-@click.option("--source", type=click.Path(exists=True), help="Compare with the source weights.")
+@click.option("--source", type=InputPath(), help="Compare with the source weights.")
 @click.option("--hashes", is_flag=True, help="Re-hash every file and tensor against ktconvert.json.")
 @click.option("--tokens", type=int, default=8, show_default=True, help="Random activations per check.")
 @click.option("--layers", default=None, help="Comma-separated layer indices, or 'all' (default: first, middle, last).")
@@ -288,10 +288,10 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
 @click.option("--hub", type=choice(["hf", "modelscope"]), default="hf", show_default=True)
 @click.option("--revision", default=None)
 @click.option("--endpoint", default=None, help="Hub endpoint URL.")
-@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--calibration", type=InputPath(dir_okay=False), default=None,
               help="Numerics on the hidden states these calibration tokens produce in --source (the model's own "
                    "routing, streamed layer by layer) instead of random probes.")
-@click.option("--compare", type=click.Path(exists=True, file_okay=False), default=None,
+@click.option("--compare", type=InputPath(file_okay=False), default=None,
               help="With --calibration: a second output OUT2, side by side.")
 @click.option("--report", type=click.Path(dir_okay=False), default=None,
               help="Also write an HTML page (outside OUT): error per layer, layer x expert heat map, worst experts, "
@@ -382,7 +382,7 @@ def methods(as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=InputPath(file_okay=False))
 @click.argument("repo")
 @click.option("--hub", type=choice(["hf", "modelscope"]), default="hf", show_default=True)
 @click.option("--revision", default=None, help="Branch to upload to (default: the hub's main branch).")
@@ -405,7 +405,7 @@ def publish(out, repo, hub, revision, private, endpoint, as_json, quiet, json_pr
 
 
 @cli.command()
-@click.argument("jobs", type=click.Path(exists=True, dir_okay=False))
+@click.argument("jobs", type=InputPath(dir_okay=False))
 @click.option("--keep-going", is_flag=True, help="Run the remaining jobs after one fails.")
 @click.option("--dry-run", is_flag=True, help="Print every job's plan; read no weights.")
 @click.option("--summary", "summary_path", type=click.Path(dir_okay=False), default=None,
@@ -436,7 +436,7 @@ def batch(jobs, keep_going, dry_run, summary_path, executor, ray_address, as_jso
 
 
 @cli.command()
-@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=InputPath(file_okay=False))
 @click.argument("dest", type=click.Path(dir_okay=False))
 @click.option("--level", type=int, default=3, show_default=True, help="zstd level (1-22).")
 @json_option
@@ -452,7 +452,7 @@ def bundle(out, dest, level, as_json, quiet, json_progress) -> None:
 
 
 @cli.command()
-@click.argument("src", type=click.Path(exists=True, dir_okay=False))
+@click.argument("src", type=InputPath(dir_okay=False))
 @click.argument("dest", type=click.Path(file_okay=False))
 @json_option
 @progress_options

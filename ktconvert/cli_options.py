@@ -6,11 +6,12 @@ shown), the deprecated spellings' warning and the printing of a result. Importin
 from __future__ import annotations
 
 import json
+import os
 from contextlib import contextmanager
 
 import click
 
-from ktconvert.errors import KtConvertError
+from ktconvert.errors import InputError, KtConvertError
 from ktconvert.extras import require
 
 LAYOUTS = ["safetensors", "kt"]
@@ -43,6 +44,27 @@ class RegistryChoice(click.ParamType):
             return load_api().choose(self.kind, value)
         except KtConvertError as exc:
             self.fail(str(exc), param, ctx)
+
+
+class InputPath(click.Path):
+    """A path the command reads (SRC, OUT of verify / publish / bundle, a bundle, a job file, --source,
+    --calibration...): one that does not exist, or is a file where a folder is expected (or the reverse), is bad
+    input: InputError (exit 3) naming it, the same in every command."""
+
+    def __init__(self, file_okay: bool = True, dir_okay: bool = True):
+        super().__init__(exists=True, file_okay=file_okay, dir_okay=dir_okay)
+
+    def convert(self, value, param, ctx):
+        what = param.human_readable_name if param is not None else "path"
+        if "://" in str(value) and not os.path.lexists(value):
+            raise InputError(f"{what} must be a local path here (hub sources: cpu, gpu, convert)", file=value)
+        if not os.path.lexists(value):
+            raise InputError(f"{what} does not exist", file=value)
+        if not self.dir_okay and os.path.isdir(value):
+            raise InputError(f"{what} is a folder", file=value, expected="a file")
+        if not self.file_okay and not os.path.isdir(value):
+            raise InputError(f"{what} is not a folder", file=value, expected="a folder")
+        return super().convert(value, param, ctx)
 
 
 def choice(values: list[str]) -> click.Choice:

@@ -15,6 +15,9 @@ T = TypeVar("T")
 
 
 def _norm(name: str) -> str:
+    """The lookup key of `name`; a name that is not a string (a manifest's ``method: 3``) gets a key no entry has."""
+    if not isinstance(name, str):
+        return f"\0{name!r}"
     return name.strip().lower().replace("_", "-")
 
 

@@ -9,7 +9,7 @@ import pytest
 import zstandard
 
 from ktconvert.ops.bundle import bundle, unbundle, verify_bundle
-from ktconvert.errors import InputError, OutputError, VerifyError
+from ktconvert.errors import OutputError, VerifyError
 from test_hub import make_out, sample_files
 
 
@@ -56,7 +56,7 @@ def test_flipped_byte_in_bundle_is_caught(tmp_path):
     (tmp_path / "x.tar.zst").write_bytes(bytes(data))
     report = verify_bundle(tmp_path / "x.tar.zst")
     assert not report["ok"] and report["problems"]
-    with pytest.raises((VerifyError, InputError)):
+    with pytest.raises(VerifyError):
         unbundle(tmp_path / "x.tar.zst", tmp_path / "restored")
     assert not (tmp_path / "restored").exists() and not (tmp_path / ".restored.partial").exists()
 
@@ -77,7 +77,7 @@ def test_member_hash_mismatch_missing_and_extra(tmp_path):
 def test_path_traversal_refused(tmp_path):
     manifest = json.dumps({"files": {"../evil": {"bytes": 1}}}).encode()
     _zst_tar(tmp_path / "evil.tar.zst", [("ktconvert.json", manifest), ("../evil", b"x")])
-    with pytest.raises(InputError, match="traversal"):
+    with pytest.raises(VerifyError, match="traversal"):
         unbundle(tmp_path / "evil.tar.zst", tmp_path / "dest")
     assert not (tmp_path / "evil").exists() and not (tmp_path / "dest").exists()
 
@@ -162,10 +162,9 @@ def test_manifest_over_the_size_cap_is_refused_unread(tmp_path, monkeypatch):
     monkeypatch.setattr(bundle_mod, "MAX_MANIFEST_BYTES", 1 << 20)
     manifest = _manifest_for({"a.bin": b"abc"}) + b" " * (2 << 20)      # valid JSON, 2 MiB with padding
     _zst_tar(tmp_path / "fat.tar.zst", [("ktconvert.json", manifest), ("a.bin", b"abc")])
-    with pytest.raises(InputError, match="ktconvert.json") as err:
-        verify_bundle(tmp_path / "fat.tar.zst")
-    assert str(1 << 20) in str(err.value) or "1 MiB" in str(err.value)
-    with pytest.raises(InputError):
+    report = verify_bundle(tmp_path / "fat.tar.zst")
+    assert not report["ok"] and "ktconvert.json" in report["problems"][0] and str(1 << 20) in report["problems"][0]
+    with pytest.raises(VerifyError):
         unbundle(tmp_path / "fat.tar.zst", tmp_path / "dest")
     assert not (tmp_path / "dest").exists()
 
@@ -177,10 +176,9 @@ def test_manifest_over_the_size_cap_is_refused_unread(tmp_path, monkeypatch):
 def test_manifest_without_a_checkable_file_is_refused(tmp_path, manifest):
     members = [("ktconvert.json", manifest)] + ([("a.bin", b"abc")] if b"a.bin" in manifest else [])
     _zst_tar(tmp_path / "empty.tar.zst", members)
-    with pytest.raises(InputError) as err:
-        verify_bundle(tmp_path / "empty.tar.zst")
-    assert "ktconvert.json" in str(err.value)
-    with pytest.raises(InputError):
+    report = verify_bundle(tmp_path / "empty.tar.zst")
+    assert not report["ok"] and "ktconvert.json" in report["problems"][0]
+    with pytest.raises(VerifyError):
         unbundle(tmp_path / "empty.tar.zst", tmp_path / "dest")
     assert not (tmp_path / "dest").exists()
 
@@ -189,7 +187,7 @@ def test_member_that_is_also_a_folder_is_refused(tmp_path):
     members = {"a": b"file", "a/b": b"inside"}
     manifest = _manifest_for(members)
     _zst_tar(tmp_path / "clash.tar.zst", [("ktconvert.json", manifest)] + list(members.items()))
-    with pytest.raises(InputError) as err:
+    with pytest.raises(VerifyError) as err:
         unbundle(tmp_path / "clash.tar.zst", tmp_path / "dest")
     assert "a/b" in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "dest").exists() and not (tmp_path / ".dest.partial").exists()
@@ -199,7 +197,7 @@ def test_member_name_too_long_is_refused(tmp_path):
     name = "x" * 300
     members = {name: b"long"}
     _zst_tar(tmp_path / "long.tar.zst", [("ktconvert.json", _manifest_for(members))] + list(members.items()))
-    with pytest.raises(InputError) as err:
+    with pytest.raises(VerifyError) as err:
         unbundle(tmp_path / "long.tar.zst", tmp_path / "dest")
     assert "255" in str(err.value)
     assert not (tmp_path / "dest").exists()
@@ -239,6 +237,6 @@ def test_cli_unbundle_errors_are_one_line(tmp_path):
     members = {"a": b"file", "a/b": b"inside"}
     _zst_tar(tmp_path / "clash.tar.zst", [("ktconvert.json", _manifest_for(members))] + list(members.items()))
     result = CliRunner().invoke(cli, ["unbundle", str(tmp_path / "clash.tar.zst"), str(tmp_path / "dest")])
-    assert result.exit_code == 3, result.output
+    assert result.exit_code == 4, result.output       # a fault inside a bundle fails verification (README)
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "a/b" in lines[0]

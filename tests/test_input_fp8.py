@@ -189,3 +189,20 @@ def test_hfsource_reads_tiny_fp8_with_partial_blocks(tmp_path):
     scale = ck.read(name + ".weight_scale_inv")
     assert ew.down.shape == (320, 192) and scale.shape == (3, 2)
     np.testing.assert_array_equal(ew.down, _reference_dequant(codes, scale, (128, 128)))
+
+
+def test_missing_scale_names_the_shard_and_the_schemes_scale_name(tmp_path):
+    """A DeepSeek-convention FP8 weight without its scale: the error names the shard holding the weight and the
+    scheme's own scale name (weight_scale_inv), not the folder and not compressed-tensors' weight_scale."""
+    name = EXPERT.format(e=0, p="gate_proj")
+    t = _deepseek_fp8(tmp_path, {name: (128, 128)})
+    del t[name + ".weight_scale_inv"]
+    st_torch.save_file(t, str(tmp_path / "model-00001-of-00001.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    index = {"weight_map": {n: "model-00001-of-00001.safetensors" for n in t}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    ck = Checkpoint.open(tmp_path)
+    with pytest.raises(InputError) as exc:
+        validate_matrix(ck, name, detect_scheme(ck.config), (128, 128))
+    msg = str(exc.value)
+    assert "model-00001-of-00001.safetensors" in msg and name + ".weight_scale_inv" in msg, msg

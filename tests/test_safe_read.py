@@ -221,8 +221,9 @@ def test_deep_bundle_manifest(tmp_path):
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
     (tmp_path / "deep.tar.zst").write_bytes(zstandard.ZstdCompressor().compress(buf.getvalue()))
-    _refused(lambda: verify_bundle(tmp_path / "deep.tar.zst"), needles=("ktconvert.json", "deeper"))
-    _refused(lambda: unbundle(tmp_path / "deep.tar.zst", tmp_path / "dest"), needles=("deeper",))
+    report = verify_bundle(tmp_path / "deep.tar.zst")      # a fault inside a bundle: a failed verification (4)
+    assert not report["ok"] and "ktconvert.json" in report["problems"][0] and "deeper" in report["problems"][0]
+    _refused(lambda: unbundle(tmp_path / "deep.tar.zst", tmp_path / "dest"), error=VerifyError, needles=("deeper",))
     assert not (tmp_path / "dest").exists()
 
 

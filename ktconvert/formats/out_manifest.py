@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ktconvert import __version__
+from ktconvert.architecture import MAX_DIM, MAX_EXPERTS, MAX_LAYERS
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.fileio import FileRecord, hash_file, write_atomic
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
@@ -166,10 +167,34 @@ def load_manifest(out_dir) -> dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise InputError("unsupported manifest format_version", file=str(path), expected=str(FORMAT_VERSION),
                          found=repr(manifest.get("format_version")), hint="upgrade ktconvert")
-    for key, kind in (("files", dict), ("tensors", dict), ("model", dict), ("numa", int), ("layout", str)):
-        if not isinstance(manifest.get(key), kind):
-            raise InputError(f"manifest field {key!r} missing or not a {kind.__name__}", file=str(path))
+    for key, kind, default in (("files", dict, None), ("tensors", dict, None), ("model", dict, None),
+                               ("numa", int, None), ("layout", str, None), ("method", str, ""), ("kind", str, "")):
+        if type(manifest.get(key, default)) is not kind:       # type(): true is not a NUMA count
+            raise InputError(f"manifest field {key!r} missing or not a {kind.__name__}", file=str(path),
+                             found=repr(manifest.get(key))[:60])
+    if manifest["numa"] < 1:
+        raise InputError("manifest field 'numa' is not a NUMA count", file=str(path), expected="an integer >= 1",
+                         found=repr(manifest["numa"]))
+    _check_model(manifest["model"], path)
     return manifest
+
+
+def _check_model(model: dict, path: Path) -> None:
+    """The model summary's counts are integers in the range config.json may give (architecture's bounds, which
+    also bound every loop over them): layers a sorted list of distinct layer indices, experts / hidden /
+    intermediate integers >= 1. InputError naming the key."""
+    bounds = {"experts": MAX_EXPERTS, "hidden": MAX_DIM, "intermediate": MAX_DIM}
+    for key, maximum in bounds.items():
+        value = model.get(key)
+        if type(value) is not int or not 1 <= value <= maximum:
+            raise InputError(f"manifest field 'model.{key}' is not usable", file=str(path),
+                             expected=f"an integer in [1, {maximum}]", found=repr(value)[:60])
+    layers = model.get("layers")
+    if not isinstance(layers, list) or not all(type(x) is int and 0 <= x < 2 * MAX_LAYERS for x in layers) \
+            or layers != sorted(set(layers)):
+        raise InputError("manifest field 'model.layers' is not usable", file=str(path),
+                         expected=f"a sorted list of distinct layer indices in [0, {2 * MAX_LAYERS})",
+                         found=repr(layers)[:60])
 
 
 def output_files(out_dir) -> list[str]:

@@ -297,14 +297,19 @@ def _check_index_against_shards(index_path: Path, weight_map: dict[str, str], te
 
 
 def _pread_array(ref: TensorRef, offset: int, nbytes: int, shape: tuple[int, ...]) -> np.ndarray:
-    """Read nbytes at offset of ref.file straight into a new array of ref's numpy dtype and `shape`."""
+    """Read nbytes at offset of ref.file straight into a new array of ref's numpy dtype and `shape`. The shard is
+    opened as a regular file again (it may have been replaced since its header was checked); InputError naming it
+    and the tensor when it is gone, is no longer a regular file, is shorter or cannot be read."""
     out = np.empty(shape, dtype=np.dtype(DTYPES[ref.dtype][1]))
     view = memoryview(out.reshape(-1).view(np.uint8))
-    fd = os.open(ref.file, os.O_RDONLY)
+    fd = open_regular(ref.file, f"shard {ref.file.name} (changed since its header was read?)")
     try:
         done = 0
         while done < nbytes:
-            got = os.preadv(fd, [view[done:done + _PREAD_CHUNK]], offset + done)
+            try:
+                got = os.preadv(fd, [view[done:done + _PREAD_CHUNK]], offset + done)
+            except OSError as exc:
+                raise InputError(f"cannot read ({exc.strerror})", file=ref.file.name, tensor=ref.name) from None
             if got <= 0:
                 raise InputError("file shorter than its header says (changed while reading?)",
                                  file=ref.file.name, tensor=ref.name,

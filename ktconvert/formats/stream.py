@@ -18,6 +18,7 @@ import numpy as np
 
 from ktconvert import profile
 from ktconvert.errors import InputError
+from ktconvert.safe_read import open_regular
 
 CHUNK = 16 << 20  # bytes read at a time for data no job needs (non-expert tensors, headers)
 
@@ -82,7 +83,7 @@ class HashingFileReader:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._fd = open_regular(self.path, f"source file {self.path.name}")   # may have changed since it was checked
         self._size = os.fstat(self._fd).st_size
         self._pos = 0
         self._sha = _BackgroundSha256()

@@ -33,6 +33,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ktconvert.api import choices, choose, plan
 from ktconvert.errors import EXIT_ERROR, InputError, KtConvertError
 from ktconvert.safe_read import open_regular
 
@@ -172,6 +173,7 @@ def _output(raw: dict, defaults: dict, path: Path, where: str) -> dict:
     merged = {**defaults, **raw}
     if "out" not in merged or "method" not in merged:
         raise InputError(f"{where}: each output needs 'out' and 'method'", file=str(path))
+    _check_choices(merged, path, where)
     publish = merged.get("publish", [])
     publish = [publish] if isinstance(publish, dict) else publish
     if not isinstance(publish, list) or not all(isinstance(t, dict) for t in publish):
@@ -185,10 +187,24 @@ def _output(raw: dict, defaults: dict, path: Path, where: str) -> dict:
             "publish": publish, "bundle": str(path.parent / merged["bundle"]) if merged.get("bundle") else None}
 
 
+def _check_choices(output: dict, path: Path, where: str) -> None:
+    """The output's method and quant are names the registries hold (as `ktconvert cpu` accepts them), and quant
+    is one a job can run (gptq needs a calibration file, which job files do not take): InputError (exit 3, like
+    every other value of a job file that cannot work) naming the job and the key, before any job runs."""
+    for key, kind in (("method", "method"), ("quant", "cpu-quant")):
+        if key not in output:
+            continue
+        try:
+            value = choose(kind, output[key])
+        except KtConvertError as exc:
+            raise InputError(f"{where}: {key!r} {exc}", file=str(path)) from None
+        if key == "quant" and value == "gptq":
+            raise InputError(f"{where}: 'quant' gptq needs a calibration file, which job files do not take",
+                             file=str(path), expected=" or ".join(q for q in choices("cpu-quant") if q != "gptq"))
+
+
 def plan_jobs(jobs: list[dict]) -> list[dict]:
     """--dry-run: ktconvert.api.plan(...) for every output of every job (headers only, no weights read)."""
-    from ktconvert.api import plan
-
     plans = []
     for job in jobs:
         for output in job["outputs"]:

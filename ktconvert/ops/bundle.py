@@ -18,7 +18,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from ktconvert.errors import InputError, OutputError, VerifyError
+from ktconvert.errors import OutputError, VerifyError
 from ktconvert.ops.hub import files_digest
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, open_regular, parse_json, unsafe_name
 
@@ -125,8 +125,8 @@ def _check_member_name(name: str, bundle_path: Path, what: str = "member name in
     """A member name must be a plain relative path (no absolute path, '..', backslash, NUL, over-long part)."""
     reason = unsafe_name(name)
     if reason:
-        raise InputError(f"unsafe {what} (path traversal or unusable name: {reason})", file=str(bundle_path),
-                         tensor=repr(name)[1:-1])
+        raise VerifyError(f"unsafe {what} (path traversal or unusable name: {reason})", file=str(bundle_path),
+                          tensor=repr(name)[1:-1])
     return name
 
 
@@ -135,26 +135,26 @@ def _check_files_table(manifest, path: Path) -> dict:
     and relative, no name both a file and a folder of another, sizes non-negative integers, sha256 present."""
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
-        raise InputError(f"{MANIFEST_NAME} in bundle has no files table", file=str(path))
+        raise VerifyError(f"{MANIFEST_NAME} in bundle has no files table", file=str(path))
     if not files:
-        raise InputError(f"{MANIFEST_NAME} in bundle lists no file; nothing to verify", file=str(path))
+        raise VerifyError(f"{MANIFEST_NAME} in bundle lists no file; nothing to verify", file=str(path))
     for name, entry in files.items():
         _check_member_name(name, path, f"file name in {MANIFEST_NAME}")
         if name == MANIFEST_NAME:
-            raise InputError(f"{MANIFEST_NAME} in bundle lists itself", file=str(path))
+            raise VerifyError(f"{MANIFEST_NAME} in bundle lists itself", file=str(path))
         ok = (isinstance(entry, dict) and type(entry.get("bytes")) is int and entry["bytes"] >= 0
               and isinstance(entry.get("sha256"), str) and _HEX64.fullmatch(entry["sha256"])
               and (entry.get("git_sha1") is None or isinstance(entry["git_sha1"], str)))
         if not ok:
-            raise InputError(f"{MANIFEST_NAME} in bundle: bad entry", file=str(path), tensor=name,
-                             expected='{"bytes": int >= 0, "sha256": 64 hex digits, "git_sha1": 40 hex digits}',
-                             found=repr(entry)[:80])
+            raise VerifyError(f"{MANIFEST_NAME} in bundle: bad entry", file=str(path), tensor=name,
+                              expected='{"bytes": int >= 0, "sha256": 64 hex digits, "git_sha1": 40 hex digits}',
+                              found=repr(entry)[:80])
     folders = {"/".join(parts[:i]) for parts in (n.split("/") for n in files) for i in range(1, len(parts))}
     clash = sorted(folders & set(files))
     if clash:
         inside = min(n for n in files if n.startswith(clash[0] + "/"))
-        raise InputError(f"{MANIFEST_NAME} in bundle lists {clash[0]} as a file and as the folder of {inside}",
-                         file=str(path), tensor=inside)
+        raise VerifyError(f"{MANIFEST_NAME} in bundle lists {clash[0]} as a file and as the folder of {inside}",
+                          file=str(path), tensor=inside)
     return files
 
 
@@ -175,12 +175,12 @@ def _walk(path: Path, on_member, progress=None, strict: bool = False) -> tuple[d
             for member in tar:
                 name = _check_member_name(member.name, path)
                 if not member.isfile():
-                    raise InputError("bundle member is not a regular file", file=str(path), tensor=name,
-                                     found=f"tar type {member.type!r}")
+                    raise VerifyError("bundle member is not a regular file", file=str(path), tensor=name,
+                                      found=f"tar type {member.type!r}")
                 if files is None:
                     raw = _read_manifest(tar, member, path)
                     files = _check_files_table(parse_json(raw, what=f"{MANIFEST_NAME} in bundle", file=path,
-                                                          max_bytes=MAX_MANIFEST_BYTES), path)
+                                                          max_bytes=MAX_MANIFEST_BYTES, error=VerifyError), path)
                     if progress is not None:
                         progress.start(sum(e["bytes"] for e in files.values()), len(files), f"check {path.name}")
                     continue
@@ -229,10 +229,10 @@ def _member_problem(name: str, entry: dict | None, size: int, seen: set) -> tupl
 def _read_manifest(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> bytes:
     """The first member's bytes, which must be ktconvert.json of at most MAX_MANIFEST_BYTES (checked unread)."""
     if member.name != MANIFEST_NAME:
-        raise InputError(f"bundle does not start with {MANIFEST_NAME}", file=str(path), found=member.name)
+        raise VerifyError(f"bundle does not start with {MANIFEST_NAME}", file=str(path), found=member.name)
     if member.size > MAX_MANIFEST_BYTES:
-        raise InputError(f"{MANIFEST_NAME} in bundle is larger than {MAX_MANIFEST_BYTES} bytes", file=str(path),
-                         found=f"{member.size} bytes")
+        raise VerifyError(f"{MANIFEST_NAME} in bundle is larger than {MAX_MANIFEST_BYTES} bytes", file=str(path),
+                          found=f"{member.size} bytes")
     return tar.extractfile(member).read(MAX_MANIFEST_BYTES + 1)
 
 
@@ -252,11 +252,15 @@ def verify_bundle(path, progress=None) -> dict:
     """Check every member of bundle `path` against its embedded ktconvert.json while streaming (nothing extracted).
 
     Returns {"ok", "path", "checked", "missing", "extra", "mismatched", "problems", "files_root"}; a damaged zstd
-    frame or tar stream is reported in "problems" (ok False). InputError for a manifest that is missing, too large,
-    too deep, lists no file or lists an unsafe name."""
+    frame or tar stream, and a manifest that is missing, too large, too deep, lists no file or lists an unsafe
+    name, are reported in "problems" (ok False): every fault inside a bundle is a failed verification (exit 4).
+    InputError only when `path` is not a readable regular file."""
     path = Path(path)
     try:
         return _walk(path, lambda name, fobj, size: _hash_stream(fobj, size), progress)[0]
+    except VerifyError as exc:
+        return {"ok": False, "path": str(path), "checked": 0, "missing": [], "extra": [], "mismatched": [],
+                "problems": [str(exc)]}
     finally:
         if progress is not None:
             progress.close()
@@ -269,8 +273,8 @@ def unbundle(path, dest, progress=None) -> dict:
     Writes into a temporary folder beside `dest` (a stale one, or a symlink in its place, is removed first, never
     followed) and renames it into place only when the whole bundle verified. The first problem stops it: a member
     whose size differs from the manifest is refused before a byte of it is written, and no file grows past the
-    size the manifest states. VerifyError / InputError (nothing left behind) otherwise. Returns verify_bundle's
-    report + "dest"."""
+    size the manifest states. VerifyError for any fault inside the bundle, InputError when `path` is not a
+    readable regular file (nothing left behind either way). Returns verify_bundle's report + "dest"."""
     path, dest = Path(path), Path(dest)
     if dest.is_symlink():
         raise OutputError("destination is a symlink; refusing to write through it", file=str(dest))

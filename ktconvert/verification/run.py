@@ -10,6 +10,8 @@ when given) and remote (``--remote``: ``ops.hub.verify_remote``). The folder is 
 """
 from __future__ import annotations
 
+import os
+
 from ktconvert.errors import InputError, ShapeError, UnknownNameError
 from ktconvert.extras import require
 from ktconvert.formats.out_manifest import load_manifest
@@ -28,7 +30,9 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
     status ("ok" | "failed" | "skipped"), detail}], plus "hashes" / "numerics" / "remote" reports
     when those ran}. calibration: numerics on the hidden states these calibration tokens produce in `source`
     (verification.calibrated; `compare`: a second output side by side) instead of random probes; the numerics report's
-    "probe" says which ("calibration" or "random")."""
+    "probe" says which ("calibration" or "random"). InputError when `out` (a folder or bundle) does not exist."""
+    if remote != "" and not os.path.lexists(out):     # nothing to verify: bad input (3), like a missing SRC
+        raise InputError("OUT does not exist", file=str(out))
     result = {"ok": True, "out": str(out), "problems": [], "checks": []}
     if str(out).endswith(".tar.zst"):
         report = ops_bundle.verify_bundle(out)
@@ -92,9 +96,17 @@ def _calibrated(out, manifest: dict, kind: str, source, calibration, compare, la
 
 
 def check_structure(folder: OutputFolder, manifest: dict) -> tuple[list[str], str]:
-    """(problems, detail) of the folder's layout against the manifest's method / NUMA count / model."""
+    """(problems, detail) of the folder's layout against the manifest's method / NUMA count / model. The NUMA count
+    must be one the converter accepts for the method and dims (in-place outputs' files do not depend on it, so
+    nothing else would catch an edited one)."""
     try:
-        return CpuMethod.from_manifest(manifest).check_structure(folder, manifest)
+        method = CpuMethod.from_manifest(manifest)
+        model, numa = manifest["model"], manifest["numa"]
+        failed = [c for c in method.alignment_checks(model["hidden"], model["intermediate"], numa) if not c["ok"]]
+        if failed:
+            return [f"ktconvert.json: numa {numa} is not a NUMA count {method.kt_method} converts H={model['hidden']},"
+                    f" I={model['intermediate']} with; expected {failed[0]['check']}, found {failed[0]['detail']}"], ""
+        return method.check_structure(folder, manifest)
     except (KeyError, TypeError, ValueError, UnknownNameError, ShapeError) as exc:
         return [f"ktconvert.json: cannot derive the expected tensors ({exc})"], ""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ktconvert.errors import InputError
 from ktconvert.formats.decoders.base import (FLOAT_DTYPES, Decoder, MatrixRefs, QuantGroup, QuantScheme, bad_config,
                                              float_values, matrix_shape, per_expert_shape, read_partner, shape_error,
                                              tensor_ref)
@@ -33,10 +34,22 @@ def _weight_name(checkpoint, base: str, expert: int | None) -> str:
     return base if expert is not None and base in checkpoint.tensors else f"{base}.weight"
 
 
+def _scale_ref(checkpoint, weight, suffixes: tuple[str, ...]):
+    """The scale tensor of FP8 weight `weight`: the weight's name + the first of `suffixes` present; InputError
+    naming the shard holding the weight and the scheme's own scale name (suffixes[0]) when none is."""
+    for suffix in suffixes:
+        ref = checkpoint.tensors.get(weight.name + suffix)
+        if ref is not None:
+            return ref
+    raise InputError("FP8 weight without its scale tensor", file=weight.file.name, tensor=weight.name + suffixes[0],
+                     expected=" or ".join(weight.name + x for x in suffixes), found="neither")
+
+
 class Fp8BlockDecoder(Decoder):
     """``quant_method: fp8`` with ``weight_block_size``: DeepSeek-convention block FP8."""
 
     scheme, quant_method = "fp8-block", "fp8"
+    scale_suffixes = ("_scale_inv", "_scale")   # the scheme's own name first
 
     @classmethod
     def parse_config(cls, qc: dict) -> QuantScheme:
@@ -57,9 +70,7 @@ class Fp8BlockDecoder(Decoder):
     @classmethod
     def locate(cls, checkpoint, base: str, group: QuantGroup, expert: int | None) -> MatrixRefs:
         w = tensor_ref(checkpoint, _weight_name(checkpoint, base, expert))
-        scale_name = next((n for n in (w.name + "_scale_inv", w.name + "_scale") if n in checkpoint.tensors),
-                          w.name + "_scale_inv")
-        s = tensor_ref(checkpoint, scale_name)
+        s = _scale_ref(checkpoint, w, cls.scale_suffixes)
         if w.dtype != "F8_E4M3":
             raise shape_error(w, "FP8 weight has the wrong dtype", "F8_E4M3", w.dtype)
         if s.dtype not in FLOAT_DTYPES:
@@ -72,7 +83,7 @@ class Fp8BlockDecoder(Decoder):
         if not ok:
             raise shape_error(s, f"scale shape does not match weight [{n}, {k}] in "
                                  f"{list(effective_block(group, n, k))} blocks", str(list(want)), str(list(s_shape)))
-        return MatrixRefs(group.fmt, w.name, {"scale": scale_name}, expert, shape, group)
+        return MatrixRefs(group.fmt, w.name, {"scale": s.name}, expert, shape, group)
 
     @classmethod
     def fixed_orientation(cls, refs: MatrixRefs) -> str | None:
@@ -94,6 +105,7 @@ class FloatQuantizedDecoder(Fp8BlockDecoder):
     """compressed-tensors ``float-quantized`` 8-bit float groups: block / channel / tensor strategies."""
 
     scheme, quant_method, ct_format = "float-quantized", None, "float-quantized"
+    scale_suffixes = ("_scale", "_scale_inv")
     ct_description = "float-quantized 8-bit float (block/channel/tensor)"
 
     @classmethod
