@@ -234,3 +234,14 @@ def test_gptq_target_is_refused_and_names_it(singles, tmp_path):
         with pytest.raises(UsageError, match=r"target 2 \(gpu .*\): --quant gptq writes one output at a time"):
             ktconvert.convert(src, [{"cpu": tmp_path / "a", "method": "amxint4"}, gptq])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_example_targets_file_is_valid():
+    from ktconvert.targets import load_targets
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "targets.toml"
+    targets = load_targets(path)
+    assert [(t.kind, t.out, t.values) for t in targets] == [
+        ("cpu", path.parent / "out/qwen3-amxint4-numa2", {"method": "amxint4", "numa": 2}),
+        ("cpu", path.parent / "out/qwen3-amxint8-numa1", {"method": "amxint8", "numa": 1}),
+        ("gpu", path.parent / "out/qwen3-gpu-w4a16", {"experts": "w4a16", "linears": "fp8"})]
