@@ -245,3 +245,16 @@ def test_the_example_targets_file_is_valid():
         ("cpu", path.parent / "out/qwen3-amxint4-numa2", {"method": "amxint4", "numa": 2}),
         ("cpu", path.parent / "out/qwen3-amxint8-numa1", {"method": "amxint8", "numa": 1}),
         ("gpu", path.parent / "out/qwen3-gpu-w4a16", {"experts": "w4a16", "linears": "fp8"})]
+
+
+def test_a_targets_file_comes_before_the_command_line_targets(singles, tmp_path):
+    src, _ = singles
+    path = tmp_path / "t.toml"
+    path.write_text('[[targets]]\ncpu = "a"\nmethod = "amxint4"\n')
+    res = run("convert", src, "--targets", path, "--gpu", tmp_path / "a", code=EXIT_USAGE)
+    assert f"target 1 (cpu a) and target 2 (gpu {tmp_path / 'a'}) write the same folder" in res.output
+    res = run("convert", src, "--cpu", tmp_path / "b", "--method", "amxint4", "--numa", "x", code=EXIT_USAGE)
+    assert "Invalid value for '--numa'" in res.output
+    res = run("convert", src, "--cpu", tmp_path / "b", "--method", "amxint4", "--gpu", code=EXIT_USAGE)
+    assert "Option '--gpu' requires an argument" in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.toml"]
