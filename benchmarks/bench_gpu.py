@@ -3,7 +3,7 @@ model_free_ptq and oneshot on two model sizes, and the one-pass `convert` agains
 other. Each measured command runs in its own process (peak RSS = that child's VmHWM).
 
     python benchmarks/bench_gpu.py [--workdir DIR] [--sizes small,large] [--skip-oneshot]
-    python benchmarks/bench_gpu.py --one-pass [--repeats 3] [--baseline-src DIR] [--workdir DIR]
+    python benchmarks/bench_gpu.py --one-pass [--three] [--repeats 3] [--baseline-src DIR] [--workdir DIR]
 
 --one-pass: the issue-16 target on the 3.6 GB BF16 model with Qwen3-30B-A3B expert dims (the model of
 bench_convert.py: 3 MoE layers, 128 experts, H 2048, I 768): `cpu` AMXINT4 (numa 2), `gpu` W4A16 and `convert`
@@ -12,6 +12,8 @@ the ratio of core-seconds (user + system of the child: less sensitive to other w
 --baseline-src (another ktconvert source tree, e.g. an export of main) the same commands also run with that tree
 first on sys.path, in the same rounds, so before/after share the machine's load. The native library of this tree
 serves both (KTCONVERT_NATIVE_LIB), so a baseline must not need newer C functions than this build has.
+--three: `cpu` AMXINT4 T=2, `cpu` AMXINT8 T=1, `gpu` W4A16 each alone and one `convert` writing all three, per round
+and best: convert / the three one after the other, convert / the slowest single run (issue-16 target: <= 1.5).
 """
 from __future__ import annotations
 
@@ -70,8 +72,39 @@ CLI = ("import sys\nsys.path.insert(0, {src!r})\nsys.argv = ['ktconvert', *sys.a
        "from ktconvert.cli import main\ntry:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n")
 
 
-def one_pass(root: Path, repeats: int, baseline: str | None) -> None:
-    """`cpu`, `gpu`, `convert` on the 3.6 GB model, interleaved; JSON line per run, then a summary per tree."""
+def three_targets(src: Path, root: Path) -> dict:
+    """--three: the three single commands and the one `convert` writing all three outputs."""
+    return {"cpu_amxint4_numa2": ["cpu", src, root / "o-a", "--method", "amxint4", "--numa", "2"],
+            "cpu_amxint8_numa1": ["cpu", src, root / "o-b", "--method", "amxint8", "--numa", "1"],
+            "gpu_w4a16": ["gpu", src, root / "o-g", "--experts", "w4a16"],
+            "convert_3": ["convert", src, "--cpu", root / "o-3a", "--method", "amxint4", "--numa", "2", "--cpu",
+                          root / "o-3b", "--method", "amxint8", "--numa", "1", "--gpu", root / "o-3g", "--experts",
+                          "w4a16"]}
+
+
+def three_summary(walls: dict, cores: dict, tree: str, repeats: int) -> dict:
+    """convert_3 against the three single runs one after the other and against the slowest of them: per round
+    (the commands of a round ran side by side, so they share the machine's load) and best of the rounds."""
+    import statistics
+
+    singles = ["cpu_amxint4_numa2", "cpu_amxint8_numa1", "gpu_w4a16"]
+    per_round = [{"sequential_s": round(sum(walls[tree, c][r] for c in singles), 2),
+                  "slowest_s": round(max(walls[tree, c][r] for c in singles), 2),
+                  "convert_3_s": round(walls[tree, "convert_3"][r], 2)} for r in range(repeats)]
+    best = {c: min(walls[tree, c]) for c in singles + ["convert_3"]}
+    return {"summary": True, "rounds": per_round, "best_wall_s": {k: round(v, 2) for k, v in best.items()},
+            "best_core_s": {c: round(min(cores[tree, c]), 2) for c in best},
+            "convert_3_over_sequential_median": round(statistics.median(
+                r["convert_3_s"] / r["sequential_s"] for r in per_round), 2),
+            "convert_3_over_slowest_median": round(statistics.median(
+                r["convert_3_s"] / r["slowest_s"] for r in per_round), 2),
+            "convert_3_over_slowest_best": round(best["convert_3"] / max(best[c] for c in singles), 2),
+            "target": "convert_3 <= 1.5 x the slowest single run"}
+
+
+def one_pass(root: Path, repeats: int, baseline: str | None, three: bool = False) -> None:
+    """`cpu`, `gpu`, `convert` on the 3.6 GB model, interleaved; JSON line per run, then a summary per tree.
+    three: the three outputs of three_targets alone and in one `convert` instead."""
     import statistics
 
     from peak_rss import run_python
@@ -90,10 +123,11 @@ def one_pass(root: Path, repeats: int, baseline: str | None) -> None:
     env = dict(os.environ, KTCONVERT_NO_PROGRESS="1", KTCONVERT_NATIVE_LIB=lib._name if lib is not None else "")
     this = str(Path(__file__).resolve().parents[1])
     trees = {"this": this} | ({"baseline": str(Path(baseline).resolve())} if baseline else {})
-    commands = {"cpu": ["cpu", src, root / "o-cpu", "--method", "amxint4", "--numa", "2"],
-                "gpu": ["gpu", src, root / "o-gpu", "--experts", "w4a16"],
-                "convert": ["convert", src, "--cpu", root / "o-c1", "--method", "amxint4", "--numa", "2", "--gpu",
-                            root / "o-g1", "--experts", "w4a16"]}
+    commands = three_targets(src, root) if three else \
+        {"cpu": ["cpu", src, root / "o-cpu", "--method", "amxint4", "--numa", "2"],
+         "gpu": ["gpu", src, root / "o-gpu", "--experts", "w4a16"],
+         "convert": ["convert", src, "--cpu", root / "o-c1", "--method", "amxint4", "--numa", "2", "--gpu",
+                     root / "o-g1", "--experts", "w4a16"]}
     walls: dict = {(tree, cmd): [] for tree in trees for cmd in commands}
     cores: dict = {(tree, cmd): [] for tree in trees for cmd in commands}
     base = {"bench": "one-pass", "model_mib": round(model_bytes(src) / 2**20, 1), **ONE_PASS_MODEL,
@@ -111,6 +145,9 @@ def one_pass(root: Path, repeats: int, baseline: str | None) -> None:
                 print(json.dumps({**base, "tree": tree, "round": round_, "command": cmd, "wall_s": round(wall, 2),
                                   "core_s": round(core_s, 2), "peak_rss_mib": round(peak / 2**20, 1)}), flush=True)
     for tree in trees:
+        if three:
+            print(json.dumps({**base, "tree": tree, **three_summary(walls, cores, tree, repeats)}), flush=True)
+            continue
         best = {cmd: min(walls[tree, cmd]) for cmd in commands}
         median = {cmd: statistics.median(walls[tree, cmd]) for cmd in commands}
         print(json.dumps({**base, "tree": tree, "summary": True, "best_wall_s": {k: round(v, 2) for k, v in best.items()},
@@ -128,6 +165,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="small,large")
     ap.add_argument("--skip-oneshot", action="store_true")
     ap.add_argument("--one-pass", action="store_true", help="convert vs cpu on the 3.6 GB model (see above)")
+    ap.add_argument("--three", action="store_true", help="with --one-pass: AMXINT4 T=2, AMXINT8 T=1 and GPU W4A16 "
+                                                          "alone vs one convert writing all three")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline-src", default=None, help="another ktconvert source tree to time in the same rounds")
     args = ap.parse_args()
@@ -135,7 +174,7 @@ def main() -> None:
 
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_gpu_"))
     if args.one_pass:
-        one_pass(root, args.repeats, args.baseline_src)
+        one_pass(root, args.repeats, args.baseline_src, args.three)
         return
     for size in args.sizes.split(","):
         src = make_tiny_model(root / f"src-{size}", ARCH, force=True, **SIZES[size])

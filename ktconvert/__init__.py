@@ -7,8 +7,9 @@ are imported on first use::
     import ktconvert
     r = ktconvert.convert_cpu("/models/Qwen3-30B-A3B", "out", method="amxint4", numa=2)   # ConvertResult
     ktconvert.convert_gpu("/models/Qwen3-30B-A3B", "out-gpu", experts="w4a16")
-    ktconvert.convert("/models/Qwen3-30B-A3B", [("out-cpu", {"method": "amxint4", "numa": 2}),
-                                                ("out-gpu", {"experts": "w4a16"})])   # one read of the source
+    ktconvert.convert("/models/Qwen3-30B-A3B", targets=[{"cpu": "out-int4", "method": "amxint4", "numa": 2},
+                                                        {"cpu": "out-int8", "method": "amxint8"},
+                                                        {"gpu": "out-gpu", "experts": "w4a16"}])  # one read
     ktconvert.plan("/models/Qwen3-30B-A3B", method="amxint4", numa=2)                 # PlanResult
     ktconvert.inspect("/models/Qwen3-30B-A3B")                                        # InspectResult
     ktconvert.verify("out", source="/models/Qwen3-30B-A3B", hashes=True).ok          # VerifyResult

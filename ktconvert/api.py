@@ -21,7 +21,10 @@ not writable, disk full), VerifyError, RemoteError (hub), NativeError. ``KtConve
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
+from pathlib import Path
 
 from ktconvert import inspection as inspect_module
 from ktconvert.activation.placement import plan_placement, render_placement
@@ -29,8 +32,9 @@ from ktconvert.architecture import families as _families
 from ktconvert.cpu.convert import convert_cpu
 from ktconvert.cpu.output import CpuOutput
 from ktconvert.cpu.plan import CpuOptions, plan_cpu, render as render_cpu_plan
+from ktconvert.cpu.sizes import free_at
 from ktconvert.envinfo import env_info
-from ktconvert.errors import UsageError
+from ktconvert.errors import KtConvertError, UsageError
 from ktconvert.gpu.convert import convert_gpu
 from ktconvert.gpu.experts import EXPERT_SCHEMES
 from ktconvert.gpu.output import GpuOutput
@@ -42,6 +46,7 @@ from ktconvert.onepass import write_outputs
 from ktconvert.parts import select_layers
 from ktconvert.quant.row_quant import ROW_QUANT
 from ktconvert.results import ConvertResult, InspectResult, PlanResult, VerifyResult
+from ktconvert.targets import Target, check_disk, load_targets, parse_target, parse_targets, refuse_shared_folders
 from ktconvert.testing.tiny import make_tiny_model
 from ktconvert.verification import report_html, run as verify_run
 
@@ -59,49 +64,77 @@ def _options(value, cls):
     raise UsageError(f"expected {cls.__name__} or a dict of its fields", found=type(value).__name__)
 
 
-def _target_options(value):
-    """CpuOptions / GpuOptions of one output of convert(): an instance, or a dict of its fields (one with
-    "experts" describes the GPU checkpoint, else a CPU output)."""
-    if isinstance(value, (CpuOptions, GpuOptions)):
-        return value
-    return _options(value, GpuOptions if isinstance(value, dict) and "experts" in value else CpuOptions)
-
-
-def convert(src, outputs, *, threads: int | None = None, resume: bool = False, force: bool = False,
+def convert(src, targets, *, threads: int | None = None, resume: bool = False, force: bool = False,
             progress=None, layers=None) -> list[ConvertResult]:
-    """Write several outputs of `src` reading it once: outputs = [(out folder, CpuOptions | GpuOptions | a dict of
-    either's fields: one with "experts" is a GPU checkpoint), ...] (RTN on every side; GPTQ runs one output at a
-    time: use convert_cpu / convert_gpu).
-    Each output's bytes equal what convert_cpu / convert_gpu write alone. Every plan is checked before any OUT
-    is created; outputs must be different folders. layers: a MoE layer range ("A-B"): every output becomes that
-    part (as convert_cpu's `layers`). Returns one ConvertResult per output, in order.
+    """Write several outputs of `src` reading it once, each from every decoded layer as it goes by.
+
+    targets: a list of tables, one per output: {"cpu": OUT, "method": ..., "numa": ..., ...} or {"gpu": OUT,
+    "experts": ..., ...} with the fields of CpuOptions / GpuOptions (ktconvert.targets; unknown keys and wrong
+    types are UsageErrors naming the target and the key); or the path of a targets file holding them as
+    [[targets]] tables; or (out, CpuOptions | GpuOptions | a dict of either's fields) pairs. RTN / MSE only:
+    GPTQ runs one output at a time (use convert_cpu / convert_gpu).
+    Each output's bytes, manifest included, equal what convert_cpu / convert_gpu write alone. Every plan is
+    checked (also the free disk the outputs need together) before any OUT is created; two targets may not share
+    a folder. resume continues each output from its own journal (a complete one is left as is). layers: a MoE
+    layer range ("A-B"): every output becomes that part (as convert_cpu's `layers`). Returns one ConvertResult per
+    output, in order.
     """
     t0 = time.monotonic()
-    built = plan_outputs(src, outputs, threads=threads, resume=resume, force=force, layers=layers)
+    built = plan_outputs(src, targets, threads=threads, resume=resume, force=force, layers=layers)
     return write_outputs(built, threads=threads, progress=progress, timings={"plan": time.monotonic() - t0})
 
 
-def plan_outputs(src, outputs, *, threads: int | None = None, resume: bool = False, force: bool = False,
+def plan_outputs(src, targets, *, threads: int | None = None, resume: bool = False, force: bool = False,
                  layers=None) -> list:
-    """The output.Output of each (out folder, options) of `outputs` (as convert() takes them), planned on one
-    opening of `src` and not yet opened; UsageError for GPTQ or two outputs in one folder."""
+    """The output.Output of each target (as convert() takes them), planned on one opening of `src` and not yet
+    opened; UsageError for GPTQ, two targets in one folder or too little free disk for all of them."""
+    wanted = _targets(targets)
     input = open_input(src)
-    built = []
-    for out, options in outputs:
-        options = _target_options(options)
-        if options.quant == "gptq":
-            raise UsageError("--quant gptq writes one output at a time", hint="convert each output on its own")
-        if isinstance(options, CpuOptions):
-            plan = plan_cpu(input, options, out=out, threads=threads)
-            plan.refuse_dropped_biases()
-            built.append(CpuOutput(out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers)))
-        else:
-            plan = plan_gpu(input, options)
-            built.append(GpuOutput(out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers)))
-    folders = [o.out_dir.resolve() for o in built]
-    if len(set(folders)) != len(folders):
-        raise UsageError("every output needs its own folder", found=", ".join(map(str, folders)))
+    built = [_target_output(input, target, threads, resume, force, layers) for target in wanted]
+    check_disk([(o.out_dir, o.plan["total_bytes"]) for o in built if not (resume and o.out_dir.exists())], free_at)
     return built
+
+
+def _targets(value) -> list[Target]:
+    """targets.Target list from what convert() accepts (a targets file, or a list of tables, pairs, Targets)."""
+    if isinstance(value, (str, os.PathLike)):
+        return load_targets(value)
+    if not isinstance(value, (list, tuple)) or not value:
+        return parse_targets(value)             # the error saying what targets must be
+    targets = [item if isinstance(item, Target) else _pair_target(item, index) if isinstance(item, tuple)
+               else parse_target(item, index) for index, item in enumerate(value, 1)]
+    refuse_shared_folders(targets)
+    return targets
+
+
+def _pair_target(pair: tuple, index: int) -> Target:
+    """Target number `index` from an (out, CpuOptions | GpuOptions | dict of either's fields: one with "experts"
+    is a GPU checkpoint) pair."""
+    out, options = pair
+    if isinstance(options, (CpuOptions, GpuOptions)):
+        kind, values = ("cpu" if isinstance(options, CpuOptions) else "gpu"), dataclasses.asdict(options)
+    elif isinstance(options, dict):
+        kind, values = ("gpu" if "experts" in options else "cpu"), dict(options)
+    else:
+        raise UsageError(f"target {index}: expected CpuOptions, GpuOptions or a dict of their fields",
+                         found=type(options).__name__)
+    return Target(kind, Path(out), values, f"target {index} ({kind} {out})")
+
+
+def _target_output(input, target: Target, threads, resume: bool, force: bool, layers=None):
+    """The CpuOutput / GpuOutput of `target`, planned (errors name the target); with `layers` ("A-B") the part of
+    those MoE layers."""
+    try:
+        if str(target.values.get("quant", "")).strip().lower() == "gptq":
+            raise UsageError("--quant gptq writes one output at a time", hint="convert each output on its own")
+        if target.kind == "cpu":
+            plan = plan_cpu(input, CpuOptions.make(**target.values), out=target.out, threads=threads)
+            plan.refuse_dropped_biases()
+            return CpuOutput(target.out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
+        plan = plan_gpu(input, GpuOptions.make(**target.values))
+        return GpuOutput(target.out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
+    except KtConvertError as exc:
+        raise exc.within(target.name) from None
 
 
 def plan(src, cpu=None, gpu=None, *, out=None, threads: int | None = None, placement: dict | None = None,

@@ -23,6 +23,7 @@ from ktconvert.cli_options import (GPU_GROUP_SIZES, InputPath, RegistryChoice, b
                                    distribution_options, emit, gpu_options, json_option, load_api, orientation_option,
                                    pop_distribution, prefer, profiling, progress_options, run_batch, run_on_ray,
                                    run_options, source_arg)
+from ktconvert.cli_targets import TargetCommand, given_targets, target_options
 from ktconvert.progress import make_progress
 
 
@@ -198,33 +199,34 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
     emit(result, as_json, profile=prof.get("report"))
 
 
-@cli.command()
+@cli.command(cls=TargetCommand)
 @click.argument("src")
-@click.option("--cpu", "cpu_out", type=click.Path(), required=True, help="CPU (kt-kernel) output directory.")
-@click.option("--gpu", "gpu_out", type=click.Path(), required=True, help="GPU (SGLang --model) output directory.")
-@cpu_options
-@gpu_options
-@click.option("--group-size", type=int, default=None, help="Group size of grouped outputs: the GPU experts (32, 64 "
-                                                           "or 128; default 128) and a grouped CPU method.")
-@click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers, on both sides.")
-@click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
+@target_options
+@click.option("--targets", "targets_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A TOML file of [[targets]] tables ({cpu = OUT, method = ...} / {gpu = OUT, experts = ...}), "
+                   "written with (before) the command line's targets.")
 @run_options
 @distribution_options
 @progress_options
 @json_option
 @orientation_option
-def convert(src, cpu_out, gpu_out, method, numa, layout, experts, linears, group_size, include_mtp, allow_drop_bias,
-            threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation, **distribution) -> None:
-    """Write the CPU and the GPU outputs of SRC in one pass (every source expert read once, RTN on both sides).
-    Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write."""
-    if method is None:
-        raise click.UsageError("Missing option '--method'.")
-    require("gpu", "ktconvert convert")
-    targets = [(cpu_out, dict(method=method, numa=numa, layout=layout, group_size=group_size, include_mtp=include_mtp,
-                              allow_drop_bias=allow_drop_bias)),
-               (gpu_out, dict(experts=experts or "w4a16", group_size=group_size or 128, linears=linears,
-                              include_mtp=include_mtp))]
-    distribution, src = pop_distribution(distribution), source_arg(src, expert_orientation)
+def convert(src, targets_file, threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation,
+            **given) -> None:
+    """Write every output of SRC from one read of the source: each --cpu OUT / --gpu OUT starts an output, and
+    the options after it are that output's (options before the first one are shared by every output that has
+    them). Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write alone; every plan is
+    checked before any OUT is written; with --resume each output continues from its own journal.
+
+    \b
+      ktconvert convert SRC --cpu OUT1 --method amxint4 --numa 2 --cpu OUT2 --method amxint8 \\
+                            --gpu OUT3 --experts w4a16
+      ktconvert convert SRC --targets variants.toml
+    """
+    distribution = pop_distribution(given)      # the rest of `given`: the targets' options, read by TargetCommand
+    targets = given_targets(click.get_current_context(), targets_file)
+    if any(t.kind == "gpu" for t in targets):
+        require("gpu", "ktconvert convert")
+    src = source_arg(src, expert_orientation)
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
         if distribution["executor"] == "ray":
             results = run_on_ray(src, targets, distribution, threads=threads, resume=resume, force=force,

@@ -34,6 +34,12 @@ class KtConvertError(Exception):
         self.detail = message
         super().__init__(self._format())
 
+    def within(self, where: str) -> "KtConvertError":
+        """This error with `where` (e.g. which of several outputs) put before its message; returns it."""
+        self.detail = f"{where}: {self.detail}" if self.detail else where
+        self.args = (self._format(),)
+        return self
+
     def _format(self) -> str:
         parts = [p for p in (self.file, self.tensor) if p]
         text = self.detail

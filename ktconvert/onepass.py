@@ -2,9 +2,10 @@
 
 Every output is opened (OUT prepared and locked, journal started) before the first byte is read; the source is
 then read once, front to back, and each decoded matrix goes to every output that still needs its layer
-(``runner.run_jobs``); each output is finalized (its manifest last). An output ``resume`` finds complete is left
-alone. If one output refuses to open, those opened before it are undone (nothing was written yet) and the error
-propagates. Each output's bytes equal what it would be written alone.
+(``runner.run_jobs``: with ``resume`` each output continues from its own journal); each output is finalized (its
+manifest last). An output ``resume`` finds complete is left alone. If one output refuses to open, those opened
+before it are undone (nothing was written yet) and the error propagates. Each output's bytes equal what it would
+be written alone.
 """
 from __future__ import annotations
 
@@ -70,9 +71,12 @@ def _run(outputs: list, threads: int | None, progress) -> None:
     journal = JointJournal([o.journal for o in outputs])
     jobs = source.matrix_jobs(layers)
     files = part_files(outputs[0], jobs) if outputs[0].part else None
+    for output in outputs:
+        finished = sum(output.journal.layer_done(layer) for layer in layers)
+        if finished:
+            where = f" ({output.out_dir})" if len(outputs) > 1 else ""
+            progress.message(f"resuming{where}: {finished} of {len(layers)} layers already done")
     done = [layer for layer in layers if journal.layer_done(layer)]
-    if done:
-        progress.message(f"resuming: {len(done)} of {len(layers)} layers already done")
     progress.start(sum(j.nbytes for j in jobs if not journal.layer_done(j.layer)), len(layers) - len(done),
                    " + ".join(o.label() for o in outputs))
     run_jobs(jobs, source, outputs, journal, threads or os.cpu_count() or 1, progress, files)

@@ -22,14 +22,19 @@ from ktconvert.formats.stream import HashingFileReader, MatrixJob, jobs_by_file
 
 
 class JointJournal:
-    """What run_jobs asks of a journal, over several outputs' journals: a layer or source file counts as done
-    only when it is done in every one; source digests go to all."""
+    """What run_jobs asks of a journal, over several outputs' journals (one per output, in order): a layer or
+    source file counts as done only when it is done in every one (``needing`` says which outputs still need a
+    layer: a resumed output is not written twice); source digests go to all."""
 
     def __init__(self, journals: list):
         self.journals = journals
 
     def layer_done(self, layer: int) -> bool:
         return all(j.layer_done(layer) for j in self.journals)
+
+    def needing(self, layer: int) -> list[int]:
+        """Indexes of the journals (outputs) that still need `layer`."""
+        return [i for i, j in enumerate(self.journals) if not j.layer_done(layer)]
 
     def source_digest(self, name: str) -> dict | None:
         digests = [j.source_digest(name) for j in self.journals]
@@ -45,17 +50,18 @@ def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int
     """Read every source file (or those in `files`, in the source's order) front to back; each decoded matrix
     goes to every output in `outputs`.
 
-    `journal` decides what is already done (layers, fully hashed source files); each output gets
-    begin_layer(L) -> consumer (put_matrix / finish / abort) and layer_finished(L, result)."""
+    `journal` (a JointJournal over the outputs' journals) decides what is already done (layers, fully hashed
+    source files); each output that still needs layer L gets begin_layer(L) -> consumer (put_matrix / finish /
+    abort) and layer_finished(L, result)."""
     tracker = _LayerTracker(jobs)
-    consumers: dict[int, list] = {}
+    consumers: dict[int, list] = {}          # layer -> [(output, its consumer)]
     lock = threading.Lock()
     fault = _FaultInjector.from_env()
 
     def consumers_for(layer: int) -> list:
         with lock:
             if layer not in consumers:
-                consumers[layer] = [out.begin_layer(layer) for out in outputs]
+                consumers[layer] = [(outputs[i], outputs[i].begin_layer(layer)) for i in journal.needing(layer)]
             return consumers[layer]
 
     def work(job: MatrixJob, raw) -> None:
@@ -64,13 +70,13 @@ def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int
             matrices = source.decode(job, raw)
         for proj, w in matrices.items():
             where = f"{job_tensor(job)} (layer {job.layer}, expert {job.expert}, {proj})"
-            for consumer in targets:
+            for _, consumer in targets:
                 consumer.put_matrix(proj, job.expert, w, where)
         progress.advance(job.nbytes)
         fault.tick()
 
     def finish(layer: int) -> list:
-        return [c.finish() for c in consumers[layer]]
+        return [(out, consumer.finish()) for out, consumer in consumers[layer]]
 
     finishing: dict[int, Future] = {}
 
@@ -80,7 +86,7 @@ def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int
                 wait(list(finishing.values()))
         for layer in sorted(finishing):
             if finishing[layer].done():
-                for out, result in zip(outputs, finishing.pop(layer).result()):
+                for out, result in finishing.pop(layer).result():
                     out.layer_finished(layer, result)
                 consumers.pop(layer, None)
                 progress.advance(0, items=1, detail=f"layer {layer}")
@@ -117,7 +123,7 @@ def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int
             record_finished(block=True)
     except BaseException:
         for layer_consumers in consumers.values():
-            for consumer in layer_consumers:
+            for _, consumer in layer_consumers:
                 consumer.abort()
         raise
     if tracker.remaining:

@@ -75,7 +75,7 @@ NONEXISTENT = [
     pytest.param(["cpu", "{out}", "{root}/o1", "--method", "amxint4", "--quant", "gptq", "--calibration", "{nope}"],
                  id="cpu--calibration"),
     pytest.param(["gpu", "{nope}", "{root}/o2"], id="gpu"),
-    pytest.param(["convert", "{nope}", "--cpu", "{root}/o3", "--gpu", "{root}/o4", "--method", "amxint4"],
+    pytest.param(["convert", "{nope}", "--cpu", "{root}/o3", "--method", "amxint4", "--gpu", "{root}/o4"],
                  id="convert"),
     pytest.param(["verify", "{nope}"], id="verify"),
     pytest.param(["verify", "{nope}.tar.zst"], id="verify-bundle"),

@@ -27,41 +27,13 @@ bytes written, each output's files root (sha256 over its manifest's sorted "path
 """
 from __future__ import annotations
 
-import os
 import time
-import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.api import choices, choose, plan
 from ktconvert.errors import EXIT_ERROR, InputError, KtConvertError
-from ktconvert.safe_read import open_regular
+from ktconvert.toml_schema import Field, check_table as _check_table, read_toml
 
-MAX_JOB_FILE_BYTES = 16 << 20
-
-
-@dataclass(frozen=True)
-class Field:
-    """One key of a job file: its TOML type (str, int or bool: a bool is never an int), and for ints the least
-    value, for strings the allowed values (empty: any)."""
-
-    kind: type
-    minimum: int | None = None
-    choices: tuple[str, ...] = ()
-
-    def problem(self, value) -> str | None:
-        """Why `value` does not fit, or None."""
-        if type(value) is not self.kind:
-            return f"must be {_KIND[self.kind]}, found {_KIND.get(type(value), type(value).__name__)} {value!r}"[:200]
-        if self.minimum is not None and value < self.minimum:
-            return f"must be an integer >= {self.minimum}, found {value!r}"
-        if self.choices and value not in self.choices:
-            return f"must be one of {', '.join(self.choices)}, found {value!r}"
-        return None
-
-
-_KIND = {str: "a string", int: "an integer", bool: "a boolean (true / false)", float: "a float", list: "an array",
-         dict: "a table"}
 CPU_FIELDS = {"method": Field(str), "numa": Field(int, 1), "layout": Field(str, choices=("safetensors", "kt")),
               "quant": Field(str), "group_size": Field(int, 1), "threads": Field(int, 1),
               "include_dense": Field(bool), "include_mtp": Field(bool), "allow_drop_bias": Field(bool)}
@@ -83,7 +55,7 @@ def load_jobs(path) -> list[dict]:
     Job files are trusted like a shell script: their paths are not confined to any folder, and a publish target's
     endpoint receives the hub token."""
     path = Path(path)
-    data = _read_toml(path)
+    data = read_toml(path, "job file")
     unknown = set(data) - {"defaults", "jobs"}
     if unknown or not isinstance(data.get("jobs"), list) or not data["jobs"]:
         raise InputError("job file needs one or more [[jobs]] tables (and optionally [defaults])", file=str(path),
@@ -98,34 +70,6 @@ def load_jobs(path) -> list[dict]:
     if twice is not None:
         raise InputError(f"job name {twice!r} is used twice (the summary is keyed by name)", file=str(path))
     return jobs
-
-
-def _read_toml(path: Path) -> dict:
-    """The job file's TOML (a regular file of at most MAX_JOB_FILE_BYTES)."""
-    fd = open_regular(path, "job file")
-    try:
-        with os.fdopen(fd, "rb") as fh:
-            raw = fh.read(MAX_JOB_FILE_BYTES + 1)
-        if len(raw) > MAX_JOB_FILE_BYTES:
-            raise InputError(f"job file is larger than {MAX_JOB_FILE_BYTES} bytes", file=str(path))
-        return tomllib.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise InputError(f"job file is not UTF-8 ({exc.reason} at byte {exc.start})", file=str(path)) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise InputError(f"job file is not valid TOML ({exc})", file=str(path)) from None
-    except RecursionError:
-        raise InputError("job file is nested too deeply", file=str(path)) from None
-
-
-def _check_table(table: dict, fields: dict[str, Field], other: set, path: Path, where: str) -> None:
-    """Unknown keys and values of the wrong type are errors naming `where` and the key."""
-    allowed = set(fields) | other
-    unknown = sorted(set(table) - allowed)
-    if unknown:
-        raise InputError(f"{where}: unknown key {unknown[0]!r}", file=str(path), expected=", ".join(sorted(allowed)))
-    for key, spec in fields.items():
-        if key in table and (problem := spec.problem(table[key])):
-            raise InputError(f"{where}: {key!r} {problem}", file=str(path))
 
 
 def _table(value, path: Path, where: str) -> dict:
