@@ -31,6 +31,7 @@ from ktconvert.cpu.output import CpuOutput
 from ktconvert.cpu.plan import CpuOptions, plan_cpu, render as render_cpu_plan
 from ktconvert.envinfo import env_info
 from ktconvert.errors import UsageError
+from ktconvert.extras import require
 from ktconvert.gpu.convert import convert_gpu
 from ktconvert.gpu.experts import EXPERT_SCHEMES
 from ktconvert.gpu.output import GpuOutput
@@ -71,13 +72,16 @@ def convert(src, outputs, *, threads: int | None = None, resume: bool = False, f
     either's fields: one with "experts" is a GPU checkpoint), ...] (RTN on every side; GPTQ runs one output at a
     time: use convert_cpu / convert_gpu).
     Each output's bytes equal what convert_cpu / convert_gpu write alone. Every plan is checked before any OUT
-    is created; outputs must be different folders. Returns one ConvertResult per output, in order.
+    is created; outputs must be different folders (a GPU output needs the [gpu] extra: MissingExtraError first).
+    Returns one ConvertResult per output, in order.
     """
     t0 = time.monotonic()
+    targets = [(out, _target_options(options)) for out, options in outputs]
+    if any(isinstance(options, GpuOptions) for _, options in targets):
+        require("gpu", "ktconvert convert")
     input = open_input(src)
     built = []
-    for out, options in outputs:
-        options = _target_options(options)
+    for out, options in targets:
         if options.quant == "gptq":
             raise UsageError("--quant gptq writes one output at a time", hint="convert each output on its own")
         if isinstance(options, CpuOptions):

@@ -18,7 +18,6 @@ from pathlib import Path
 import click
 
 from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
-from ktconvert.extras import require
 from ktconvert.cli_options import (GPU_GROUP_SIZES, RegistryChoice, choice, cpu_options, emit, gpu_options,
                                    json_option, load_api, prefer, progress_options, run_options)
 from ktconvert.progress import make_progress
@@ -132,8 +131,6 @@ def cpu(src, out, threads, resume, force, quiet, json_progress, as_json, **optio
     """
     if options["method"] is None:
         raise click.UsageError("Missing option '--method'.")
-    if options["quant"] == "gptq":
-        require("gpu", "--quant gptq")
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
         result = load_api().convert_cpu(src, out, threads=threads, resume=resume, force=force, progress=progress,
                                     **options)
@@ -167,7 +164,6 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
     if dry_run:
         emit(api.plan(src, gpu=options), as_json)
         return
-    require("gpu", "ktconvert gpu")
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
         result = api.convert_gpu(src, out, threads=threads, resume=resume, force=force, progress=progress, **options)
     emit(result, as_json)
@@ -192,7 +188,6 @@ def convert(src, cpu_out, gpu_out, method, numa, layout, experts, linears, group
     Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write."""
     if method is None:
         raise click.UsageError("Missing option '--method'.")
-    require("gpu", "ktconvert convert")
     targets = [(cpu_out, dict(method=method, numa=numa, layout=layout, group_size=group_size, include_mtp=include_mtp,
                               allow_drop_bias=allow_drop_bias)),
                (gpu_out, dict(experts=experts or "w4a16", group_size=group_size or 128, linears=linears,

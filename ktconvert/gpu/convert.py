@@ -16,6 +16,7 @@ import time
 
 from ktconvert.activation.stats import write_gptq_activation
 from ktconvert.errors import KtConvertError
+from ktconvert.extras import require
 from ktconvert.formats.out_manifest import source_fingerprint
 from ktconvert.gpu.output import GpuOutput
 from ktconvert.gpu.plan import GpuOptions, plan_gpu
@@ -32,11 +33,12 @@ def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | N
 
     options: a GpuOptions, or its fields as keywords (experts, group_size, quant, linears, include_mtp,
     calibration; see GpuOptions). threads / resume / force / progress as for ktconvert.convert_cpu. Raises
-    UsageError (exit 2), InputError (3), OutputError (1); nothing is written before every check passed.
-    Returns the ConvertResult.
+    UsageError (exit 2), MissingExtraError (2: the [gpu] extra is not installed), InputError (3), OutputError (1);
+    nothing is written before every check passed. Returns the ConvertResult.
     """
     t0 = time.monotonic()
     options = options or GpuOptions.make(**option_values)
+    require("gpu", "ktconvert gpu")
     if options.quant == "gptq":
         gptq_hook()
     plan = plan_gpu(open_input(src), options)
