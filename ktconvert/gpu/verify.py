@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from ktconvert.architecture import resolve
-from ktconvert.errors import InputError
+from ktconvert.errors import InputError, KtConvertError
+from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.formats.safetensors_reader import Checkpoint
 from ktconvert.formats.sources import open_source
 from ktconvert.gpu.config import ct_ignored, sglang_ignored
@@ -209,7 +210,7 @@ def _check_experts(out: Path, state: dict, info, layers, tensors: dict, experts,
     shapes = {"gate": (info.intermediate, info.hidden), "up": (info.intermediate, info.hidden),
               "down": (info.hidden, info.intermediate)}
     limit = info.n_experts if experts in (None, "all") else min(int(experts), info.n_experts)
-    src = _open_source(source)
+    src = _open_source(source, out)
     errors, decoded = [], 0
     for layer in layers:
         for e in range(info.n_experts):
@@ -303,10 +304,15 @@ def _to_bf16(scale: np.ndarray) -> np.ndarray:
     return f32_to_bf16_bits(scale.astype(np.float32))
 
 
-def _open_source(source):
+def _open_source(source, out: Path):
+    """The source checkpoint, opened as the conversion of `out` opened it (its recorded --expert-orientation)."""
     if source is None:
         return None
-    return open_source(source)
+    try:
+        recorded = (load_manifest(out).get("source") or {}).get("expert_orientation")
+    except KtConvertError:
+        recorded = None
+    return open_source(source, recorded)
 
 
 # ---------------------------------------------------------------------------------------------- linears
