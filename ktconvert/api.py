@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 
 from ktconvert import inspection as inspect_module
+from ktconvert.activation import stats as activation_stats
 from ktconvert.activation.placement import plan_placement, render_placement
 from ktconvert.architecture import families as _families
 from ktconvert.cpu.convert import convert_cpu
@@ -39,14 +40,15 @@ from ktconvert.gpu.plan import QUANTS as GPU_QUANTS, GpuOptions, plan_gpu, rende
 from ktconvert.inputs import open_input
 from ktconvert.methods import METHODS, all_methods, writable_names
 from ktconvert.onepass import write_outputs
+from ktconvert.ops import batch as ops_batch, bundle as ops_bundle, hub as ops_hub
 from ktconvert.quant.row_quant import ROW_QUANT
 from ktconvert.results import ConvertResult, InspectResult, PlanResult, VerifyResult
 from ktconvert.testing.tiny import make_tiny_model
 from ktconvert.verification import report_html, run as verify_run
 
-__all__ = ["ConvertResult", "CpuOptions", "GpuOptions", "InspectResult", "PlanResult", "VerifyResult", "convert",
-           "convert_cpu", "convert_gpu", "env_info", "families", "inspect", "make_tiny_model", "methods", "plan",
-           "verify"]
+__all__ = ["ConvertResult", "CpuOptions", "GpuOptions", "InspectResult", "PlanResult", "VerifyResult", "batch",
+           "bundle", "convert", "convert_cpu", "convert_gpu", "env_info", "expert_stats", "families", "inspect",
+           "load_jobs", "make_tiny_model", "methods", "plan", "publish", "unbundle", "verify"]
 
 
 def _options(value, cls):
@@ -158,6 +160,63 @@ def verify(out, *, source=None, hashes: bool = False, tokens: int = 8, layers=No
     return VerifyResult.from_dict(result)
 
 
+def expert_stats(src, out, calibration, *, max_length: int = 2048, num_samples: int | None = None,
+                 dtype: str = "float32", report=None, force: bool = False, progress=None) -> dict:
+    """Count the calibration tokens each routed expert of checkpoint `src` receives (the model's own router, a
+    float forward one decoder layer at a time; dtype "float32" or "bfloat16") into `out` (.pt, the file SGLang-KT's
+    frequency placement reads), and the HTML page to `report` when given. calibration: JSON lines of {"text": ...}
+    or {"input_ids": [...]}; max_length tokens per sample, the first num_samples samples. Existing files are
+    refused unless force. Raises MissingExtraError (exit 2) without the [gpu] extra, before anything is written;
+    InputError / OutputError as convert_cpu. Returns {path, report, model_type, layers, moe_layers, experts,
+    top_k, tokens, samples, sglang_args, coverage: [{ratio, gpu_experts, routed_share}]}."""
+    return activation_stats.expert_stats(src, out, calibration, max_length=max_length, num_samples=num_samples,
+                                         dtype=dtype, report=report, force=force, progress=progress)
+
+
+def bundle(out, dest, *, level: int = ops_bundle.DEFAULT_LEVEL, progress=None) -> dict:
+    """Pack output folder `out` into one deterministic zstd tar `dest` (.tar.zst, ktconvert.json first; level
+    1-22), every file checked against the manifest on the way (VerifyError when one differs). Returns {"path",
+    "files", "bytes_in", "bytes_out", "ratio"}."""
+    return ops_bundle.bundle(out, dest, level=level, progress=progress)
+
+
+def unbundle(src, dest, *, progress=None) -> dict:
+    """Restore bundle `src` (.tar.zst) into the new folder `dest`, verifying every file against the bundled
+    ktconvert.json; nothing is left behind on failure (VerifyError / InputError). Returns the bundle check's
+    report ({"ok", "checked", "problems", ...}) + "dest"."""
+    return ops_bundle.unbundle(src, dest, progress=progress)
+
+
+def publish(out, repo: str, *, hub: str = "hf", revision: str | None = None, private: bool = False,
+            endpoint: str | None = None, progress=None) -> dict:
+    """Upload output folder `out` to hub repo `repo` (hub "hf" or "modelscope"; endpoint: the hub's URL, default
+    HF_ENDPOINT / MODELSCOPE_ENDPOINT; the token from HF_TOKEN / MODELSCOPE_API_TOKEN or a stored login, never
+    printed) after re-hashing it against its ktconvert.json, with a model card stating the launch flags, then
+    check the remote hashes. Resumable: a second call sends only what the hub lacks. VerifyError when `out` or
+    the remote does not match, RemoteError (exit 5) on hub failures. Returns {"ok", "hub", "repo", "revision",
+    "url", "checked", "missing", "extra", "mismatched", "unverified", "problems", "bytes", "files"}."""
+    return ops_hub.publish(out, repo, hub=hub, revision=revision, private=private, endpoint=endpoint,
+                           progress=progress)
+
+
+def load_jobs(path) -> list[dict]:
+    """The jobs of a TOML job file (examples/jobs.toml), every key typed and checked (InputError naming the job
+    and the key), local sources resolved against the file's folder."""
+    return ops_batch.load_jobs(path)
+
+
+def batch(jobs, *, keep_going: bool = False, dry_run: bool = False, progress=None):
+    """Run `jobs` (load_jobs' list, or the path of a job file) in order: convert (resumably), bundle, publish.
+    dry_run: each output's CPU plan instead, [{"job", "source", "out", "publish", "bundle", "plan" (the plan
+    report, None for hub sources), "note"?}], reading no weights. Otherwise {"ok", "exit_code" (the first failed
+    job's), "jobs": [{"name", "status" ok | failed | skipped, "source", "bytes", "outputs", "wall_s", "error"?}]};
+    a failed job is recorded, not raised, and stops the run unless keep_going."""
+    job_list = jobs if isinstance(jobs, list) else ops_batch.load_jobs(jobs)
+    if dry_run:
+        return ops_batch.plan_jobs(job_list)
+    return ops_batch.run_jobs(job_list, keep_going=keep_going, progress=progress)
+
+
 def families() -> dict:
     """{"families": {family: [config.json model_type values]}} of every architecture manifest."""
     return {"families": {name: list(m.model_types) for name, m in sorted(_families().items())}}
@@ -202,8 +261,16 @@ def choose(kind: str, value: str) -> str:
     return matches[0]
 
 
-def render(result) -> str:
-    """A result object as the text the command line prints."""
+_DICT_RENDERERS = {"publish": lambda r: ops_hub.render_remote(r) + f"\n{r['url']}",
+                   "batch": ops_batch.render_summary, "batch-plan": ops_batch.render_plans,
+                   "expert-stats": activation_stats.render}
+
+
+def render(result, kind: str | None = None) -> str:
+    """A result object as the text the command line prints; the dicts of publish / batch / expert_stats with
+    kind "publish", "batch" ("batch-plan": batch's dry_run list) or "expert-stats"."""
+    if kind is not None:
+        return _DICT_RENDERERS[kind](result)
     if isinstance(result, ConvertResult):
         return result.summary()
     if isinstance(result, PlanResult):

@@ -229,12 +229,11 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
     """Count the calibration tokens each routed expert of SRC receives (the model's own router, float forward,
     one decoder layer in memory at a time) into OUT (.pt), the file SGLang-KT's frequency placement reads:
     --init-expert-location OUT --kt-expert-placement-strategy frequency. Needs the [gpu] extra."""
-    from ktconvert.activation.stats import expert_stats as run, render
-
+    api = load_api()
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        result = run(src, out, calibration, max_length=max_length, num_samples=num_samples, dtype=dtype,
-                     report=report, force=force, progress=progress)
-    emit(result, as_json, render(result))
+        result = api.expert_stats(src, out, calibration, max_length=max_length, num_samples=num_samples, dtype=dtype,
+                                  report=report, force=force, progress=progress)
+    emit(result, as_json, api.render(result, "expert-stats"))
 
 
 @cli.command()
@@ -357,11 +356,11 @@ def publish(out, repo, hub, revision, private, endpoint, as_json, quiet, json_pr
     same command again after an interruption and only what the hub lacks is sent. A README.md model card states the
     kt-kernel / SGLang flags. Token: HF_TOKEN / MODELSCOPE_API_TOKEN (or a stored login); never printed.
     """
-    from ktconvert.ops.hub import publish as run, render_remote
-
+    api = load_api()
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        result = run(out, repo, hub=hub, revision=revision, private=private, endpoint=endpoint, progress=progress)
-    emit(result, as_json, render_remote(result) + f"\n{result['url']}")
+        result = api.publish(out, repo, hub=hub, revision=revision, private=private, endpoint=endpoint,
+                             progress=progress)
+    emit(result, as_json, api.render(result, "publish"))
 
 
 @cli.command()
@@ -377,19 +376,18 @@ def batch(jobs, keep_going, dry_run, summary_path, as_json, quiet, json_progress
 
     Exits non-zero if any job failed (with the first failed job's exit code).
     """
-    from ktconvert.ops import batch as mod
-
-    job_list = mod.load_jobs(jobs)
+    api = load_api()
+    job_list = api.load_jobs(jobs)
     if dry_run:
-        plans = mod.plan_jobs(job_list)
-        emit(plans, as_json, mod.render_plans(plans))
+        plans = api.batch(job_list, dry_run=True)
+        emit(plans, as_json, api.render(plans, "batch-plan"))
         return
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        summary = mod.run_jobs(job_list, keep_going=keep_going, progress=progress)
+        summary = api.batch(job_list, keep_going=keep_going, progress=progress)
     if summary_path:
         with open(summary_path, "w", encoding="utf-8") as fh:
             fh.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    emit(summary, as_json, mod.render_summary(summary))
+    emit(summary, as_json, api.render(summary, "batch"))
     if not summary["ok"]:
         sys.exit(summary["exit_code"])
 
@@ -402,10 +400,8 @@ def batch(jobs, keep_going, dry_run, summary_path, as_json, quiet, json_progress
 @progress_options
 def bundle(out, dest, level, as_json, quiet, json_progress) -> None:
     """Pack output folder OUT into one deterministic zstd tar DEST (.tar.zst), ktconvert.json first."""
-    from ktconvert.ops import bundle as ops_bundle
-
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        r = ops_bundle.bundle(out, dest, level=level, progress=progress)
+        r = load_api().bundle(out, dest, level=level, progress=progress)
     emit(r, as_json, f"wrote {r['path']}: {r['files']} files, {r['bytes_in']} -> {r['bytes_out']} bytes "
                       f"(ratio {r['ratio']:.3f})")
 
@@ -417,10 +413,8 @@ def bundle(out, dest, level, as_json, quiet, json_progress) -> None:
 @progress_options
 def unbundle(src, dest, as_json, quiet, json_progress) -> None:
     """Restore bundle SRC into new folder DEST, verifying every file (nothing is left behind on failure)."""
-    from ktconvert.ops import bundle as ops_bundle
-
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        r = ops_bundle.unbundle(src, dest, progress=progress)
+        r = load_api().unbundle(src, dest, progress=progress)
     emit(r, as_json, f"restored {r['checked']} files + ktconvert.json into {r['dest']}")
 
 

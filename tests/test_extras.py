@@ -40,6 +40,8 @@ def calibration(tmp_path_factory):
     ("ktconvert convert", ["convert", "{model}", "--cpu", "{out}", "--method", "amxint4", "--gpu", "{out}-gpu"]),
     ("--quant gptq", ["cpu", "{model}", "{out}", "--method", "amxint4", "--quant", "gptq",
                       "--calibration", "{calib}"]),
+    ("ktconvert expert-stats", ["expert-stats", "{model}", "{out}.pt", "--calibration", "{calib}",
+                                "--report", "{out}.html"]),
 ])
 def test_gpu_features_refuse_without_the_extra(tmp_path, model, calibration, feature, args):
     work = tmp_path / "work"
@@ -111,3 +113,35 @@ def test_require_in_process(monkeypatch):
     assert err.value.exit_code == EXIT_USAGE
     assert str(err.value) == ("--quant gptq needs the [gpu] extra: pip install 'ktconvert[gpu]' "
                               "(missing module: llmcompressor)")
+
+
+def test_api_entry_points_check_the_extra_themselves(tmp_path, model, calibration, monkeypatch):
+    """The Python API, not only the CLI, raises MissingExtraError before writing: convert_gpu, convert with a GPU
+    output, convert_cpu with quant "gptq", verify of a GPU checkpoint or with calibration, expert_stats."""
+    import ktconvert
+
+    gpu_out = tmp_path / "gpu"
+    ktconvert.convert_gpu(model, gpu_out, experts="w4a16")
+    cpu_out = tmp_path / "cpu"
+    ktconvert.convert_cpu(model, cpu_out, method="amxint4", numa=1)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setitem(sys.modules, "llmcompressor", None)     # as if not installed (find_spec raises)
+    calls = {
+        "ktconvert gpu": lambda: ktconvert.convert_gpu(model, work / "g", experts="w4a16"),
+        "ktconvert convert": lambda: ktconvert.convert(model, [(work / "c", {"method": "amxint4", "numa": 1}),
+                                                               (work / "g", {"experts": "w4a16"})]),
+        "--quant gptq": lambda: ktconvert.convert_cpu(model, work / "c", method="amxint4", numa=1, quant="gptq",
+                                                      calibration=calibration),
+        "verify of a GPU checkpoint": lambda: ktconvert.verify(gpu_out, source=model),
+        "verify --calibration": lambda: ktconvert.verify(cpu_out, source=model, calibration=calibration,
+                                                         report=work / "r.html"),
+        "ktconvert expert-stats": lambda: ktconvert.expert_stats(model, work / "e.pt", calibration,
+                                                                 report=work / "e.html"),
+    }
+    for feature, call in calls.items():
+        with pytest.raises(MissingExtraError) as err:
+            call()
+        assert str(err.value) == (f"{feature} needs the [gpu] extra: pip install 'ktconvert[gpu]' "
+                                  f"(missing module: llmcompressor)")
+        assert entries(work) == set(), feature

@@ -186,8 +186,9 @@ def _output(raw: dict, defaults: dict, path: Path, where: str) -> dict:
 
 
 def plan_jobs(jobs: list[dict]) -> list[dict]:
-    """--dry-run: ktconvert.api.plan(...) for every output of every job (headers only, no weights read)."""
-    from ktconvert.api import plan
+    """--dry-run: the CPU plan (cpu.plan.plan_cpu) of every output of every job (headers only, no weights read)."""
+    from ktconvert.cpu.plan import CpuOptions, plan_cpu
+    from ktconvert.inputs import open_input
 
     plans = []
     for job in jobs:
@@ -200,9 +201,10 @@ def plan_jobs(jobs: list[dict]) -> list[dict]:
                 entry["note"] = "hub source: downloaded and verified at run time, planned after download"
             else:
                 cpu = output["cpu"]
-                entry["plan"] = plan(job["source"], method=cpu["method"], numa=cpu.get("numa", 1),
-                                     layout=cpu.get("layout", "safetensors"), group_size=cpu.get("group_size"),
-                                     include_mtp=cpu.get("include_mtp", False), out=output["out"]).cpu.report
+                options = CpuOptions.make(method=cpu["method"], numa=cpu.get("numa", 1),
+                                          layout=cpu.get("layout", "safetensors"), group_size=cpu.get("group_size"),
+                                          include_mtp=cpu.get("include_mtp", False))
+                entry["plan"] = plan_cpu(open_input(job["source"]), options, out=output["out"]).report
             plans.append(entry)
     return plans
 
