@@ -200,17 +200,18 @@ def publish(out, repo: str, *, hub: str = "hf", revision: str | None = None, pri
 
 
 def load_jobs(path) -> list[dict]:
-    """The jobs of a TOML job file (examples/jobs.toml), every key typed and checked (InputError naming the job
-    and the key), local sources resolved against the file's folder."""
+    """Read a TOML job file (examples/jobs.toml): every key typed and checked (InputError naming the job and the
+    key), local sources resolved against the file's folder. Returns the jobs as dicts, in file order."""
     return ops_batch.load_jobs(path)
 
 
 def batch(jobs, *, keep_going: bool = False, dry_run: bool = False, progress=None):
-    """Run `jobs` (load_jobs' list, or the path of a job file) in order: convert (resumably), bundle, publish.
-    dry_run: each output's CPU plan instead, [{"job", "source", "out", "publish", "bundle", "plan" (the plan
-    report, None for hub sources), "note"?}], reading no weights. Otherwise {"ok", "exit_code" (the first failed
-    job's), "jobs": [{"name", "status" ok | failed | skipped, "source", "bytes", "outputs", "wall_s", "error"?}]};
-    a failed job is recorded, not raised, and stops the run unless keep_going."""
+    """Run `jobs` (load_jobs' list, or the path of a job file) in order: convert (resumably), bundle, publish; a
+    failed job is recorded, not raised, and stops the run unless keep_going.
+    Returns {"ok", "exit_code" (the first failed job's), "jobs": [{"name", "status" ok | failed | skipped,
+    "source", "bytes", "outputs", "wall_s", "error"?}]}; with dry_run (reads no weights) each output's CPU plan
+    instead: [{"job", "source", "out", "publish", "bundle", "plan" (the plan report; None for hub sources),
+    "note"?}]."""
     job_list = jobs if isinstance(jobs, list) else ops_batch.load_jobs(jobs)
     if dry_run:
         return ops_batch.plan_jobs(job_list)
