@@ -4,7 +4,6 @@ needs [gpu] stops with one line naming the extra and the missing modules, exit 2
 The modules are made unimportable for real in a subprocess (tests/hidden_modules.py), not mocked in ktconvert."""
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
@@ -25,13 +24,6 @@ def entries(folder) -> set[str]:
 @pytest.fixture(scope="module")
 def model(tiny_model):
     return tiny_model("qwen3_moe", layers=2, experts=4, hidden=128, intermediate=128)
-
-
-@pytest.fixture(scope="module")
-def calibration(tmp_path_factory):
-    path = tmp_path_factory.mktemp("calib") / "calib.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": list(range(4, 20))}) + "\n" for _ in range(2)))
-    return path
 
 
 @pytest.mark.parametrize("feature, args", [

@@ -25,13 +25,6 @@ def model(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def calibration(tmp_path_factory):
-    path = tmp_path_factory.mktemp("calib") / "calib.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": list(range(4 + i, 40 + 3 * i))}) + "\n" for i in range(3)))
-    return path
-
-
-@pytest.fixture(scope="module")
 def whole(tmp_path_factory, model, calibration):
     """An uninterrupted CPU GPTQ run at one thread: (OUT, its JSON-lines progress events)."""
     out, stream = tmp_path_factory.mktemp("whole") / "out", io.StringIO()
@@ -92,6 +85,29 @@ def test_failed_run_resumes_to_the_bytes_of_an_uninterrupted_one(tmp_path, model
     monkeypatch.setattr(gptq_cpu, "write_layer", write_layer)
     ktconvert.convert_cpu(model, out, **CPU, calibration=calibration, resume=True, threads=2)
     assert files_of(out) == files_of(whole[0])
+
+
+@pytest.mark.slow
+def test_failed_gpu_run_resumes_to_the_bytes_of_an_uninterrupted_one(tmp_path, model, calibration, monkeypatch):
+    """The GPU checkpoint's GPTQ path through the same write_in_layer_order (~50 s: the slow group)."""
+    from ktconvert.gpu import gptq as gpu_gptq
+
+    options = dict(experts="w4a16", quant="gptq", calibration=calibration)
+    ktconvert.convert_gpu(model, tmp_path / "whole", **options)
+    quantize_layer = gpu_gptq.quantize_layer_gptq
+
+    def failing_in_layer_1(source, layer, *args, **kwargs):
+        if layer == 1:
+            raise InputError("disk on fire", file="test")
+        return quantize_layer(source, layer, *args, **kwargs)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(gpu_gptq, "quantize_layer_gptq", failing_in_layer_1)
+    with pytest.raises(InputError, match="--resume continues, --force starts over"):
+        ktconvert.convert_gpu(model, out, **options)
+    monkeypatch.setattr(gpu_gptq, "quantize_layer_gptq", quantize_layer)
+    ktconvert.convert_gpu(model, out, **options, resume=True)
+    assert files_of(out) == files_of(tmp_path / "whole")
 
 
 def test_cpu_gptq_reports_progress_per_layer(whole):
