@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from ktconvert import inspection as inspect_module
+from ktconvert.activation import stats as activation_stats
 from ktconvert.activation.placement import plan_placement, render_placement
 from ktconvert.architecture import families as _families
 from ktconvert.cpu.convert import convert_cpu
@@ -35,24 +36,25 @@ from ktconvert.cpu.plan import CpuOptions, plan_cpu, render as render_cpu_plan
 from ktconvert.cpu.sizes import free_at
 from ktconvert.envinfo import env_info
 from ktconvert.errors import KtConvertError, UsageError
+from ktconvert.extras import require
 from ktconvert.gpu.convert import convert_gpu
-from ktconvert.gpu.experts import EXPERT_SCHEMES
 from ktconvert.gpu.output import GpuOutput
-from ktconvert.gpu.plan import QUANTS as GPU_QUANTS, GpuOptions, plan_gpu, render_gpu
+from ktconvert.gpu.plan import GpuOptions, plan_gpu, render_gpu
 from ktconvert.inputs import open_input
 from ktconvert.merge import merge
-from ktconvert.methods import METHODS, all_methods, writable_names
+from ktconvert.methods import all_methods
 from ktconvert.onepass import write_outputs
+from ktconvert.ops import batch as ops_batch, bundle as ops_bundle, hub as ops_hub
 from ktconvert.parts import select_layers
-from ktconvert.quant.row_quant import ROW_QUANT
 from ktconvert.results import ConvertResult, InspectResult, PlanResult, VerifyResult
 from ktconvert.targets import Target, check_disk, load_targets, parse_target, parse_targets, refuse_shared_folders
 from ktconvert.testing.tiny import make_tiny_model
 from ktconvert.verification import report_html, run as verify_run
+from ktconvert.vocabulary import choices, choose  # noqa: F401  (the API's vocabulary, asked by the CLI)
 
-__all__ = ["ConvertResult", "CpuOptions", "GpuOptions", "InspectResult", "PlanResult", "VerifyResult", "convert",
-           "convert_cpu", "convert_gpu", "env_info", "families", "inspect", "make_tiny_model", "merge", "methods",
-           "plan", "verify"]
+__all__ = ["ConvertResult", "CpuOptions", "GpuOptions", "InspectResult", "PlanResult", "VerifyResult", "batch",
+           "bundle", "convert", "convert_cpu", "convert_gpu", "env_info", "expert_stats", "families", "inspect",
+           "load_jobs", "make_tiny_model", "merge", "methods", "plan", "publish", "unbundle", "verify"]
 
 
 def _options(value, cls):
@@ -87,8 +89,11 @@ def convert(src, targets, *, threads: int | None = None, resume: bool = False, f
 def plan_outputs(src, targets, *, threads: int | None = None, resume: bool = False, force: bool = False,
                  layers=None) -> list:
     """The output.Output of each target (as convert() takes them), planned on one opening of `src` and not yet
-    opened; UsageError for GPTQ, two targets in one folder or too little free disk for all of them."""
+    opened; UsageError for GPTQ, two targets in one folder or too little free disk for all of them,
+    MissingExtraError (exit 2) for a GPU target without the [gpu] extra."""
     wanted = _targets(targets)
+    if any(target.kind == "gpu" for target in wanted):
+        require("gpu", "ktconvert convert")
     input = open_input(src)
     built = [_target_output(input, target, threads, resume, force, layers) for target in wanted]
     check_disk([(o.out_dir, o.plan["total_bytes"]) for o in built if not (resume and o.out_dir.exists())], free_at)
@@ -183,10 +188,13 @@ def verify(out, *, source=None, hashes: bool = False, tokens: int = 8, layers=No
     per layer, a count or "all"; tokens: random activations; threshold: the MoE relative-L2 limit, default per
     method) and remote (remote=REPO: the hub copy's hashes). calibration: a JSON-lines calibration file; the
     numerics then run on the hidden states its tokens produce in `source` (compare: a second output side by
-    side). Never raises for a failed check: result.ok.
+    side). Never raises for a failed check: result.ok; raises MissingExtraError (exit 2) when calibration is
+    given, or `out` is a GPU checkpoint, without the [gpu] extra.
     report: also write the HTML page of what was measured there (verification.report_html: per-layer error
     curves, layer x expert heat map, worst experts, thresholds), also for a failed verification; its folder must
     exist and lie outside `out` (OutputError / UsageError before anything runs); result.report is its path."""
+    if calibration is not None:
+        require("gpu", "verify --calibration")
     target = None if report is None else report_html.check_target(report, out)
     result = verify_run.verify(out, source=source, hashes=hashes, tokens=tokens, layers=layers,
                                experts=sample_experts, threshold=threshold, remote=remote, hub=hub,
@@ -194,6 +202,64 @@ def verify(out, *, source=None, hashes: bool = False, tokens: int = 8, layers=No
     if target is not None:
         result["report"] = str(report_html.write_report(target, result))
     return VerifyResult.from_dict(result)
+
+
+def expert_stats(src, out, calibration, *, max_length: int = 2048, num_samples: int | None = None,
+                 dtype: str = "float32", report=None, force: bool = False, progress=None) -> dict:
+    """Count the calibration tokens each routed expert of checkpoint `src` receives (the model's own router, a
+    float forward one decoder layer at a time; dtype "float32" or "bfloat16") into `out` (.pt, the file SGLang-KT's
+    frequency placement reads), and the HTML page to `report` when given. calibration: JSON lines of {"text": ...}
+    or {"input_ids": [...]}; max_length tokens per sample, the first num_samples samples. Existing files are
+    refused unless force. Raises MissingExtraError (exit 2) without the [gpu] extra, before anything is written;
+    InputError / OutputError as convert_cpu. Returns {path, report, model_type, layers, moe_layers, experts,
+    top_k, tokens, samples, sglang_args, coverage: [{ratio, gpu_experts, routed_share}]}."""
+    return activation_stats.expert_stats(src, out, calibration, max_length=max_length, num_samples=num_samples,
+                                         dtype=dtype, report=report, force=force, progress=progress)
+
+
+def bundle(out, dest, *, level: int = ops_bundle.DEFAULT_LEVEL, progress=None) -> dict:
+    """Pack output folder `out` into one deterministic zstd tar `dest` (.tar.zst, ktconvert.json first; level
+    1-22), every file checked against the manifest on the way (VerifyError when one differs). Returns {"path",
+    "files", "bytes_in", "bytes_out", "ratio"}."""
+    return ops_bundle.bundle(out, dest, level=level, progress=progress)
+
+
+def unbundle(src, dest, *, progress=None) -> dict:
+    """Restore bundle `src` (.tar.zst) into the new folder `dest`, verifying every file against the bundled
+    ktconvert.json; nothing is left behind on failure (VerifyError / InputError). Returns the bundle check's
+    report ({"ok", "checked", "problems", ...}) + "dest"."""
+    return ops_bundle.unbundle(src, dest, progress=progress)
+
+
+def publish(out, repo: str, *, hub: str = "hf", revision: str | None = None, private: bool = False,
+            endpoint: str | None = None, progress=None) -> dict:
+    """Upload output folder `out` to hub repo `repo` (hub "hf" or "modelscope"; endpoint: the hub's URL, default
+    HF_ENDPOINT / MODELSCOPE_ENDPOINT; the token from HF_TOKEN / MODELSCOPE_API_TOKEN or a stored login, never
+    printed) after re-hashing it against its ktconvert.json, with a model card stating the launch flags, then
+    check the remote hashes. Resumable: a second call sends only what the hub lacks. VerifyError when `out` or
+    the remote does not match, RemoteError (exit 5) on hub failures. Returns {"ok", "hub", "repo", "revision",
+    "url", "checked", "missing", "extra", "mismatched", "unverified", "problems", "bytes", "files"}."""
+    return ops_hub.publish(out, repo, hub=hub, revision=revision, private=private, endpoint=endpoint,
+                           progress=progress)
+
+
+def load_jobs(path) -> list[dict]:
+    """Read a TOML job file (examples/jobs.toml): every key typed and checked (InputError naming the job and the
+    key), local sources resolved against the file's folder. Returns the jobs as dicts, in file order."""
+    return ops_batch.load_jobs(path)
+
+
+def batch(jobs, *, keep_going: bool = False, dry_run: bool = False, progress=None):
+    """Run `jobs` (load_jobs' list, or the path of a job file) in order: convert (resumably), bundle, publish; a
+    failed job is recorded, not raised, and stops the run unless keep_going (on Ray: ops.batch_ray).
+    Returns {"ok", "exit_code" (the first failed job's), "jobs": [{"name", "status" ok | failed | skipped,
+    "source", "bytes", "outputs", "wall_s", "error"?}]}; with dry_run (reads no weights) each output's CPU plan
+    instead: [{"job", "source", "out", "publish", "bundle", "plan" (the plan report; None for hub sources),
+    "note"?}]."""
+    job_list = jobs if isinstance(jobs, list) else ops_batch.load_jobs(jobs)
+    if dry_run:
+        return ops_batch.plan_jobs(job_list)
+    return ops_batch.run_jobs(job_list, keep_going=keep_going, progress=progress)
 
 
 def families() -> dict:
@@ -213,35 +279,21 @@ def methods() -> dict:
 
 # ---------------------------------------------------------------- what the command line asks
 
-_CHOICES = {"method": writable_names, "cpu-quant": lambda: ROW_QUANT.names() + ["gptq"],
-            "gpu-quant": lambda: list(GPU_QUANTS), "experts": lambda: sorted(EXPERT_SCHEMES)}
-
-
 def default_method() -> str:
     """The CPU method `demo` and the docs use when none is given (the one whose class sets ``default``)."""
     return next(m.name for m in all_methods() if m.default)
 
 
-def choices(kind: str) -> list[str]:
-    """The values an option of `kind` accepts ("method", "cpu-quant", "gpu-quant", "experts"), from the
-    registries."""
-    return _CHOICES[kind]()
+_DICT_RENDERERS = {"publish": lambda r: ops_hub.render_remote(r) + f"\n{r['url']}",
+                   "batch": ops_batch.render_summary, "batch-plan": ops_batch.render_plans,
+                   "expert-stats": activation_stats.render}
 
 
-def choose(kind: str, value: str) -> str:
-    """`value` as the canonical choice of `kind` (case-insensitive; method aliases accepted); UsageError listing
-    the choices otherwise."""
-    if kind == "method":
-        method = METHODS.get(value).configured()
-        return method.name
-    matches = [c for c in choices(kind) if c.lower() == str(value).strip().lower()]
-    if not matches:
-        raise UsageError(f"unknown {kind} {value!r}", expected=" or ".join(choices(kind)))
-    return matches[0]
-
-
-def render(result) -> str:
-    """A result object as the text the command line prints."""
+def render(result, kind: str | None = None) -> str:
+    """A result object as the text the command line prints; the dicts of publish / batch / expert_stats with
+    kind "publish", "batch" ("batch-plan": batch's dry_run list) or "expert-stats"."""
+    if kind is not None:
+        return _DICT_RENDERERS[kind](result)
     if isinstance(result, ConvertResult):
         return result.summary()
     if isinstance(result, PlanResult):

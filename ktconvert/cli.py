@@ -18,11 +18,10 @@ from pathlib import Path
 import click
 
 from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
-from ktconvert.extras import require
-from ktconvert.cli_options import (GPU_GROUP_SIZES, InputPath, RegistryChoice, batch_executor_options, choice, cpu_options,
-                                   distribution_options, emit, gpu_options, json_option, load_api, orientation_option,
-                                   pop_distribution, prefer, profiling, progress_options, run_batch, run_on_ray,
-                                   run_options, source_arg)
+from ktconvert.cli_options import (GPU_GROUP_SIZES, InputPath, RegistryChoice, batch_executor_options, choice,
+                                   cpu_options, distribution_options, emit, gpu_options, json_option, load_api,
+                                   orientation_option, pop_distribution, prefer, profiling, progress_options,
+                                   run_batch, run_on_ray, run_options, source_arg)
 from ktconvert.cli_targets import TargetCommand, given_targets, target_options
 from ktconvert.progress import make_progress
 
@@ -143,8 +142,6 @@ def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json
     """
     if options["method"] is None:
         raise click.UsageError("Missing option '--method'.")
-    if options["quant"] == "gptq":
-        require("gpu", "--quant gptq")
     distribution = pop_distribution(options)
     options = {k: v for k, v in options.items() if v is not None or k not in ("dampening", "min_tokens")}
     src = source_arg(src, expert_orientation)
@@ -187,7 +184,6 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
     if dry_run:
         emit(api.plan(src, gpu=options), as_json)
         return
-    require("gpu", "ktconvert gpu")
     distribution = pop_distribution(distribution)
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
         if distribution["executor"] == "ray":
@@ -224,8 +220,6 @@ def convert(src, targets_file, threads, resume, force, profile, quiet, json_prog
     """
     distribution = pop_distribution(given)      # the rest of `given`: the targets' options, read by TargetCommand
     targets = given_targets(click.get_current_context(), targets_file)
-    if any(t.kind == "gpu" for t in targets):
-        require("gpu", "ktconvert convert")
     src = source_arg(src, expert_orientation)
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
         if distribution["executor"] == "ray":
@@ -269,12 +263,11 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
     """Count the calibration tokens each routed expert of SRC receives (the model's own router, float forward,
     one decoder layer in memory at a time) into OUT (.pt), the file SGLang-KT's frequency placement reads:
     --init-expert-location OUT --kt-expert-placement-strategy frequency. Needs the [gpu] extra."""
-    from ktconvert.activation.stats import expert_stats as run, render
-
+    api = load_api()
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        result = run(src, out, calibration, max_length=max_length, num_samples=num_samples, dtype=dtype,
-                     report=report, force=force, progress=progress)
-    emit(result, as_json, render(result))
+        result = api.expert_stats(src, out, calibration, max_length=max_length, num_samples=num_samples, dtype=dtype,
+                                  report=report, force=force, progress=progress)
+    emit(result, as_json, api.render(result, "expert-stats"))
 
 
 @cli.command()
@@ -302,8 +295,6 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
 def verify(out, source, hashes, tokens, layers, sample_experts, experts_deprecated, threshold, remote, hub, revision,
            endpoint, calibration, compare, report, as_json) -> None:
     """Check a converted output OUT: structure, hashes, numerics (native kernels) and error against the source."""
-    if calibration is not None:
-        require("gpu", "verify --calibration")
     sample = prefer(sample_experts, experts_deprecated, "--experts", "--sample-experts") or "4"
     result = load_api().verify(out, source=source, hashes=hashes, tokens=tokens, layers=layers, sample_experts=sample,
                                threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint,
@@ -399,11 +390,11 @@ def publish(out, repo, hub, revision, private, endpoint, as_json, quiet, json_pr
     same command again after an interruption and only what the hub lacks is sent. A README.md model card states the
     kt-kernel / SGLang flags. Token: HF_TOKEN / MODELSCOPE_API_TOKEN (or a stored login); never printed.
     """
-    from ktconvert.ops.hub import publish as run, render_remote
-
+    api = load_api()
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        result = run(out, repo, hub=hub, revision=revision, private=private, endpoint=endpoint, progress=progress)
-    emit(result, as_json, render_remote(result) + f"\n{result['url']}")
+        result = api.publish(out, repo, hub=hub, revision=revision, private=private, endpoint=endpoint,
+                             progress=progress)
+    emit(result, as_json, api.render(result, "publish"))
 
 
 @cli.command()
@@ -420,19 +411,18 @@ def batch(jobs, keep_going, dry_run, summary_path, executor, ray_address, as_jso
 
     Exits non-zero if any job failed (with the first failed job's exit code).
     """
-    from ktconvert.ops import batch as mod
-
-    job_list = mod.load_jobs(jobs)
+    api = load_api()
+    job_list = api.load_jobs(jobs)
     if dry_run:
-        plans = mod.plan_jobs(job_list)
-        emit(plans, as_json, mod.render_plans(plans))
+        plans = api.batch(job_list, dry_run=True)
+        emit(plans, as_json, api.render(plans, "batch-plan"))
         return
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
         summary = run_batch(job_list, keep_going, progress, executor, ray_address)
     if summary_path:
         with open(summary_path, "w", encoding="utf-8") as fh:
             fh.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    emit(summary, as_json, mod.render_summary(summary))
+    emit(summary, as_json, api.render(summary, "batch"))
     if not summary["ok"]:
         sys.exit(summary["exit_code"])
 
@@ -445,10 +435,8 @@ def batch(jobs, keep_going, dry_run, summary_path, executor, ray_address, as_jso
 @progress_options
 def bundle(out, dest, level, as_json, quiet, json_progress) -> None:
     """Pack output folder OUT into one deterministic zstd tar DEST (.tar.zst), ktconvert.json first."""
-    from ktconvert.ops import bundle as ops_bundle
-
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        r = ops_bundle.bundle(out, dest, level=level, progress=progress)
+        r = load_api().bundle(out, dest, level=level, progress=progress)
     emit(r, as_json, f"wrote {r['path']}: {r['files']} files, {r['bytes_in']} -> {r['bytes_out']} bytes "
                       f"(ratio {r['ratio']:.3f})")
 
@@ -460,10 +448,8 @@ def bundle(out, dest, level, as_json, quiet, json_progress) -> None:
 @progress_options
 def unbundle(src, dest, as_json, quiet, json_progress) -> None:
     """Restore bundle SRC into new folder DEST, verifying every file (nothing is left behind on failure)."""
-    from ktconvert.ops import bundle as ops_bundle
-
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        r = ops_bundle.unbundle(src, dest, progress=progress)
+        r = load_api().unbundle(src, dest, progress=progress)
     emit(r, as_json, f"restored {r['checked']} files + ktconvert.json into {r['dest']}")
 
 

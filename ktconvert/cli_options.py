@@ -219,13 +219,11 @@ def batch_executor_options(fn):
 
 
 def run_batch(jobs: list, keep_going: bool, progress, executor: str, ray_address: str | None) -> dict:
-    """The summary of a batch run here in order (ops.batch) or as Ray tasks (ops.batch_ray)."""
+    """The summary of a batch run here in order (api.batch) or as Ray tasks (ops.batch_ray, the same summary)."""
     if executor != "ray":
         if ray_address is not None:
             raise click.UsageError("--ray-address needs --executor ray")
-        from ktconvert.ops import batch
-
-        return batch.run_jobs(jobs, keep_going=keep_going, progress=progress)
+        return load_api().batch(jobs, keep_going=keep_going, progress=progress)
     require("ray", "--executor ray")
     from ktconvert.ops import batch_ray
 

@@ -40,6 +40,11 @@ class KtConvertError(Exception):
         self.args = (self._format(),)
         return self
 
+    def add_hint(self, text: str) -> None:
+        """Append `text` to the hint (what to do next, known only where the error is caught) and re-format."""
+        self.hint = f"{self.hint}; {text}" if self.hint else text
+        self.args = (self._format(),)
+
     def _format(self) -> str:
         parts = [p for p in (self.file, self.tensor) if p]
         text = self.detail

@@ -13,8 +13,8 @@ import os
 import time
 
 from ktconvert import profile
-from ktconvert.errors import OutputError, UsageError
-from ktconvert.formats.out_manifest import sglang_args
+from ktconvert.errors import KtConvertError, OutputError, UsageError
+from ktconvert.formats.out_manifest import load_manifest, sglang_args
 from ktconvert.progress import Progress
 from ktconvert.results import ConvertResult
 from ktconvert.runner import JointJournal, run_jobs
@@ -101,7 +101,9 @@ def refuse_gptq_part(output) -> None:
 
 def write_in_layer_order(output, write, timings: dict | None = None) -> ConvertResult:
     """One output whose layers are not produced by the streaming read (GPTQ: each layer needs the previous
-    layer's outputs): open it, let ``write(output)`` write and journal every layer, finalize, close."""
+    layer's outputs): open it, let ``write(output)`` write and journal every layer, finalize, close. A run that
+    fails before its first layer is journalled leaves no OUT (output.discard); a later failure keeps the finished
+    layers and its error says that --resume continues and --force starts over."""
     timings = dict(timings or {})
     if not output.open():
         output.close()
@@ -111,10 +113,26 @@ def write_in_layer_order(output, write, timings: dict | None = None) -> ConvertR
         write(output)
         timings["convert"] = time.monotonic() - t0
         manifest = output.finalize()
+    except BaseException as exc:
+        if not output.journal.layers:
+            output.discard()
+        elif isinstance(exc, KtConvertError):
+            exc.add_hint(f"{output.out_dir} keeps the layers finished so far: --resume continues, --force starts "
+                         f"over")
+        raise
     finally:
         output.close()
     timings["total"] = sum(v for k, v in timings.items() if k != "total")
     return result_of(output, manifest, timings)
+
+
+def layer_source_bytes(source, layers) -> dict[int, int]:
+    """{layer: bytes of its stored expert matrices in `source`} for `layers`, in their order (the progress of
+    writers that go layer by layer)."""
+    sizes = dict.fromkeys(layers, 0)
+    for job in source.matrix_jobs(layers):
+        sizes[job.layer] += job.nbytes
+    return sizes
 
 
 def result_of(output, manifest: dict | None, timings: dict) -> ConvertResult:

@@ -3,6 +3,7 @@ set (ktconvert.testing.tiny.make_tiny_model keywords: layers, experts, hidden, i
 directory as read-only: other tests get the same one."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -22,3 +23,11 @@ def tiny_model(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def calibration(tmp_path_factory):
+    """A --calibration file of three token-id samples (36, 38 and 40 tokens; ids below 46)."""
+    path = tmp_path_factory.mktemp("calib") / "calib.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": list(range(4 + i, 40 + 3 * i))}) + "\n" for i in range(3)))
+    return path

@@ -67,3 +67,34 @@ def test_convert_one_pass_gpu_plan_inspect_verify(tiny_model, tmp_path):
     assert gpu_checked.ok, gpu_checked.problems
     with pytest.raises(UsageError, match="own folder"):
         ktconvert.convert(model, [(tmp_path / "same", {"method": "amxint4"}), (tmp_path / "same", {"experts": "w4a16"})])
+
+
+def test_cli_reaches_the_library_through_the_api_only():
+    """docs/architecture.md: cli.py prints and exits and calls api.py; of our modules it imports only errors,
+    cli_options (which loads api), cli_targets (convert's --cpu / --gpu targets), progress and, for `hub-server`,
+    the hub stand-in (no API function)."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(ktconvert.__file__).with_name("cli.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module and node.module.startswith("ktconvert")}
+    assert imported == {"ktconvert.errors", "ktconvert.cli_options", "ktconvert.cli_targets", "ktconvert.progress",
+                        "ktconvert.testing.hubserver"}
+
+
+def test_bundle_unbundle_batch_publish_expert_stats_are_api_functions(tiny_model, tmp_path):
+    for name in ("bundle", "unbundle", "batch", "load_jobs", "publish", "expert_stats"):
+        assert name in dir(ktconvert) and "Returns" in getattr(ktconvert, name).__doc__, name
+    model = tiny_model("qwen3_moe")
+    ktconvert.convert_cpu(model, tmp_path / "out", method="amxint4", numa=1)
+    packed = ktconvert.bundle(tmp_path / "out", tmp_path / "out.tar.zst", level=1)
+    assert packed["path"] == str(tmp_path / "out.tar.zst") and packed["files"] >= 2
+    restored = ktconvert.unbundle(tmp_path / "out.tar.zst", tmp_path / "back")
+    assert restored["dest"] == str(tmp_path / "back")
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == sorted(p.name for p in (tmp_path / "out").iterdir())
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text(f'[[jobs]]\nname = "a"\nsource = "{model}"\n  [[jobs.outputs]]\n  out = "{tmp_path / "j"}"\n'
+                    f'  method = "amxint4"\n  numa = 1\n')
+    (plan,) = ktconvert.batch(jobs, dry_run=True)
+    assert plan["job"] == "a" and plan["plan"]["numa"] == 1 and not (tmp_path / "j").exists()

@@ -39,7 +39,10 @@ source = "model"
 @pytest.fixture
 def fake_pipeline(monkeypatch):
     """Stand-in for ktconvert.cpu.convert.convert_cpu: writes a synthetic output, or fails like the real one on a
-    missing source. Records its calls."""
+    missing source. Records its calls. ktconvert.api (which the CLI's batch goes through) is imported first, so that
+    the API module, cached for the later tests, keeps the real convert_cpu."""
+    import ktconvert.api  # noqa: F401
+
     calls = []
 
     def convert_cpu(src, out, **options):

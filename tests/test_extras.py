@@ -4,7 +4,6 @@ needs [gpu] stops with one line naming the extra and the missing modules, exit 2
 The modules are made unimportable for real in a subprocess (tests/hidden_modules.py), not mocked in ktconvert."""
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
@@ -27,19 +26,14 @@ def model(tiny_model):
     return tiny_model("qwen3_moe", layers=2, experts=4, hidden=128, intermediate=128)
 
 
-@pytest.fixture(scope="module")
-def calibration(tmp_path_factory):
-    path = tmp_path_factory.mktemp("calib") / "calib.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": list(range(4, 20))}) + "\n" for _ in range(2)))
-    return path
-
-
 @pytest.mark.parametrize("feature, args", [
     ("ktconvert gpu", ["gpu", "{model}", "{out}", "--experts", "w4a16"]),
     ("ktconvert gpu", ["gpu", "{model}", "{out}", "--quant", "gptq", "--calibration", "{calib}"]),
     ("ktconvert convert", ["convert", "{model}", "--cpu", "{out}", "--method", "amxint4", "--gpu", "{out}-gpu"]),
     ("--quant gptq", ["cpu", "{model}", "{out}", "--method", "amxint4", "--quant", "gptq",
                       "--calibration", "{calib}"]),
+    ("ktconvert expert-stats", ["expert-stats", "{model}", "{out}.pt", "--calibration", "{calib}",
+                                "--report", "{out}.html"]),
 ])
 def test_gpu_features_refuse_without_the_extra(tmp_path, model, calibration, feature, args):
     work = tmp_path / "work"
@@ -111,3 +105,35 @@ def test_require_in_process(monkeypatch):
     assert err.value.exit_code == EXIT_USAGE
     assert str(err.value) == ("--quant gptq needs the [gpu] extra: pip install 'ktconvert[gpu]' "
                               "(missing module: llmcompressor)")
+
+
+def test_api_entry_points_check_the_extra_themselves(tmp_path, model, calibration, monkeypatch):
+    """The Python API, not only the CLI, raises MissingExtraError before writing: convert_gpu, convert with a GPU
+    output, convert_cpu with quant "gptq", verify of a GPU checkpoint or with calibration, expert_stats."""
+    import ktconvert
+
+    gpu_out = tmp_path / "gpu"
+    ktconvert.convert_gpu(model, gpu_out, experts="w4a16")
+    cpu_out = tmp_path / "cpu"
+    ktconvert.convert_cpu(model, cpu_out, method="amxint4", numa=1)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setitem(sys.modules, "llmcompressor", None)     # as if not installed (find_spec raises)
+    calls = {
+        "ktconvert gpu": lambda: ktconvert.convert_gpu(model, work / "g", experts="w4a16"),
+        "ktconvert convert": lambda: ktconvert.convert(model, [(work / "c", {"method": "amxint4", "numa": 1}),
+                                                               (work / "g", {"experts": "w4a16"})]),
+        "--quant gptq": lambda: ktconvert.convert_cpu(model, work / "c", method="amxint4", numa=1, quant="gptq",
+                                                      calibration=calibration),
+        "verify of a GPU checkpoint": lambda: ktconvert.verify(gpu_out, source=model),
+        "verify --calibration": lambda: ktconvert.verify(cpu_out, source=model, calibration=calibration,
+                                                         report=work / "r.html"),
+        "ktconvert expert-stats": lambda: ktconvert.expert_stats(model, work / "e.pt", calibration,
+                                                                 report=work / "e.html"),
+    }
+    for feature, call in calls.items():
+        with pytest.raises(MissingExtraError) as err:
+            call()
+        assert str(err.value) == (f"{feature} needs the [gpu] extra: pip install 'ktconvert[gpu]' "
+                                  f"(missing module: llmcompressor)")
+        assert entries(work) == set(), feature

@@ -19,6 +19,7 @@ from ktconvert.activation.placement import coverage, sglang_moe_layers
 from ktconvert.activation.report import write_report
 from ktconvert.activation.routing import counting
 from ktconvert.errors import InputError, OutputError
+from ktconvert.extras import require
 from ktconvert.formats.fileio import record_for
 from ktconvert.formats.hf_source import HFSource
 from ktconvert.formats.out_manifest import placement_flags
@@ -85,10 +86,12 @@ def expert_stats(src, out, calibration, *, max_length: int = 2048, num_samples: 
                  dtype: str = "float32", device: str | None = None, report=None, force: bool = False,
                  progress=None) -> dict:
     """Count the routed calibration tokens of checkpoint `src` and write them to `out` (must end in .pt), and
-    the HTML picture to `report` when given. Existing files are refused unless `force`.
+    the HTML picture to `report` when given. Existing files are refused unless `force`. MissingExtraError (exit
+    2) without the [gpu] extra, before anything is written.
 
     Returns {path, report, model_type, layers, moe_layers, experts, top_k, tokens, samples, sglang_args,
     coverage: [{ratio, gpu_experts, routed_share}]} (coverage: SGLang-KT's frequency placement at a few ratios)."""
+    require("gpu", "ktconvert expert-stats")
     out = Path(out)
     targets = [out] + ([Path(report)] if report else [])
     _check_targets(out, targets, force)

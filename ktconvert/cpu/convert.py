@@ -12,6 +12,7 @@ import time
 
 from ktconvert.cpu.output import CpuOutput
 from ktconvert.cpu.plan import CpuOptions, plan_cpu
+from ktconvert.extras import require
 from ktconvert.gptq import cpu as gptq_cpu
 from ktconvert.inputs import open_input
 from ktconvert.onepass import refuse_gptq_part, write_outputs
@@ -31,11 +32,14 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     empty `out` first. progress: a ktconvert.progress.Progress (start / advance / message are called).
     layers: a MoE layer range ("A-B" or (A, B), inclusive): `out` becomes a part holding those layers' files and
     ktconvert-part.json (ktconvert.parts; `ktconvert merge` joins the parts).
-    Raises UsageError (exit 2), InputError (3), OutputError (1, e.g. `out` not empty or locked by another
-    process); nothing is written before every check passed. Returns the ConvertResult.
+    Raises UsageError (exit 2), MissingExtraError (2: quant "gptq" without the [gpu] extra), InputError (3),
+    OutputError (1, e.g. `out` not empty or locked by another process); nothing is written before every check
+    passed. Returns the ConvertResult.
     """
     t0 = time.monotonic()
     options = options or CpuOptions.make(**option_values)
+    if options.quant == "gptq":
+        require("gpu", "--quant gptq")
     plan = plan_cpu(open_input(src), options, out=out, threads=threads)
     plan.refuse_dropped_biases()
     output = CpuOutput(out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))

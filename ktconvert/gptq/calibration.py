@@ -39,16 +39,28 @@ def read_jsonl(path) -> list[dict]:
     return records
 
 
-def load_tokenizer(model_dir):
-    """The checkpoint's tokenizer (transformers AutoTokenizer, local files only)."""
+# Files transformers' AutoTokenizer builds a tokenizer from without a download (fast, SentencePiece, BPE).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir, calibration_file, sample: int):
+    """The checkpoint's tokenizer (transformers AutoTokenizer, local files only) for text sample number `sample`
+    of `calibration_file`. InputError naming both files and what is needed when `model_dir` holds none of
+    TOKENIZER_FILES or they do not load."""
     from transformers import AutoTokenizer
 
+    where = f"{Path(calibration_file).name} sample {sample}"
+    need = (f"a tokenizer.json in {model_dir}, or samples written as {{\"input_ids\": [...]}} lines instead of "
+            f"{{\"text\": ...}}")
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise InputError(f"{where} is text, and {model_dir} has no tokenizer to turn it into token ids",
+                         expected=need, found=f"none of {', '.join(TOKENIZER_FILES)}")
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"cannot load the checkpoint's tokenizer for text calibration samples ({exc})",
-                         file=str(model_dir), hint='ship tokenizer files with the model, or give '
-                                                   '{"input_ids": [...]} samples') from None
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"{where} is text, and the tokenizer files of {model_dir} do not load ({reason})",
+                         expected=need) from None
 
 
 def load_samples(path, model_dir, max_length: int = 2048, num_samples: int | None = None,
@@ -70,7 +82,7 @@ def load_samples(path, model_dir, max_length: int = 2048, num_samples: int | Non
         else:
             if not isinstance(rec["text"], str) or not rec["text"]:
                 raise InputError(f"calibration sample {i}: text must be a non-empty string", file=Path(path).name)
-            tokenizer = tokenizer or load_tokenizer(model_dir)
+            tokenizer = tokenizer or load_tokenizer(model_dir, path, i)
             ids = tokenizer(rec["text"])["input_ids"]
             if not ids:
                 raise InputError(f"calibration sample {i}: text tokenizes to nothing", file=Path(path).name)

@@ -23,7 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from ktconvert.activation.stats import write_gptq_activation
-from ktconvert.errors import InputError, ShapeError, UsageError
+from ktconvert.errors import InputError, ShapeError
 from ktconvert.formats.fileio import hash_file
 from ktconvert.formats.hf_source import HFSource
 from ktconvert.gptq import grid
@@ -34,7 +34,8 @@ from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream
 from ktconvert.layouts.naming import PROJS
 from ktconvert.layouts.numa import numa_slices
 from ktconvert.methods import METHODS
-from ktconvert.onepass import write_in_layer_order
+from ktconvert.onepass import layer_source_bytes, write_in_layer_order
+from ktconvert.progress import Progress
 from ktconvert.quant import mse  # noqa: F401  (registers the "mse" row quantizer)
 from ktconvert.quant.row_quant import ROW_QUANT
 from ktconvert.results import ConvertResult
@@ -181,60 +182,70 @@ def write_layer(writer, method, result: LayerResult) -> None:
             writer.put(proj, e, t, method.pack(codes), np.asarray(d, np.float32))
 
 
-def write_gptq_layers(output, progress=None, *, max_length: int = 2048, num_samples: int | None = None,
-                      options: GptqOptions = GptqOptions(),
+def write_gptq_layers(output, samples: list, progress=None, *, options: GptqOptions = GptqOptions(),
                       selection: SelectionOptions | None = SelectionOptions()) -> dict:
-    """Write every layer of an opened CPU output (cpu.output.CpuOutput, quant "gptq": its options hold method,
-    numa and calibration) from gptq_amx_codes, then record the source files' digests in its journal. Returns
-    {"tokens" {layer: [per expert]}, "fallback" {layer: [experts]}, "fallback_quant",
+    """Write every layer of an opened CPU output (cpu.output.CpuOutput, quant "gptq": its options hold method and
+    numa) from gptq_amx_codes on `samples` (1-D int64 token tensors), then record the source files' digests in its
+    journal. Layers the journal holds (--resume) are computed (the next layer's inputs need them) but not written
+    again: the bytes are the same. progress: one phase over the layers' source bytes, advanced per layer.
+    Returns {"tokens" {layer: [per expert]}, "fallback" {layer: [experts]}, "fallback_quant",
     "selection" {layer: selection_counts}}."""
     method, source = output.method, output.source
     if not hasattr(method, "bits"):
         tiled = [name for name, m in METHODS.items() if hasattr(m, "bits")]
         raise InputError("--quant gptq needs a method with per-row tiles", expected=" or ".join(tiled),
                          found=method.name)
+    sizes = layer_source_bytes(source, output.layers)
+    progress = progress or Progress()
+    progress.start(sum(sizes.values()), len(sizes), f"cpu {method.name.upper()} gptq")
     summary = {"tokens": {}, "fallback": {}, "fallback_quant": None, "selection": {}}
-    for result in gptq_amx_codes(source, output.options.calibration, method.bits, output.options.numa,
-                                 max_length=max_length, num_samples=num_samples, options=options,
+    for result in gptq_amx_codes(source, samples, method.bits, output.options.numa, options=options,
                                  selection=selection):
-        consumer = output.begin_layer(result.layer)
-        try:
-            write_layer(consumer.writer, method, result)
-            output.layer_finished(result.layer, consumer.finish())
-        except BaseException:
-            consumer.abort()
-            raise
+        if not output.journal.layer_done(result.layer):
+            _write_journalled(output, method, result)
         summary["tokens"][result.layer] = result.tokens
         summary["fallback"][result.layer] = result.fallback
         summary["fallback_quant"] = result.fallback_quant
         summary["selection"][result.layer] = selection_counts(result)
-        if progress is not None:
-            progress.advance(0, items=1, detail=f"layer {result.layer}")
+        progress.advance(sizes[result.layer], items=1, detail=f"layer {result.layer}")
     for path in source.files():
         size, sha256, _ = hash_file(path)
         output.journal.finish_source(source.relative_name(path), {"bytes": size, "sha256": sha256})
     return summary
 
 
+def _write_journalled(output, method, result: LayerResult) -> None:
+    """One layer's files through the output's layer writer, journalled when complete (removed when not)."""
+    consumer = output.begin_layer(result.layer)
+    try:
+        write_layer(consumer.writer, method, result)
+        output.layer_finished(result.layer, consumer.finish())
+    except BaseException:
+        consumer.abort()
+        raise
+
+
 def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, options: GptqOptions | None = None,
                      selection: SelectionOptions | None = None, max_length: int = 2048,
                      num_samples: int | None = None) -> ConvertResult:
     """``ktconvert cpu SRC OUT --method amxint4|amxint8 --quant gptq --calibration FILE`` for an unopened CPU
-    output (cpu.output.CpuOutput of a validated plan): open OUT, write every layer, finalize (ktconvert.json with
-    quant "gptq" and a "gptq" record: the options and, per layer, how many experts took GPTQ / the data-free
-    quantizer and why). options / selection: None = from the output's CpuOptions (dampening, min_tokens). No
-    resume of a partial run. Returns the ConvertResult (details: tokens per expert, fallback experts,
-    fallback_quant, selection counts). OUT also gets expert_activation.pt, the routed-token counts of the
-    calibration (activation.stats.write_gptq_activation), recorded in the manifest and its SGLang flags."""
-    if output.resume:
-        raise UsageError("not available with --quant gptq", found="--resume")
+    output (cpu.output.CpuOutput of a validated plan): read the calibration samples (InputError before OUT is
+    touched), open OUT, write every layer, finalize (ktconvert.json with quant "gptq" and a "gptq" record: the
+    options and, per layer, how many experts took GPTQ / the data-free quantizer and why). options / selection:
+    None = from the output's CpuOptions (dampening, min_tokens). An interrupted or failed run continues with
+    --resume (every layer is computed again, the journalled ones are not rewritten) or starts over with --force.
+    Returns the ConvertResult (details: tokens per expert, fallback experts, fallback_quant, selection counts).
+    OUT also gets expert_activation.pt, the routed-token counts of the calibration
+    (activation.stats.write_gptq_activation), recorded in the manifest and its SGLang flags."""
     opts = output.options
     options = options or GptqOptions(dampening=opts.dampening)
     selection = selection or SelectionOptions(min_tokens=opts.min_tokens)
+    source = output.source
+    samples = load_samples(opts.calibration, source.root, max_length=max_length, num_samples=num_samples,
+                           vocab_size=source.info.config.get("vocab_size"))
 
     def write(output) -> None:
-        summary = write_gptq_layers(output, progress, max_length=max_length, num_samples=num_samples,
-                                    options=options, selection=selection)
+        summary = write_gptq_layers(output, samples, progress, options=options, selection=selection)
         output.expert_activation = write_gptq_activation(output.out_dir, output.source, summary["tokens"],
                                                          output.options.calibration, max_length=max_length,
                                                          num_samples=num_samples)

@@ -16,11 +16,13 @@ import time
 
 from ktconvert.activation.stats import write_gptq_activation
 from ktconvert.errors import KtConvertError
+from ktconvert.extras import require
 from ktconvert.formats.out_manifest import source_fingerprint
 from ktconvert.gpu.output import GpuOutput
 from ktconvert.gpu.plan import GpuOptions, plan_gpu
+from ktconvert.gptq.calibration import load_samples
 from ktconvert.inputs import open_input
-from ktconvert.onepass import refuse_gptq_part, write_in_layer_order, write_outputs
+from ktconvert.onepass import layer_source_bytes, refuse_gptq_part, write_in_layer_order, write_outputs
 from ktconvert.parts import select_layers
 from ktconvert.progress import Progress
 from ktconvert.results import ConvertResult
@@ -33,11 +35,12 @@ def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | N
 
     options: a GpuOptions, or its fields as keywords (experts, group_size, quant, linears, include_mtp,
     calibration; see GpuOptions). threads / resume / force / progress / layers as for ktconvert.convert_cpu. Raises
-    UsageError (exit 2), InputError (3), OutputError (1); nothing is written before every check passed.
-    Returns the ConvertResult.
+    UsageError (exit 2), MissingExtraError (2: the [gpu] extra is not installed), InputError (3), OutputError (1);
+    nothing is written before every check passed. Returns the ConvertResult.
     """
     t0 = time.monotonic()
     options = options or GpuOptions.make(**option_values)
+    require("gpu", "ktconvert gpu")
     if options.quant == "gptq":
         gptq_hook()
     plan = plan_gpu(open_input(src), options)
@@ -45,7 +48,9 @@ def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | N
     timings = {"plan": time.monotonic() - t0}
     if options.quant == "gptq":
         refuse_gptq_part(output)
-        return write_in_layer_order(output, lambda o: _run_gptq(o, progress or Progress()), timings)
+        samples = load_samples(options.calibration, output.source.root,
+                               vocab_size=output.source.info.config.get("vocab_size"))
+        return write_in_layer_order(output, lambda o: _run_gptq(o, samples, progress or Progress()), timings)
     return write_outputs([output], threads=threads, progress=progress, timings=timings)[0]
 
 
@@ -61,24 +66,26 @@ def gptq_hook():
     return quantize_layer_gptq
 
 
-def _run_gptq(output: GpuOutput, progress) -> None:
-    """Layers in order through the GPTQ hook (not file order: each layer needs the previous layer's outputs);
-    then OUT/expert_activation.pt from the hook's routed-token counts (set as the output's expert_activation)."""
+def _run_gptq(output: GpuOutput, samples: list, progress) -> None:
+    """Layers in order through the GPTQ hook on `samples` (1-D int64 token tensors; not file order: each layer
+    needs the previous layer's outputs); then OUT/expert_activation.pt from the hook's routed-token counts (set
+    as the output's expert_activation)."""
     quantize_layer_gptq = gptq_hook()
     opts, source = output.options, output.source
-    progress.start(len(output.layers), len(output.layers), f"gpu {opts.experts.upper()} gptq")
+    sizes = layer_source_bytes(source, output.layers)
+    progress.start(sum(sizes.values()), len(sizes), f"gpu {opts.experts.upper()} gptq")
     state = None
     for layer in output.layers:
         writer = output.begin_layer(layer)
         try:
             state = quantize_layer_gptq(source, layer, state, bits=opts.bits, group_size=opts.group_size,
                                         emit=lambda e, proj, tensors: writer.put_tensors(e, proj, tensors),
-                                        calibration=opts.calibration)
+                                        calibration=samples)
             output.layer_finished(layer, writer.finish())
         except BaseException:
             writer.abort()
             raise
-        progress.advance(1, items=1, detail=f"layer {layer}")
+        progress.advance(sizes[layer], items=1, detail=f"layer {layer}")
     fingerprint = source_fingerprint(source.root, source.files())
     for name, entry in fingerprint["files"].items():
         output.journal.finish_source(name, entry)

@@ -30,8 +30,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ktconvert.api import choices, choose, plan
+from ktconvert.cpu.plan import CpuOptions, plan_cpu
 from ktconvert.errors import EXIT_ERROR, InputError, KtConvertError
+from ktconvert.inputs import open_input
+from ktconvert.vocabulary import choices, choose
 from ktconvert.toml_schema import Field, check_table as _check_table, read_toml
 
 CPU_FIELDS = {"method": Field(str), "numa": Field(int, 1), "layout": Field(str, choices=("safetensors", "kt")),
@@ -148,7 +150,7 @@ def _check_choices(output: dict, path: Path, where: str) -> None:
 
 
 def plan_jobs(jobs: list[dict]) -> list[dict]:
-    """--dry-run: ktconvert.api.plan(...) for every output of every job (headers only, no weights read)."""
+    """--dry-run: the CPU plan (cpu.plan.plan_cpu) of every output of every job (headers only, no weights read)."""
     plans = []
     for job in jobs:
         for output in job["outputs"]:
@@ -160,9 +162,10 @@ def plan_jobs(jobs: list[dict]) -> list[dict]:
                 entry["note"] = "hub source: downloaded and verified at run time, planned after download"
             else:
                 cpu = output["cpu"]
-                entry["plan"] = plan(job["source"], method=cpu["method"], numa=cpu.get("numa", 1),
-                                     layout=cpu.get("layout", "safetensors"), group_size=cpu.get("group_size"),
-                                     include_mtp=cpu.get("include_mtp", False), out=output["out"]).cpu.report
+                options = CpuOptions.make(method=cpu["method"], numa=cpu.get("numa", 1),
+                                          layout=cpu.get("layout", "safetensors"), group_size=cpu.get("group_size"),
+                                          include_mtp=cpu.get("include_mtp", False))
+                entry["plan"] = plan_cpu(open_input(job["source"]), options, out=output["out"]).report
             plans.append(entry)
     return plans
 
