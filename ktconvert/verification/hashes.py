@@ -1,5 +1,6 @@
 """``verify --hashes`` (and ``publish``'s local check): every file and tensor of an output re-hashed against the
-sha256 / git blob SHA-1 its ``ktconvert.json`` records."""
+sha256 / git blob SHA-1 its ``ktconvert.json`` records (the git blob id as its format_version defines it: of the
+content for every file in version 1, of the LFS pointer for files from ``fileio.LFS_THRESHOLD`` on in version 2)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,26 +25,28 @@ def verify_hashes(out_dir, manifest: dict | None = None, folder=None) -> dict:
     report = {"mismatched": [], "missing": [], "extra": sorted(on_disk - set(listed)), "tensor_mismatched": [],
               "tensor_extra": [], "files_checked": 0, "tensors_checked": 0, "problems": []}
     seen_tensors: dict[str, str] = {}
+    content_git = manifest.get("format_version") == 1
     for rel in sorted(listed):
         if rel not in on_disk:
             report["missing"].append(rel)
             continue
-        _check_file(root, rel, listed[rel], headers.get(rel), report, seen_tensors)
+        _check_file(root, rel, listed[rel], headers.get(rel), report, seen_tensors, content_git)
     _compare_tensors(manifest["tensors"], seen_tensors, report)
     report["problems"] = _hash_problems(report)
     report["ok"] = not report["problems"]
     return report
 
 
-def _check_file(root: Path, rel: str, entry: dict, header, report: dict, seen_tensors: dict) -> None:
+def _check_file(root: Path, rel: str, entry: dict, header, report: dict, seen_tensors: dict,
+                content_git: bool) -> None:
     tensor_hashes = {}
     if rel.endswith(".safetensors"):
         try:
-            size, sha256, git_sha1, tensor_hashes = hash_safetensors(root / rel, header)
+            size, sha256, git_sha1, tensor_hashes = hash_safetensors(root / rel, header, content_git)
         except InputError:
-            size, sha256, git_sha1 = hash_file(root / rel)
+            size, sha256, git_sha1 = hash_file(root / rel, content_git)
     else:
-        size, sha256, git_sha1 = hash_file(root / rel)
+        size, sha256, git_sha1 = hash_file(root / rel, content_git)
         key = key_for_kt_path(rel)
         if key is not None:
             tensor_hashes = {key: sha256}
