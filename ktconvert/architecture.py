@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ktconvert.errors import ManifestError
+from ktconvert.expert_names import ExpertLayout, parse_experts
 
 MANIFEST_PATH_ENV = "KTCONVERT_MANIFEST_PATH"
 
@@ -35,35 +36,12 @@ CONFIG_FIELDS: dict[str, tuple[bool, Any]] = {
     "n_shared": (False, 0),
     "shared_intermediate": (False, None),   # default: intermediate * n_shared
 }
-TOP_KEYS = {"family", "model_types", "text_config", "name_prefixes", "notes", "config", "defaults",
+TOP_KEYS = {"family", "model_types", "text_config", "name_prefixes", "mtp_prefix", "notes", "config", "defaults",
             "moe_layers", "experts", "components", "tiny"}
-EXPERT_KEYS = {"form", "pattern", "proj", "gate_up", "down", "gate_up_bias", "down_bias", "gate_up_interleaved",
-               "mxfp4"}
 TINY_KEYS = {"config", "attention", "linear_attention", "attn_bias", "qk_norm", "q_gate", "sinks", "router",
              "router_bias", "router_bias_fp32", "shared", "shared_gate", "dense_mlp", "mtp", "extra_tensors",
              "name_prefix", "fused_transposed", "null_keys"}
 DEFAULT_PREFIXES = ("model.",)
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """How routed experts are stored. Patterns are relative to the name prefix and use {L}, {E}, {proj}.
-
-    form "per_expert": ``pattern`` with ``proj`` mapping gate/up/down to the file's names (2-D [I,H] / [H,I]).
-    form "fused": ``gate_up`` ([E, 2I, H] or [E, H, 2I]) and ``down`` ([E, H, I] or [E, I, H]) per layer; the reader
-    detects the orientation from shapes. ``gate_up_interleaved``: rows/cols alternate gate, up (gpt-oss); otherwise
-    the first I are gate. ``mxfp4``: the hub may store each fused tensor as ``<name>_blocks`` + ``<name>_scales``.
-    """
-
-    form: str
-    pattern: str = ""
-    proj: dict[str, str] = field(default_factory=dict)
-    gate_up: str = ""
-    down: str = ""
-    gate_up_bias: str = ""
-    down_bias: str = ""
-    gate_up_interleaved: bool = False
-    mxfp4: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +60,8 @@ class Manifest:
     name_prefixes: tuple[str, ...] = DEFAULT_PREFIXES
     notes: str = ""
     tiny: dict[str, dict] = field(default_factory=dict)
+    mtp_prefix: str = ""     # MTP layer k lives at "<mtp_prefix>layers.{k}." (Qwen3-Next: "mtp."), not at layer
+                             # n_layers + k under the name prefix
 
 
 @dataclass(frozen=True)
@@ -123,20 +103,44 @@ class ModelInfo:
 
     @property
     def fused(self) -> bool:
+        """Whether the family usually stores its experts fused (a hint: sources detect the layout)."""
         return self.manifest.experts.form == "fused"
 
+    def layer_name(self, pattern: str, layer: int, **fields) -> str:
+        """Full tensor name of manifest `pattern` ({L} and `fields`) for decoder layer `layer`; an MTP layer of a
+        family with an ``mtp_prefix`` is ``<mtp_prefix>layers.{layer - n_layers}``."""
+        prefix, index = self.name_prefix, layer
+        if self.manifest.mtp_prefix and layer >= self.n_layers:
+            prefix, index = self.manifest.mtp_prefix, layer - self.n_layers
+        return prefix + pattern.format(L=index, **fields)
+
     def expert_names(self, layer: int, expert: int) -> dict[str, str]:
-        """Per-expert form: {"gate": name, "up": name, "down": name} for one expert."""
+        """Per-expert names: {"gate": name, "up": name, "down": name} of one expert."""
         lay = self.manifest.experts
-        return {role: self.name_prefix + lay.pattern.format(L=layer, E=expert, proj=proj)
-                for role, proj in lay.proj.items()}
+        return {role: self.layer_name(lay.pattern, layer, E=expert, proj=proj) for role, proj in lay.proj.items()}
 
     def fused_names(self, layer: int) -> dict[str, str]:
-        """Fused form: {"gate_up": name, "down": name} plus "gate_up_bias"/"down_bias" where the family has them."""
+        """The family's own fused names: {"gate_up", "down"} plus "gate_up_bias"/"down_bias" where declared."""
         lay = self.manifest.experts
         names = {"gate_up": lay.gate_up, "down": lay.down, "gate_up_bias": lay.gate_up_bias,
                  "down_bias": lay.down_bias}
-        return {k: self.name_prefix + v.format(L=layer) for k, v in names.items() if v}
+        return {k: self.layer_name(v, layer) for k, v in names.items() if v}
+
+    def experts_prefixes(self, layer: int) -> list[str]:
+        """Full MoE expert prefixes of `layer` where fused tensors may be (ExpertLayout.experts_prefixes)."""
+        return [self.layer_name(p, layer) for p in self.manifest.experts.experts_prefixes()]
+
+    def layer_of(self, name: str) -> int | None:
+        """The decoder layer tensor `name` belongs to (MTP layers numbered n_layers + k; the MTP module's own
+        tensors under mtp_prefix, e.g. ``mtp.fc``, count as the first MTP layer's), None outside layers."""
+        match = re.match(re.escape(self.name_prefix) + r"layers\.(\d+)\.", name)
+        if match:
+            return int(match.group(1))
+        mtp = self.manifest.mtp_prefix
+        if not mtp or not name.startswith(mtp):
+            return None
+        match = re.match(re.escape(mtp) + r"layers\.(\d+)\.", name)
+        return self.n_layers + (int(match.group(1)) if match else 0)
 
 
 # ---------------------------------------------------------------- loading
@@ -157,20 +161,6 @@ def _str_list(source: str, value: Any, where: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise _fail(source, f"{where} must be a list of strings", found=repr(value))
     return tuple(value)
-
-
-def _parse_experts(source: str, table: dict) -> ExpertLayout:
-    _check_keys(source, table, EXPERT_KEYS, "[experts] ")
-    form = table.get("form", "per_expert")
-    if form == "per_expert":
-        if not table.get("pattern") or set(table.get("proj", {})) != {"gate", "up", "down"}:
-            raise _fail(source, "[experts] per_expert needs pattern and proj = {gate, up, down}")
-    elif form == "fused":
-        if not table.get("gate_up") or not table.get("down"):
-            raise _fail(source, "[experts] fused needs gate_up and down")
-    else:
-        raise _fail(source, "[experts] form", expected="per_expert or fused", found=repr(form))
-    return ExpertLayout(form=form, **{k: v for k, v in table.items() if k != "form"})
 
 
 def _parse_components(source: str, table: dict) -> dict[str, tuple[str, ...]]:
@@ -214,12 +204,13 @@ def parse_manifest(text: str, source: str) -> Manifest:
         config_keys={name: _str_list(source, keys, f"[config] {name}") for name, keys in config.items()},
         defaults=dict(defaults),
         moe_rule=rule,
-        experts=_parse_experts(source, data["experts"]),
+        experts=parse_experts(source, data["experts"]),
         components=_parse_components(source, data.get("components", {})),
         text_config=data.get("text_config"),
         name_prefixes=_str_list(source, data.get("name_prefixes", list(DEFAULT_PREFIXES)), "name_prefixes"),
         notes=data.get("notes", ""),
         tiny=tiny,
+        mtp_prefix=data.get("mtp_prefix", ""),
     )
 
 
@@ -374,43 +365,46 @@ def _check_values(fields: dict[str, Any], keys: dict[str, str]) -> None:
                          f"a list of layer indices in [0, {keys['n_layers']} = {fields['n_layers']})")
 
 
-def _pattern_regex(pattern: str, proj: dict[str, str] | None = None) -> re.Pattern:
-    """A manifest name pattern as a regex matching the name and any suffix (".weight_scale_inv", "_blocks"):
-    {L} and {E} capture numbers, {proj} any of the family's projection names."""
-    regex = re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
-    if proj:
-        regex = regex.replace(r"\{proj\}", "(?:" + "|".join(re.escape(p) for p in proj.values()) + ")")
-    return re.compile(regex)
-
-
 def _dense_keys(rule: str, keys: dict[str, str], fields: dict[str, Any]) -> str:
     names = {"first_dense_freq": ("first_dense", "layer_freq"), "sparse_step": ("sparse_step", "mlp_only_layers")}
     return ", ".join(f"{keys[n]} = {fields[n]!r}" for n in names.get(rule, ()))
 
 
+def _mtp_count(names: list[str], manifest: Manifest, fields: dict[str, Any], keys: dict[str, str]) -> int:
+    """MTP layers: the config's count, or, when config.json has no count and the family keeps MTP layers under
+    mtp_prefix (Qwen3-Next), the number of such layers whose tensors are present."""
+    if not manifest.mtp_prefix or not keys["mtp_layers"].endswith("(default)"):
+        return fields["mtp_layers"]
+    regex = re.compile(re.escape(manifest.mtp_prefix) + r"layers\.(\d+)\.")
+    found = {int(m.group(1)) for m in map(regex.match, names) if m}
+    return max(found) + 1 if found else fields["mtp_layers"]
+
+
 def _check_tensors(names: list[str], prefix: str, manifest: Manifest, fields: dict[str, Any],
                    keys: dict[str, str], moe_layers: set[int]) -> None:
     """Tensors the config does not describe are errors, not silently dropped: a decoder layer >= n_layers (+ MTP),
-    an expert >= n_experts, routed experts in a layer the config makes dense."""
-    layers = fields["n_layers"] + fields["mtp_layers"]
-    layer_re = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
-    lay = manifest.experts
-    expert_res = [_pattern_regex(prefix + lay.pattern, lay.proj)] if lay.form == "per_expert" else \
-        [_pattern_regex(prefix + p) for p in (lay.gate_up, lay.down) if p]
+    an expert >= n_experts, routed experts in a layer the config makes dense (any storage layout)."""
+    n_layers = fields["n_layers"]
+    layers = n_layers + fields["mtp_layers"]
+    scopes = [(prefix, 0)] + ([(manifest.mtp_prefix, n_layers)] if manifest.mtp_prefix else [])
+    scopes = [(re.compile(re.escape(p) + r"layers\.(\d+)\."), offset, manifest.experts.name_regexes(p))
+              for p, offset in scopes]
     for name in names:
-        match = layer_re.match(name)
+        match, offset, expert_res = next(((m, off, res) for m, off, res in
+                                          ((r.match(name), off, res) for r, off, res in scopes) if m),
+                                         (None, 0, ()))
         if match is None:
             continue
-        layer = int(match.group(1))
+        layer = int(match.group(1)) + offset
         if layer >= layers:
             raise ManifestError(f"tensor of layer {layer}, outside the {layers} layers config.json describes",
                                 file="config.json", tensor=name,
-                                expected=f"layers below {keys['n_layers']} = {fields['n_layers']} + "
+                                expected=f"layers below {keys['n_layers']} = {n_layers} + "
                                          f"{keys['mtp_layers']} = {fields['mtp_layers']}")
         expert = next((m for m in (r.match(name) for r in expert_res) if m), None)
         if expert is None:
             continue
-        if layer < fields["n_layers"] and layer not in moe_layers:
+        if layer < n_layers and layer not in moe_layers:
             raise ManifestError(f"routed expert tensor in layer {layer}, which config.json makes a dense layer",
                                 file="config.json", tensor=name,
                                 found=_dense_keys(manifest.moe_rule, keys, fields) or "no MoE layer rule")
@@ -458,6 +452,7 @@ def resolve(config: dict, tensor_names: Iterable[str] | None = None) -> ModelInf
     names = None if tensor_names is None else list(tensor_names)
     prefix = _pick_prefix(manifest, names)
     if names is not None:
+        fields["mtp_layers"] = _mtp_count(names, manifest, fields, keys)
         _check_tensors(names, prefix, manifest, fields, keys, set(moe_layers))
     return ModelInfo(
         family=manifest.family,

@@ -20,7 +20,8 @@ import click
 from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
 from ktconvert.extras import require
 from ktconvert.cli_options import (GPU_GROUP_SIZES, RegistryChoice, choice, cpu_options, emit, gpu_options,
-                                   json_option, load_api, prefer, profiling, progress_options, run_options)
+                                   json_option, load_api, orientation_option, prefer, profiling, progress_options, run_options,
+                                   source_arg)
 from ktconvert.progress import make_progress
 
 
@@ -60,10 +61,11 @@ def cli() -> None:
 @cli.command()
 @click.argument("src", type=click.Path(exists=True))
 @json_option
-def inspect(src: str, as_json: bool) -> None:
+@orientation_option
+def inspect(src: str, as_json: bool, expert_orientation) -> None:
     """Describe checkpoint SRC without reading weights: family, layers, experts, dims, dtypes, bytes per component,
-    and what each kt-kernel method can do with it."""
-    emit(load_api().inspect(src), as_json)
+    how the routed experts are stored (layout, orientation and why) and what each kt-kernel method can do with it."""
+    emit(load_api().inspect(src, expert_orientation), as_json)
 
 
 @cli.command()
@@ -82,9 +84,10 @@ def inspect(src: str, as_json: bool) -> None:
 @click.option("--expert-stats", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Activation counts (ktconvert expert-stats): frequency placement; without: SGLang's uniform.")
 @json_option
+@orientation_option
 @click.argument("out", required=False, type=click.Path())
 def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, gpu_deprecated, gpu_ratio, gpu_count,
-         expert_stats, as_json, out) -> None:
+         expert_stats, as_json, expert_orientation, out) -> None:
     """What a conversion of SRC would write: files, bytes, peak RAM, disk, and the alignment checks — for the
     CPU output (--method) and/or the GPU checkpoint (--experts: sizes per component, VRAM per GPU expert), and which
     experts SGLang-KT would put on the GPU (--gpu-experts-ratio / --gpu-experts, with --expert-stats FILE.pt).
@@ -105,7 +108,7 @@ def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, g
     placement = dict(ratio=gpu_ratio, per_layer=gpu_count, stats=expert_stats) if placing else None
     if placement is not None and gpu is None:
         placement.update(experts="w4a16", group_size=group_size or 128)
-    emit(load_api().plan(src, cpu, gpu, out=out, placement=placement), as_json)
+    emit(load_api().plan(source_arg(src, expert_orientation), cpu, gpu, out=out, placement=placement), as_json)
 
 
 @cli.command()
@@ -119,13 +122,18 @@ def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, g
                                                            "lists each method's; default its largest).")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
+@click.option("--dampening", type=float, default=None,
+              help="For --quant gptq: GPTQ's relative Hessian dampening (default 0.1).")
+@click.option("--min-tokens", type=int, default=None,
+              help="For --quant gptq: routed calibration tokens an expert needs before GPTQ is tried (default 64).")
 @click.option("--include-dense", is_flag=True, help="Also write non-expert tensors (blk.-renamed) into OUT.")
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers' experts.")
 @click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
 @run_options
 @progress_options
 @json_option
-def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json, **options) -> None:
+@orientation_option
+def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation, **options) -> None:
     """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable).
 
     SRC may be a folder, a .safetensors or .gguf file, hf://ORG/NAME[@REV] or ms://ORG/NAME.
@@ -134,9 +142,10 @@ def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json
         raise click.UsageError("Missing option '--method'.")
     if options["quant"] == "gptq":
         require("gpu", "--quant gptq")
+    options = {k: v for k, v in options.items() if v is not None or k not in ("dampening", "min_tokens")}
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        result = load_api().convert_cpu(src, out, threads=threads, resume=resume, force=force, progress=progress,
-                                        **options)
+        result = load_api().convert_cpu(source_arg(src, expert_orientation), out, threads=threads, resume=resume,
+                                        force=force, progress=progress, **options)
     emit(result, as_json, profile=prof.get("report"))
 
 
@@ -156,14 +165,15 @@ def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes per component, VRAM per expert) only.")
 @progress_options
 @json_option
+@orientation_option
 def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibration, include_mtp, threads, resume,
-        force, profile, dry_run, quiet, json_progress, as_json) -> None:
+        force, profile, dry_run, quiet, json_progress, as_json, expert_orientation) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
     quant = prefer(quant, algo_deprecated, "--algo", "--quant") or "rtn"
     options = dict(experts=experts or "w4a16", group_size=int(group_size), quant=quant, linears=linears,
                    include_mtp=include_mtp, calibration=calibration)
-    api = load_api()
+    api, src = load_api(), source_arg(src, expert_orientation)
     if dry_run:
         emit(api.plan(src, gpu=options), as_json)
         return
@@ -186,8 +196,9 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
 @run_options
 @progress_options
 @json_option
+@orientation_option
 def convert(src, cpu_out, gpu_out, method, numa, layout, experts, linears, group_size, include_mtp, allow_drop_bias,
-            threads, resume, force, profile, quiet, json_progress, as_json) -> None:
+            threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation) -> None:
     """Write the CPU and the GPU outputs of SRC in one pass (every source expert read once, RTN on both sides).
     Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write."""
     if method is None:
@@ -198,7 +209,8 @@ def convert(src, cpu_out, gpu_out, method, numa, layout, experts, linears, group
                (gpu_out, dict(experts=experts or "w4a16", group_size=group_size or 128, linears=linears,
                               include_mtp=include_mtp))]
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        results = load_api().convert(src, targets, threads=threads, resume=resume, force=force, progress=progress)
+        results = load_api().convert(source_arg(src, expert_orientation), targets, threads=threads, resume=resume,
+                                     force=force, progress=progress)
     emit({"outputs": [r.to_dict() for r in results]}, as_json, "\n".join(r.summary() for r in results),
          profile=prof.get("report"))
 
@@ -243,13 +255,24 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
 @click.option("--hub", type=choice(["hf", "modelscope"]), default="hf", show_default=True)
 @click.option("--revision", default=None)
 @click.option("--endpoint", default=None, help="Hub endpoint URL.")
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Numerics on the hidden states these calibration tokens produce in --source (the model's own "
+                   "routing, streamed layer by layer) instead of random probes.")
+@click.option("--compare", type=click.Path(exists=True, file_okay=False), default=None,
+              help="With --calibration: a second output OUT2, side by side.")
+@click.option("--report", type=click.Path(dir_okay=False), default=None,
+              help="Also write an HTML page (outside OUT): error per layer, layer x expert heat map, worst experts, "
+                   "thresholds; written for a failed verification too.")
 @json_option
 def verify(out, source, hashes, tokens, layers, sample_experts, experts_deprecated, threshold, remote, hub, revision,
-           endpoint, as_json) -> None:
+           endpoint, calibration, compare, report, as_json) -> None:
     """Check a converted output OUT: structure, hashes, numerics (native kernels) and error against the source."""
+    if calibration is not None:
+        require("gpu", "verify --calibration")
     sample = prefer(sample_experts, experts_deprecated, "--experts", "--sample-experts") or "4"
     result = load_api().verify(out, source=source, hashes=hashes, tokens=tokens, layers=layers, sample_experts=sample,
-                           threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint)
+                               threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint,
+                               calibration=calibration, compare=compare, report=report)
     emit(result, as_json)
     if not result.ok:
         sys.exit(4)

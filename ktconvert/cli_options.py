@@ -110,6 +110,22 @@ def run_options(fn):
     return fn
 
 
+def orientation_option(fn):
+    """--expert-orientation: how SRC's fused 3-D experts are stored where their shapes cannot tell."""
+    return click.option("--expert-orientation", type=choice(["out", "in"]), default=None,
+                        help="SRC's fused 3-D experts where their shape cannot tell (H == I): out = [E, out, in] "
+                             "(transformers), in = [E, in, out].")(fn)
+
+
+def source_arg(src: str, expert_orientation: str | None):
+    """SRC as given, or opened with --expert-orientation (an inputs.Input, which every conversion and plan takes)."""
+    if expert_orientation is None:
+        return src
+    from ktconvert.inputs import open_input
+
+    return open_input(src, expert_orientation)
+
+
 def cpu_options(fn):
     """--method / --numa / --layout: what a CPU output is (shared by plan, cpu, convert)."""
     fn = click.option("--layout", type=choice(LAYOUTS), default="safetensors", show_default=True,

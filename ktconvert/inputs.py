@@ -16,7 +16,8 @@ from ktconvert.ops import hub
 @dataclass
 class Input:
     """spec: the source as the user gave it; path: the local checkpoint; source: it opened (headers parsed, family
-    resolved); hub: {"hub", "repo", "revision"} of a hub source (recorded in the output manifests), else {}."""
+    resolved); hub: {"hub", "repo", "revision"} of a hub source, plus "expert_orientation" when the source was
+    opened with one (recorded in the output manifests, so verify reopens it the same way), else {}."""
 
     spec: str
     path: Path
@@ -24,8 +25,9 @@ class Input:
     hub: dict = field(default_factory=dict)
 
 
-def open_input(src) -> Input:
-    """Resolve and open `src` (an Input passes through). InputError when a local path does not exist."""
+def open_input(src, expert_orientation: str | None = None) -> Input:
+    """Resolve and open `src` (an Input passes through). InputError when a local path does not exist.
+    expert_orientation: ``--expert-orientation`` ("out" / "in") for square fused expert tensors, or None."""
     if isinstance(src, Input):
         return src
     spec = str(src)
@@ -36,4 +38,6 @@ def open_input(src) -> Input:
         path, extra = Path(spec), {}
         if not path.exists():
             raise InputError("source does not exist", file=path)
-    return Input(spec, path, open_source(path), extra)
+    if expert_orientation is not None:
+        extra = {**extra, "expert_orientation": expert_orientation}
+    return Input(spec, path, open_source(path, expert_orientation), extra)

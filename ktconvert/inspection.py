@@ -15,9 +15,10 @@ def kt_methods(source) -> dict[str, str]:
     return {m.kt_method: m.inspect_line(source) for m in all_methods()}
 
 
-def inspect(path) -> dict:
-    """Describe checkpoint `path` (any registered source format) from headers + config. See render()."""
-    description, source = source_class(path).describe_path(path)
+def inspect(path, expert_orientation: str | None = None) -> dict:
+    """Describe checkpoint `path` (any registered source format) from headers + config. See render().
+    expert_orientation: ``--expert-orientation`` for square fused expert tensors."""
+    description, source = source_class(path).describe_path(path, expert_orientation)
     if source is not None:
         description["kt_methods"] = kt_methods(source)
     return description
@@ -41,6 +42,26 @@ def _ranges(values: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
+def _layout_rows(title: str, el: dict) -> list[tuple[str, str]]:
+    """Rows for one detected expert layout: kind (+ the family's usual one when different), names, and per
+    fused tensor its stored shape, orientation and why."""
+    if not el:
+        return [(title, "none present")]
+    kind = el["form"] + ("" if el.get("family_usual") in (None, el["form"]) else
+                         f" (the family usually stores {el['family_usual']})")
+    rows = [(title, kind + (", with biases" if el.get("biases") else "")
+             + (", gate/up interleaved" if el.get("interleaved_gate_up") else ""))]
+    if "pattern" in el:
+        rows.append(("  names", el["pattern"]))
+    for role, name in el.get("tensors", {}).items():
+        o = el.get("orientation", {}).get(role)
+        rows.append((f"  {role}", name if o is None else
+                     f"{name} {o['stored']} ({o['orientation']}-major): {o['why']}"))
+    if "problem" in el:
+        rows.append(("  problem", el["problem"]))
+    return rows
+
+
 def render(result: dict) -> str:
     """The inspect dict as an aligned text report."""
     rows = [("path", result["path"]),
@@ -58,14 +79,9 @@ def render(result: dict) -> str:
                  ("experts", f"{result['experts']} routed, {result['experts_per_tok']} per token, "
                              f"{result['shared_experts']} shared"),
                  ("H, I", f"hidden {result['hidden']}, expert intermediate {result['intermediate']}")]
-        el = result["expert_layout"]
-        desc = el["form"] + (f" ({el['pattern']})" if "pattern" in el else "")
-        if el["form"] == "fused":
-            desc += (f": gate_up {el.get('gate_up', '?')}, down {el.get('down', '?')}"
-                     + (", gate/up interleaved" if el.get("interleaved_gate_up") else ""))
-            desc += "" if "orientation" not in el else f" {el['orientation']}"
-        rows.append(("expert layout", desc + (", with biases" if el.get("biases") else "")))
-        rows += [("  note", a) for a in el.get("ambiguous", [])]
+        rows += _layout_rows("expert layout", result["expert_layout"])
+        if "mtp" in result["expert_layout"]:
+            rows += _layout_rows("MTP expert layout", result["expert_layout"]["mtp"])
     rows.append(("bytes", ""))
     rows += [(f"  {k}", _gb(v)) for k, v in result["components"].items()]
     if result.get("supported"):

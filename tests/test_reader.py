@@ -293,8 +293,9 @@ def test_fused_orientations_read_expert(tmp_path, test_manifests, gu_t, down_t):
     root, logical, _ = _fused_model(tmp_path / "m", gu_t, down_t)
     src = HFSource.open(root)
     src.validate()
-    fl = src.fused_layer(0)
-    assert (fl.gate_up_transposed, fl.down_transposed, fl.ambiguous) == (gu_t, down_t, ())
+    orient = {role: o.value for role, o in src.orientation.items()}
+    assert orient == {"gate_up": "in" if gu_t else "out", "down": "in" if down_t else "out"}
+    assert src.required_layout(0).kind == "fused"
     for layer in range(LAYERS):
         gu, dn = logical[layer]
         for e in (0, E - 1):
@@ -423,7 +424,8 @@ def test_inspect_reports_fused_orientation(tmp_path, test_manifests, gu_t, down_
     root, _, tensors = _fused_model(tmp_path / "m", gu_t, down_t)
     r = inspect(root)
     el = r["expert_layout"]
-    assert el["form"] == "fused" and "ambiguous" not in el
+    assert el["form"] == "fused" and "problem" not in el
+    assert all("H=96, I=64" in o["why"] for o in el["orientation"].values())
     assert el["gate_up"] == ("[E, H, 2I]" if gu_t else "[E, 2I, H]")
     assert el["down"] == ("[E, I, H]" if down_t else "[E, H, I]")
     assert r["components"]["routed_experts"] == sum(t.numel() * 2 for t in tensors.values())
@@ -436,10 +438,10 @@ def test_ambiguous_down_follows_gate_up_convention(tmp_path, test_manifests):
     h = i = 64   # H == I: down's shape cannot tell; gate_up [E, H, 2I] (2I != H) can
     root, logical, _ = _fused_model(tmp_path / "m", True, True, h=h, i=i)
     src = HFSource.open(root)
-    fl = src.fused_layer(0)
-    assert (fl.gate_up_transposed, fl.down_transposed, fl.ambiguous) == (True, True, ("down",))
+    assert {role: o.value for role, o in src.orientation.items()} == {"gate_up": "in", "down": "in"}
     np.testing.assert_array_equal(src.read_expert(0, 1).down, _bits(logical[0][1][1]))
-    assert "down: H == I" in inspect(root)["expert_layout"]["ambiguous"][0]
+    why = inspect(root)["expert_layout"]["orientation"]["down"]["why"]
+    assert "H == I = 64" in why and "follows gate_up" in why, why
 
 
 # ---------------------------------------------------------------- strict as safetensors itself (issue 14, item 12)

@@ -30,6 +30,7 @@ import numpy as np
 from ktconvert.activation.counts import load_activation
 from ktconvert.errors import InputError
 from ktconvert.formats.hf_source import HFSource
+from ktconvert.inputs import Input
 from ktconvert.gpu.plan import GpuOptions, plan_gpu
 from ktconvert.progress import human_bytes
 
@@ -151,7 +152,7 @@ def plan_placement(src, *, ratio: float | None = None, per_layer: int | None = N
     routed_share?}], gpu_experts_total, vram_per_expert_bytes, vram_bytes, routed_share?, ties?, notes}."""
     if (ratio is None) == (per_layer is None):
         raise InputError("give the GPU expert budget one way", expected="a ratio or a per-layer count")
-    source = HFSource.open(src)
+    source = src.source if isinstance(src, Input) else HFSource.open(src)     # an Input: opened with its options
     layers = sglang_moe_layers(source.checkpoint.config)
     budget = gpu_expert_budget(layers, ratio, per_layer)
     freq, made_from = None, None
@@ -162,7 +163,7 @@ def plan_placement(src, *, ratio: float | None = None, per_layer: int | None = N
     per_expert = plan_gpu(src, GpuOptions.make(experts=gpu_experts, group_size=group_size))["vram_per_expert_bytes"]
     rows = [{"layer": L, "gpu_experts": np.flatnonzero(mask[L]).tolist(), "count": int(mask[L].sum()),
              "vram_bytes": int(mask[L].sum()) * per_expert} for L in layers.moe_layers]
-    result = {"source": str(src), "strategy": "frequency" if freq is not None else "uniform",
+    result = {"source": getattr(src, "spec", str(src)), "strategy": "frequency" if freq is not None else "uniform",
               "stats": None if stats is None else str(stats), "budget": budget, "ratio": ratio,
               "per_layer": per_layer, "moe_layers": list(layers.moe_layers), "layers": rows,
               "gpu_experts_total": sum(r["count"] for r in rows), "vram_per_expert_bytes": per_expert,

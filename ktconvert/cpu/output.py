@@ -40,6 +40,7 @@ class CpuOutput(Output):
         self.sink = None
         self.run_notes: list[str] = []
         self.run_details: dict = {}
+        self.manifest_extra: dict = {}   # ktconvert.json keys a calibrated run adds ("gptq", gptq/cpu.py)
 
     def open(self) -> bool:
         if not super().open():
@@ -71,7 +72,7 @@ class CpuOutput(Output):
         o = self.options
         return {"method": self.method.kt_method, "numa": o.numa, "layout": o.layout, "quant": o.quant,
                 "include_dense": o.include_dense, "flags": self.method.flags(o.numa),
-                "extra": self.method.manifest_fields()}
+                "extra": {**self.method.manifest_fields(), **self.manifest_extra}}
 
     def notes(self) -> list[str]:
         return self.run_notes + self.method.runtime_notes(cpu_flags())

@@ -99,8 +99,7 @@ def _manifest_estimate(files: list[dict], n_tensors: int, n_sources: int, tensor
 
 def peak_ram(source, hidden: int, inter: int, numa: int, threads: int | None) -> dict:
     """A small multiple of one expert matrix per worker: source bytes + BF16 + float32 part work + output."""
-    fused = source.info.manifest.experts.form == "fused"
-    elems = (2 if fused else 1) * inter * hidden
+    elems = max(len(job.projs) for job in source.matrix_jobs(source.all_layers()[:1])) * inter * hidden
     itemsize = {"bf16": 2, "fp16": 2, "fp32": 4}.get(source.input_format, 2)
     part = elems // max(numa, 1)
     per_job = elems * itemsize + 2 * elems + 13 * part + 2 * elems

@@ -75,15 +75,17 @@ class Source:
         raise NotImplementedError
 
     @classmethod
-    def open(cls, path) -> "Source":
-        """Parse the headers of the checkpoint at `path` and resolve its family (no tensor data read)."""
+    def open(cls, path, expert_orientation: str | None = None) -> "Source":
+        """Parse the headers of the checkpoint at `path` and resolve its family (no tensor data read).
+        expert_orientation: "out" / "in" settles square fused expert tensors (formats/expert_layout.py); sources
+        whose format fixes the orientation ignore it."""
         raise NotImplementedError
 
     @classmethod
-    def describe_path(cls, path) -> tuple[dict, "Source | None"]:
+    def describe_path(cls, path, expert_orientation: str | None = None) -> tuple[dict, "Source | None"]:
         """`inspect`'s description of the checkpoint at `path` (headers only) and the opened source (None when
         the family is not supported: the description then says why)."""
-        source = cls.open(path)
+        source = cls.open(path) if expert_orientation is None else cls.open(path, expert_orientation)
         return {**source.describe(), "path": str(Path(path))}, source
 
     def describe(self) -> dict:

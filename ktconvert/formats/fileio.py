@@ -22,6 +22,7 @@ from typing import NamedTuple
 from ktconvert import profile
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.safetensors_reader import ShardHeader, parse_header
+from ktconvert.safe_read import check_regular, open_regular
 
 HASH_CHUNK = 8 << 20
 LFS_THRESHOLD = 10 << 20  # files this large are LFS files on the hubs (HF refuses larger regular files)
@@ -98,11 +99,12 @@ def hash_bytes(data, content_git: bool = False) -> tuple[int, str, str]:
 
 
 def _read_chunks(path: Path, size: int):
-    """Yield the file's bytes in HASH_CHUNK pieces, one sequential pass; InputError if its size changes."""
+    """Yield the file's bytes in HASH_CHUNK pieces, one sequential pass; InputError if its size changes or it is not
+    a regular file (a FIFO would block the read forever)."""
     buf = bytearray(min(HASH_CHUNK, max(size, 1)))
     view = memoryview(buf)
     done = 0
-    with open(path, "rb", buffering=0) as fh:
+    with os.fdopen(open_regular(path, "file"), "rb", buffering=0) as fh:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         while True:
@@ -117,10 +119,10 @@ def _read_chunks(path: Path, size: int):
 
 
 def hash_file(path, content_git: bool = False) -> tuple[int, str, str]:
-    """(size, sha256 hex, git blob id hex) of a file, read once sequentially in 8 MiB chunks (content_git: the
-    content's git blob SHA-1 whatever the size)."""
+    """(size, sha256 hex, git blob id hex) of a regular file (InputError otherwise), read once sequentially in
+    8 MiB chunks (content_git: the content's git blob SHA-1 whatever the size)."""
     path = Path(path)
-    size = os.stat(path).st_size
+    size = check_regular(path, "file").st_size
     hasher = FileHasher(size, content_git)
     for chunk in _read_chunks(path, size):
         hasher.update(chunk)
@@ -137,7 +139,7 @@ def hash_safetensors(path, header: ShardHeader | None = None,
     path = Path(path)
     header = parse_header(path) if header is None else header
     spans = sorted((ref.offset, ref.offset + ref.nbytes, name) for name, ref in header.tensors.items())
-    size = os.stat(path).st_size
+    size = check_regular(path, "file").st_size
     hasher, tensor_hashes = FileHasher(size, content_git), {}
     pos, i, current = 0, 0, hashlib.sha256()
     for chunk in _read_chunks(path, size):

@@ -1,6 +1,7 @@
 """`ktconvert inspect` of an HF safetensors checkpoint, from its headers and config.json only: files, dtypes,
 quantization, bytes per component (the family manifest's [components] regexes, first match wins; tensors of
-layers >= num_hidden_layers count as "mtp"), layers, experts and the routed experts' layout."""
+MTP layers count as "mtp"), layers, experts and the routed experts' layout as detected (formats/expert_layout.py):
+per fused tensor its stored shape, orientation and the evidence for it."""
 from __future__ import annotations
 
 import re
@@ -9,18 +10,18 @@ from pathlib import Path
 from ktconvert.architecture import component_of
 from ktconvert.errors import KtConvertError, ManifestError
 from ktconvert.formats.decoders import config_summary
+from ktconvert.formats.expert_layout import stored_label
 from ktconvert.formats.safetensors_reader import Checkpoint
 
 _DIGITS = re.compile(r"\d+")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def describe_path(source_cls, path) -> tuple[dict, object]:
+def describe_path(source_cls, path, expert_orientation: str | None = None) -> tuple[dict, object]:
     """(description, opened source) of checkpoint `path`; a family no manifest covers is described from the
     headers alone (source None, ``supported`` False and the reason)."""
     checkpoint = Checkpoint.open(path)
     try:
-        source = source_cls.open_checkpoint(checkpoint)
+        source = source_cls.open_checkpoint(checkpoint, expert_orientation)
     except ManifestError as exc:
         out = _files(checkpoint, path, None)
         out.update(family=None, supported=False, reason=str(exc))
@@ -73,31 +74,46 @@ def _categorise(checkpoint: Checkpoint, info) -> dict[str, int]:
             cat = cache.get(key)
             if cat is None:
                 cat = cache[key] = component_of(info.manifest, key)
-            if check_mtp:
-                layer = _LAYER.search(name)
-                cat = "mtp" if layer and int(layer.group(1)) >= info.n_layers else cat
+            if check_mtp and (info.layer_of(name) or 0) >= info.n_layers:
+                cat = "mtp"
         totals[cat] = totals.get(cat, 0) + ref.nbytes
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def _expert_layout(source) -> dict:
-    """Form, orientation (fused) and bias presence of the routed experts."""
-    lay = source.info.manifest.experts
-    out = {"form": lay.form, "biases": False}
-    if lay.form == "per_expert":
-        out["pattern"] = source.info.name_prefix + lay.pattern
-        out["biases"] = source.has_expert_biases()
+    """Layout of the routed experts as detected (main MoE layers; MTP layers under "mtp" when they differ):
+    kind, the family's usual layout (hint), tensor names, and per fused role its stored shape, orientation and
+    why; "problem" instead when the orientation cannot be decided."""
+    info = source.info
+    main = _layout_of(source, [layer for layer in info.moe_layers if source.layer_layout(layer)])
+    mtp = _layout_of(source, list(source.present_mtp_layers()))
+    if mtp and {k: v for k, v in mtp.items() if k != "layers"} != {k: v for k, v in main.items() if k != "layers"}:
+        main["mtp"] = mtp
+    return main
+
+
+def _layout_of(source, layers: list[int]) -> dict:
+    if not layers:
+        return {}
+    info, lay = source.info, source.info.manifest.experts
+    layout = source.required_layout(layers[0])
+    here = info.layer_name("layers.{L}.", layers[0])
+    pattern = (lambda name: name.replace(here, here.rsplit("layers.", 1)[0] + "layers.{L}.", 1))
+    out = {"form": layout.kind, "family_usual": lay.form, "prefix": pattern(layout.prefix),
+           "biases": source.has_expert_biases()}
+    if layout.kind == "per_expert":
+        out["pattern"] = pattern(info.expert_names(layers[0], 0)["gate"]).replace(".0.", ".{E}.", 1)
         return out
     out["interleaved_gate_up"] = bool(lay.gate_up_interleaved)
+    out["tensors"] = {t.role: pattern(t.name) for t in layout.tensors}
     try:
-        fl = source.fused_layer(source.all_layers()[0])
-    except KtConvertError as exc:  # quantized without a decoder: report, don't fail inspect
-        out["orientation"] = f"unknown ({exc})"
+        orientation = source.orientation
+    except KtConvertError as exc:    # undecidable or unreadable: report, don't fail inspect
+        out["problem"] = str(exc)
         return out
-    out["gate_up"] = "[E, H, 2I]" if fl.gate_up_transposed else "[E, 2I, H]"
-    out["down"] = "[E, I, H]" if fl.down_transposed else "[E, H, I]"
-    out["biases"] = bool(fl.gate_up_bias or fl.down_bias)
-    if fl.ambiguous:
-        out["ambiguous"] = [f"{k}: H == {'2I' if k == 'gate_up' else 'I'}, so the shape cannot tell; assumed "
-                            f"{out[k]} (the other tensor's convention)" for k in fl.ambiguous]
+    out["orientation"] = {t.role: {"stored": stored_label(t.role, orientation[t.role].value),
+                                   "orientation": orientation[t.role].value, "why": orientation[t.role].why}
+                          for t in layout.tensors}
+    for t in layout.tensors:
+        out[t.role] = stored_label(t.role, orientation[t.role].value)
     return out

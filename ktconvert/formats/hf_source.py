@@ -1,11 +1,13 @@
 """Expert source for HF safetensors checkpoints: one routed expert at a time, as BF16 bits in HF orientation.
 
-Layouts (from the family manifest, ktconvert/architecture.py):
-  per_expert  2-D tensors gate/up [I, H], down [H, I] per expert (optionally with .bias next to .weight)
-  fused       3-D per layer: gate_up [E, 2I, H] or [E, H, 2I], down [E, H, I] or [E, I, H]; the orientation is
-              detected from the shapes and config H/I. gate_up is first-half gate, or interleaved (gpt-oss: even
-              rows gate, odd rows up, in the [2I, H] orientation). A fused tensor is only ever read one expert
-              slice at a time.
+The layout of each layer's routed experts is detected from the tensors present (``formats/expert_layout.py``;
+names of every layout in ``ktconvert.expert_names``), whatever the family usually stores:
+  per_expert      2-D tensors gate/up [I, H], down [H, I] per expert (optionally with .bias next to .weight)
+  fused           3-D per layer: gate_up [E, 2I, H] or [E, H, 2I], down [E, H, I] or [E, I, H]
+  fused_separate  3-D per layer: gate, up [E, I, H] or [E, H, I], down as above
+The orientation of each fused role is decided once for the checkpoint (shapes, the storage format, the other
+roles, ``--expert-orientation``). gate_up is first-half gate, or interleaved (gpt-oss: even rows gate, odd rows
+up, in the [2I, H] orientation). A fused tensor is only ever read one expert slice at a time.
 
 Weights are decoded by ``formats.decoders`` (float, FP8 block, compressed-tensors int, MXFP4, ...), chosen per
 matrix from config.json's quantization_config (parsed once per source) and the tensors present.
@@ -13,7 +15,6 @@ matrix from config.json's quantization_config (parsed once per source) and the t
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -21,8 +22,9 @@ import numpy as np
 
 from ktconvert.architecture import resolve
 from ktconvert.errors import InputError, KtConvertError, ShapeError
-from ktconvert.formats import decoders, hf_describe
+from ktconvert.formats import decoders, expert_layout, hf_describe
 from ktconvert.formats.base import ExpertWeights, Source
+from ktconvert.formats.expert_layout import FusedTensor, LayerLayout, Orientation
 from ktconvert.formats.safetensors_reader import Checkpoint
 from ktconvert.formats.stream import MatrixJob
 from ktconvert.quant.bf16 import bf16_bits_to_f32
@@ -30,50 +32,21 @@ from ktconvert.quant.bf16 import bf16_bits_to_f32
 PROJS = ("gate", "up", "down")
 
 
-def fused_orientation(shape: tuple[int, ...], rows: int, cols: int) -> tuple[bool, bool] | None:
-    """Orientation of one fused tensor [E, a, b] whose per-expert matrix should be [rows, cols].
-
-    Returns (transposed, ambiguous): transposed when stored as [E, cols, rows]; ambiguous when rows == cols (then
-    the untransposed [E, rows, cols], transformers' in-memory form, is assumed). None when the shape fits neither.
-    """
-    if len(shape) != 3:
-        return None
-    a, b = shape[1:]
-    if rows == cols and (a, b) == (rows, cols):
-        return False, True
-    if (a, b) == (rows, cols):
-        return False, False
-    if (a, b) == (cols, rows):
-        return True, False
-    return None
-
-
-@dataclass(frozen=True)
-class FusedLayer:
-    """One fused layer's tensors and orientation: transposed means stored [E, H, 2I] / [E, I, H]."""
-
-    gate_up: str
-    down: str
-    gate_up_transposed: bool
-    down_transposed: bool
-    ambiguous: tuple[str, ...]  # "gate_up" / "down" when H == 2I / H == I and the other tensor's convention was used
-    gate_up_bias: str | None = None
-    down_bias: str | None = None
-
-
 class HFSource(Source):
     """Lazily read HF safetensors checkpoint with a resolved ModelInfo (ktconvert.architecture.resolve).
 
     input_format: "bf16" | "fp16" | "fp32" | a quantized format ("fp8-block", "ct-int4", "mxfp4", ...), or the
     config's quant_method when no decoder reads it (then validate() and reads raise the decoders' InputError).
+    expert_orientation: "out" | "in" | None, what ``--expert-orientation`` says about square fused tensors.
     """
 
     name, aliases = "hf-safetensors", ("safetensors", "hf")
 
-    def __init__(self, checkpoint: Checkpoint, info):
+    def __init__(self, checkpoint: Checkpoint, info, expert_orientation: str | None = None):
         self.checkpoint = checkpoint
         self.info = info
-        self._fused: dict[int, FusedLayer] = {}
+        self.expert_orientation = expert_orientation
+        self._layouts: dict[int, LayerLayout | None] = {}
         self.input_format = self._detect_format()
 
     # -- opening
@@ -84,20 +57,20 @@ class HFSource(Source):
         return p.suffix == ".safetensors" if p.is_file() else any(p.glob("*.safetensors"))
 
     @classmethod
-    def open(cls, path) -> "HFSource":
+    def open(cls, path, expert_orientation: str | None = None) -> "HFSource":
         """Open directory/file `path`: parse every header, resolve config.json against the manifests."""
-        return cls.open_checkpoint(Checkpoint.open(path))
+        return cls.open_checkpoint(Checkpoint.open(path), expert_orientation)
 
     @classmethod
-    def open_checkpoint(cls, checkpoint: Checkpoint) -> "HFSource":
+    def open_checkpoint(cls, checkpoint: Checkpoint, expert_orientation: str | None = None) -> "HFSource":
         """HFSource over an opened Checkpoint (its config.json resolved against the manifests)."""
         if checkpoint.config_file is None:
             raise InputError("config.json not found next to the safetensors files", file=str(checkpoint.root))
-        return cls(checkpoint, resolve(checkpoint.config, checkpoint.tensors.keys()))
+        return cls(checkpoint, resolve(checkpoint.config, checkpoint.tensors.keys()), expert_orientation)
 
     @classmethod
-    def describe_path(cls, path) -> tuple[dict, "HFSource | None"]:
-        return hf_describe.describe_path(cls, path)
+    def describe_path(cls, path, expert_orientation: str | None = None) -> tuple[dict, "HFSource | None"]:
+        return hf_describe.describe_path(cls, path, expert_orientation)
 
     def describe(self) -> dict:
         return hf_describe.describe(self)
@@ -120,49 +93,68 @@ class HFSource(Source):
         InputError on first use when no decoder reads it."""
         return decoders.detect_scheme(self.checkpoint.config)
 
+    # -- layout (formats/expert_layout.py)
+
+    def layer_layout(self, layer: int) -> LayerLayout | None:
+        """How `layer` stores its routed experts (cached), None when none of its expert tensors is present."""
+        if layer not in self._layouts:
+            scheme = self._scheme_or_none()
+            self._layouts[layer] = expert_layout.detect_layer(self.checkpoint, self.info, scheme, layer,
+                                                              strict=scheme is not None or self._unquantized())
+        return self._layouts[layer]
+
+    def _scheme_or_none(self):
+        try:
+            return self.scheme
+        except InputError:       # no decoder reads it: plain tensors still locate; the rest fails on first use
+            return None
+
+    def _unquantized(self) -> bool:
+        return decoders.base.quantization_config_of(self.checkpoint.config) is None
+
+    def required_layout(self, layer: int) -> LayerLayout:
+        """layer_layout(layer), or InputError naming every tensor name tried when no layout is present."""
+        layout = self.layer_layout(layer)
+        if layout is None:
+            tried = [next(iter(roles.values())) for _, _, roles in expert_layout.candidate_layouts(self.info, layer)]
+            raise InputError(f"routed expert weights of layer {layer} not found", file=self._index_or_root(),
+                             tensor=tried[0], expected=f"one of the {self.info.family} expert layouts: "
+                             + ", ".join(tried), hint="is this the right model_type / a complete download?")
+        return layout
+
+    @cached_property
+    def orientation(self) -> dict[str, Orientation]:
+        """{fused role: Orientation} decided over every fused tensor of the model ({} when nothing is fused)."""
+        layouts = [self.layer_layout(layer) for layer in self.info.moe_layers + self.info.mtp_layers]
+        if any(t.stored is None for lay in layouts if lay is not None for t in lay.tensors):
+            self.scheme          # raises the decoders' InputError naming the unreadable quantization
+        return expert_layout.decide_orientation([lay for lay in layouts if lay is not None], self.info,
+                                                self._file_of, self.expert_orientation)
+
+    def _file_of(self, t: FusedTensor) -> str:
+        refs = decoders.locate(self.checkpoint, t.name, self._scheme_or_none(), 0)
+        return self.checkpoint.tensors[refs.primary].file.name
+
     # -- names
 
-    @property
-    def fused(self) -> bool:
-        return self.info.manifest.experts.form == "fused"
-
-    def expert_tensor_names(self, layer: int, expert: int) -> dict[str, str]:
-        """Per-expert: {"gate", "up", "down"} (+ "*_bias" where present); fused: the layer's fused tensors."""
-        if self.fused:
-            return dict(self.info.fused_names(layer))
-        names = self.info.expert_names(layer, expert)
-        for proj in PROJS:
-            bias = _bias_name(names[proj])
-            if bias in self.checkpoint.tensors:
-                names[proj + "_bias"] = bias
-        return names
-
     def present_mtp_layers(self) -> tuple[int, ...]:
-        return tuple(layer for layer in self.info.mtp_layers
-                     if decoders.has_weight(self.checkpoint, _base_of(self._probe_name(layer))))
-
-    def _probe_name(self, layer: int) -> str:
-        return self.info.fused_names(layer)["gate_up"] if self.fused else self.info.expert_names(layer, 0)["gate"]
+        return tuple(layer for layer in self.info.mtp_layers if self.layer_layout(layer) is not None)
 
     def _detect_format(self) -> str:
         layers = self.info.moe_layers or self.info.mtp_layers
         if not layers:
             raise InputError("config describes no MoE layers", file=self.checkpoint.config_file.name
                              if self.checkpoint.config_file else None)
-        base = _base_of(self._probe_name(layers[0]))
-        if not decoders.has_weight(self.checkpoint, base):
-            raise InputError("routed expert weight not found", file=self._index_or_root(),
-                             tensor=self._probe_name(layers[0]),
-                             expected=f"{self.info.family} layout ({self.info.manifest.experts.form})",
-                             hint="is this the right model_type / a complete download?")
-        if decoders.base.plain_name(self.checkpoint, base, 0 if self.fused else None) is None:
+        layout = self.required_layout(layers[0])
+        base, index0 = ((layout.tensors[0].name, 0) if layout.tensors
+                        else (_base_of(self.info.expert_names(layers[0], 0)["gate"]), None))
+        if decoders.base.plain_name(self.checkpoint, base, index0) is None:
             qc = decoders.base.quantization_config_of(self.checkpoint.config)
             try:
                 self.scheme
             except InputError:     # no decoder reads it: name it after its quant_method, fail on first use
                 return str(qc.get("quant_method")) if isinstance(qc, dict) else "unknown-quantized"
-        refs = self._locate(base, 0 if self.fused else None)
-        return decoders.input_format(self.checkpoint, refs)
+        return decoders.input_format(self.checkpoint, self._locate(base, index0))
 
     def _index_or_root(self) -> str:
         ck = self.checkpoint
@@ -174,14 +166,19 @@ class HFSource(Source):
     # -- validation
 
     def validate(self, include_mtp: bool = False) -> None:
-        """Every MoE layer has every expert's weights with the config's shapes (I, H, E); raises on the first
-        problem (InputError: missing / wrong dtype / unsupported format; ShapeError: wrong shape)."""
+        """Every converted layer has every expert's weights with the config's shapes (I, H, E) in some layout,
+        and every fused tensor's orientation is decided; raises on the first problem (InputError: missing /
+        wrong dtype / unsupported format / undecidable orientation; ShapeError: wrong shape)."""
         for layer in self.all_layers(include_mtp):
-            if self.fused:
-                self.fused_layer(layer)
-            else:
+            layout = self.required_layout(layer)
+            if layout.kind == "per_expert":
                 for e in range(self.info.n_experts):
                     self._check_expert(layer, e)
+                continue
+            self.orientation
+            for t in layout.tensors:
+                decoders.validate_matrix(self.checkpoint, t.name, self.scheme, t.stored, 0)
+                self._check_fused_bias(t)
 
     def _check_expert(self, layer: int, e: int) -> None:
         I, H = self.info.intermediate, self.info.hidden
@@ -198,47 +195,14 @@ class HFSource(Source):
                 raise ShapeError(f"expert {proj} bias shape disagrees with config.json", file=bias.file.name,
                                  tensor=bias.name, expected=str(list(want[:1])), found=str(list(bias.shape)))
 
-    def fused_layer(self, layer: int) -> FusedLayer:
-        """Validated names and orientation of one fused layer (cached)."""
-        if layer in self._fused:
-            return self._fused[layer]
-        names = self.info.fused_names(layer)
-        E, I, H = self.info.n_experts, self.info.intermediate, self.info.hidden
-        gu = self._orient(names["gate_up"], (E, 2 * I, H), "[E, 2I, H] or [E, H, 2I]")
-        dn = self._orient(names["down"], (E, H, I), "[E, H, I] or [E, I, H]")
-        if gu[1] and not dn[1]:     # an ambiguous tensor follows the other one's convention: both [E, out, in]
-            gu = (dn[0], True)      # (Qwen3.5) or both [E, in, out] (gpt-oss)
-        if dn[1] and not gu[1]:
-            dn = (gu[0], True)
-        ambiguous = tuple(k for k, o in (("gate_up", gu), ("down", dn)) if o[1])
-        biases = {k: names.get(k) if names.get(k) in self.checkpoint.tensors else None
-                  for k in ("gate_up_bias", "down_bias")}
-        self._check_bias(biases["gate_up_bias"], (E, 2 * I))
-        self._check_bias(biases["down_bias"], (E, H))
-        fl = FusedLayer(names["gate_up"], names["down"], gu[0], dn[0], ambiguous, **biases)
-        self._fused[layer] = fl
-        return fl
-
-    def _orient(self, name: str, dims: tuple[int, int, int], want: str) -> tuple[bool, bool]:
-        """(transposed, ambiguous) of fused tensor `name`, whose expert matrix must be [rows, cols]."""
-        E, rows, cols = dims
-        if not decoders.has_weight(self.checkpoint, name):
-            raise InputError("missing fused expert tensor", file=self._index_or_root(), tensor=name)
-        refs = self._locate(name, 0)
-        primary = self.checkpoint.tensors[refs.primary]
-        shape = (primary.shape[0], *refs.shape)
-        got = fused_orientation(shape, rows, cols) if shape[0] == E else None
-        if got is None:
-            raise ShapeError("fused expert tensor shape disagrees with config.json", file=primary.file.name,
-                             tensor=name, expected=f"{want} = [{E}, {rows}, {cols}] or [{E}, {cols}, {rows}]",
-                             found=str(list(shape)))
-        return got
-
-    def _check_bias(self, name: str | None, want: tuple[int, int]) -> None:
-        if name is not None and self.checkpoint.tensors[name].shape != want:
-            ref = self.checkpoint.tensors[name]
-            raise ShapeError("fused expert bias shape disagrees with config.json", file=ref.file.name, tensor=name,
-                             expected=str(list(want)), found=str(list(ref.shape)))
+    def _check_fused_bias(self, t: FusedTensor) -> None:
+        if t.bias is None:
+            return
+        ref = self.checkpoint.tensors[t.bias]
+        rows = {"gate_up": 2 * self.info.intermediate, "down": self.info.hidden}.get(t.role, self.info.intermediate)
+        if ref.shape != (self.info.n_experts, rows):
+            raise ShapeError("fused expert bias shape disagrees with config.json", file=ref.file.name, tensor=ref.name,
+                             expected=str([self.info.n_experts, rows]), found=str(list(ref.shape)))
 
     # -- reading
 
@@ -247,34 +211,44 @@ class HFSource(Source):
         if not 0 <= expert < self.info.n_experts:
             raise InputError(f"expert index out of range in layer {layer}", expected=f"0..{self.info.n_experts - 1}",
                              found=str(expert))
-        if self.fused:
-            return self._read_fused(layer, expert)
-        names = self.expert_tensor_names(layer, expert)
-        mats = {p: decoders.decode_matrix(self.checkpoint, _base_of(names[p]), self.scheme) for p in PROJS}
-        biases = {p + "_bias": self._bias_f32(names.get(p + "_bias")) for p in PROJS}
+        layout = self.required_layout(layer)
+        if layout.kind == "per_expert":
+            names = self.expert_weight_names(layer, expert)
+            mats = {p: decoders.decode_matrix(self.checkpoint, _base_of(names[p]), self.scheme) for p in PROJS}
+            biases = {p + "_bias": self._bias_f32(names.get(p + "_bias")) for p in PROJS}
+            return ExpertWeights(**mats, **biases)
+        mats, biases = {}, {}
+        for t in layout.tensors:
+            mats.update(self._decode_fused(t, expert))
+            if t.bias:
+                biases.update({p + "_bias": b for p, b in self.split_role(t, self._bias_f32(t.bias, expert)).items()})
         return ExpertWeights(**mats, **biases)
 
-    def _read_fused(self, layer: int, e: int) -> ExpertWeights:
-        fl = self.fused_layer(layer)
-        gate, up = self._split_gate_up(self._oriented(fl.gate_up, e, fl.gate_up_transposed))
-        down = self._oriented(fl.down, e, fl.down_transposed)
-        gate_bias = up_bias = down_bias = None
-        if fl.gate_up_bias:
-            gate_bias, up_bias = self._split_gate_up(self._bias_f32(fl.gate_up_bias, e))
-        if fl.down_bias:
-            down_bias = self._bias_f32(fl.down_bias, e)
-        return ExpertWeights(gate, up, down, gate_bias, up_bias, down_bias)
+    def expert_weight_names(self, layer: int, expert: int) -> dict[str, str]:
+        """{"gate", "up", "down"} weight names of one expert (+ "*_bias" where present)."""
+        names = self.info.expert_names(layer, expert)
+        for proj in PROJS:
+            bias = _bias_name(names[proj])
+            if bias in self.checkpoint.tensors:
+                names[proj + "_bias"] = bias
+        return names
 
-    def _oriented(self, name: str, e: int, transposed: bool, raw=None, refs=None) -> np.ndarray:
-        m = decoders.decode_matrix(self.checkpoint, name, self.scheme, e, refs=refs, raw=raw)
-        return np.ascontiguousarray(m.T) if transposed else m
+    def _decode_fused(self, t: FusedTensor, e: int, raw=None, refs=None) -> dict[str, np.ndarray]:
+        """Expert `e` of fused tensor `t` -> {proj: uint16 BF16 bits [out, in]}."""
+        m = decoders.decode_matrix(self.checkpoint, t.name, self.scheme, e, refs=refs, raw=raw)
+        if self.orientation[t.role].value == "in":
+            m = np.ascontiguousarray(m.T)
+        return self.split_role(t, m)
 
-    def _split_gate_up(self, gu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """[2I, ...] -> ([I, ...] gate, [I, ...] up): even/odd rows when interleaved, else halves."""
+    def split_role(self, t: FusedTensor, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """A role's [out, ...] rows -> {proj: rows}: gate_up [2I, ...] is even/odd rows when interleaved
+        (gpt-oss), else first/second half."""
+        if t.role != "gate_up":
+            return {t.role: rows}
         if self.info.manifest.experts.gate_up_interleaved:
-            return np.ascontiguousarray(gu[0::2]), np.ascontiguousarray(gu[1::2])
-        half = gu.shape[0] // 2
-        return gu[:half], gu[half:]
+            return {"gate": np.ascontiguousarray(rows[0::2]), "up": np.ascontiguousarray(rows[1::2])}
+        half = rows.shape[0] // 2
+        return {"gate": rows[:half], "up": rows[half:]}
 
     def _bias_f32(self, name: str | None, index0: int | None = None) -> np.ndarray | None:
         if name is None:
@@ -283,31 +257,48 @@ class HFSource(Source):
         arr = self.checkpoint.read(name) if index0 is None else self.checkpoint.read_slice(name, index0)
         return bf16_bits_to_f32(arr) if ref.dtype == "BF16" else arr.astype(np.float32)
 
+    # -- biases
+
+    def _bias_names(self, layer: int) -> list[str]:
+        layout = self.required_layout(layer)
+        if layout.kind != "per_expert":
+            return [t.bias for t in layout.tensors if t.bias]
+        return [n for e in range(self.info.n_experts)
+                for k, n in self.expert_weight_names(layer, e).items() if k.endswith("_bias")]
+
     def nonzero_expert_biases(self, layers) -> list[str]:
         """Names of expert bias tensors (in `layers`) holding any non-zero value (reads only the biases)."""
-        found = []
-        for layer in layers:
-            if self.fused:
-                fl = self.fused_layer(layer)
-                names = [n for n in (fl.gate_up_bias, fl.down_bias) if n]
-            else:
-                names = [n for e in range(self.info.n_experts)
-                         for k, n in self.expert_tensor_names(layer, e).items() if k.endswith("_bias")]
-            found += [n for n in names if np.any(self._bias_f32(n) != 0)]
-        return found
+        return [n for layer in layers for n in self._bias_names(layer) if np.any(self._bias_f32(n) != 0)]
 
     def has_expert_biases(self) -> bool:
-        layer = self.all_layers()[0]
-        if self.fused:
-            fl = self.fused_layer(layer)
-            return bool(fl.gate_up_bias or fl.down_bias)
-        return any(k.endswith("_bias") for k in self.expert_tensor_names(layer, 0))
+        return bool(self._bias_names(self.all_layers()[0]))
+
+    # -- the tensors that are not routed experts
+
+    def routed_tensor_names(self, layers) -> set[str]:
+        """Every tensor holding routed-expert data of `layers` (weights, scales, zero points, shapes, biases)."""
+        names: set[str] = set()
+        for layer in layers:
+            layout = self.layer_layout(layer)
+            if layout is None:
+                continue
+            if layout.kind == "per_expert":
+                bases = [(_base_of(n), None) for e in range(self.info.n_experts)
+                         for n in self.info.expert_names(layer, e).values()]
+                names.update(n for e in range(self.info.n_experts) for k, n in
+                             self.expert_weight_names(layer, e).items() if k.endswith("_bias"))
+            else:
+                bases = [(t.name, 0) for t in layout.tensors]
+                names.update(t.bias for t in layout.tensors if t.bias)
+            for base, index0 in bases:
+                refs = self._locate(base, index0)
+                names.update([refs.primary, *refs.partners.values()])
+        return names
 
     def dense_tensors(self):
         """(specs, read) of every tensor that is not a routed expert's (weights and biases of every converted and
         MTP layer)."""
-        expert = {n for layer in self.info.moe_layers + self.info.mtp_layers for e in range(self.info.n_experts)
-                  for n in self.expert_tensor_names(layer, e).values()}
+        expert = self.routed_tensor_names(self.info.moe_layers + self.info.mtp_layers)
         specs = [(name, ref.dtype, ref.shape) for name, ref in sorted(self.checkpoint.tensors.items())
                  if name not in expert]
         return specs, self.checkpoint.read
@@ -316,16 +307,18 @@ class HFSource(Source):
 
     def kt_native_names(self) -> bool:
         """Whether kt-kernel's HF loaders (BF16 / FP8 / RAWINT4) find the routed experts by name: per-expert
-        ``mlp.experts.E.{gate,up,down}_proj`` / ``experts.E.{w1,w3,w2}``, or the packed gate_up [E, 2I, H]."""
+        ``mlp.experts.E.{gate,up,down}_proj`` / ``experts.E.{w1,w3,w2}``, or the packed ``mlp.experts.gate_up_proj``
+        [E, 2I, H] + ``down_proj`` [E, H, I]."""
         lay = self.info.manifest.experts
-        if lay.form == "fused":
-            if lay.gate_up_interleaved or not lay.gate_up.endswith("mlp.experts.gate_up_proj"):
-                return False
-            try:
-                fl = self.fused_layer(self.all_layers()[0])
-            except KtConvertError:
-                return False
-            return not fl.gate_up_transposed and not fl.down_transposed
+        try:
+            layout = self.required_layout(self.all_layers()[0])
+            if layout.kind == "fused":
+                return (not lay.gate_up_interleaved and layout.tensors[0].name.endswith("mlp.experts.gate_up_proj")
+                        and all(o.value == "out" for o in self.orientation.values()))
+        except KtConvertError:
+            return False
+        if layout.kind != "per_expert":
+            return False
         projs = (lay.proj.get("gate"), lay.proj.get("up"), lay.proj.get("down"))
         return (("mlp.experts.{E}" in lay.pattern and projs == ("gate_proj", "up_proj", "down_proj"))
                 or ("experts.{E}" in lay.pattern and projs == ("w1", "w3", "w2")))
@@ -334,44 +327,43 @@ class HFSource(Source):
         """The quantization group (formats.decoders.QuantGroup) of the routed experts, None when unquantized."""
         if self.scheme is None:
             return None
-        return self.scheme.group_for(_base_of(self._probe_name(self.all_layers()[0])))
+        layout = self.required_layout(self.all_layers()[0])
+        base = layout.tensors[0].name if layout.tensors else _base_of(self.info.expert_names(layout.layer, 0)["gate"])
+        return self.scheme.group_for(base)
 
     # -- streaming jobs (the runner reads files front to back and hands the bytes back to decode)
 
     def matrix_jobs(self, layers) -> list[MatrixJob]:
         """One MatrixJob per stored expert matrix (a fused gate_up slice yields gate and up together).
 
-        job.key = (weight name as the manifest names it, slice index or None, MatrixRefs); the job's byte range is
-        the decoder's primary tensor (or its slice)."""
+        job.key = (weight name, slice index or None, MatrixRefs, fused role or None); the job's byte range is the
+        decoder's primary tensor (or its expert slice)."""
         jobs = []
         for layer in layers:
             for e in range(self.info.n_experts):
-                for name, index0, projs in self._job_keys(layer, e):
+                for name, index0, projs, role in self._job_keys(layer, e):
                     refs = self._locate(_base_of(name) if index0 is None else name, index0)
                     ref = self.checkpoint.ref(refs.primary)
                     step = ref.nbytes // ref.shape[0] if index0 is not None else ref.nbytes
                     offset = ref.offset + (index0 or 0) * step
-                    jobs.append(MatrixJob(ref.file, offset, step, layer, e, projs, key=(name, index0, refs)))
+                    jobs.append(MatrixJob(ref.file, offset, step, layer, e, projs, key=(name, index0, refs, role)))
         return jobs
 
-    def _job_keys(self, layer: int, e: int) -> list[tuple[str, int | None, tuple[str, ...]]]:
-        if self.fused:
-            fl = self.fused_layer(layer)
-            return [(fl.gate_up, e, ("gate", "up")), (fl.down, e, ("down",))]
+    def _job_keys(self, layer: int, e: int) -> list[tuple[str, int | None, tuple[str, ...], str | None]]:
+        layout = self.required_layout(layer)
+        if layout.kind != "per_expert":
+            return [(t.name, e, t.projs, t.role) for t in layout.tensors]
         names = self.info.expert_names(layer, e)
-        return [(names[p], None, (p,)) for p in PROJS]
+        return [(names[p], None, (p,), None) for p in PROJS]
 
     def decode(self, job, raw: np.ndarray) -> dict[str, np.ndarray]:
         """Bytes of one MatrixJob -> {proj: uint16 BF16 bits in HF orientation}."""
-        name, index0, refs = job.key
-        if not self.fused:
+        name, index0, refs, role = job.key
+        if role is None:
             return {job.projs[0]: decoders.decode_matrix(self.checkpoint, _base_of(name), self.scheme, refs=refs,
                                                          raw=raw)}
-        fl = self.fused_layer(job.layer)
-        if job.projs == ("down",):
-            return {"down": self._oriented(name, index0, fl.down_transposed, raw, refs)}
-        gate, up = self._split_gate_up(self._oriented(name, index0, fl.gate_up_transposed, raw, refs))
-        return {"gate": gate, "up": up}
+        t = next(t for t in self.required_layout(job.layer).tensors if t.role == role)
+        return self._decode_fused(t, index0, raw, refs)
 
 
 def _base_of(name: str) -> str:

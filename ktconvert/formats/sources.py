@@ -25,6 +25,16 @@ def source_class(path) -> type[Source]:
                      hint="known input formats: " + ", ".join(SOURCES.names()))
 
 
-def open_source(path) -> Source:
-    """Open checkpoint `path` with the source format that recognises it (headers and config only)."""
-    return source_class(path).open(path)
+def open_source(path, expert_orientation: str | None = None) -> Source:
+    """Open checkpoint `path` with the source format that recognises it (headers and config only).
+    expert_orientation: ``--expert-orientation`` ("out" / "in") for square fused expert tensors, or None."""
+    cls = source_class(path)
+    return cls.open(path) if expert_orientation is None else cls.open(path, expert_orientation)
+
+
+def open_recorded_source(path, manifest: dict) -> Source | None:
+    """The source `path` of an output described by `manifest` (ktconvert.json), opened as the conversion opened
+    it (the ``--expert-orientation`` it recorded); None when `path` is None."""
+    if path is None:
+        return None
+    return open_source(path, (manifest.get("source") or {}).get("expert_orientation"))

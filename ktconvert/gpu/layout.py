@@ -11,9 +11,10 @@ Each shard is a list of items ``(specs, produce)``: specs [(name, dtype, shape)]
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Callable
+
+import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.gpu import linears
@@ -56,28 +57,25 @@ class GpuLayout:
 
     def __init__(self, source, layers, linear_mode: str, bits: int, group_size: int):
         info, ck = source.info, source.checkpoint
-        if info.manifest.experts.form == "fused":
-            raise InputError("GPU checkpoints from fused-expert sources are not supported yet",
-                             file=ck.root.name, expected="per-expert 2-D expert tensors",
-                             found=f"{info.family} fused experts")
         self.source, self.layers, self.mode = source, list(layers), linear_mode
         self.bits, self.group_size = bits, group_size
+        # routed experts are written per expert under the family's per-expert names, whatever the source layout
         self.expert_bases = {(layer, e, p): info.expert_names(layer, e)[p][: -len(".weight")]
                              for layer in self.layers for e in range(info.n_experts) for p in PROJS}
         self.expert_modules = set(self.expert_bases.values())
+        routed = source.routed_tensor_names(info.moe_layers + info.mtp_layers)
         dropped = set(info.mtp_layers) - set(self.layers)
-        layer_re = re.compile(re.escape(info.name_prefix) + r"layers\.(\d+)\.")
         total = len(self.layers) + 1
         self.shards = {None: Shard(shard_name(1, total), None)}
         for i, layer in enumerate(self.layers):
             self.shards[layer] = Shard(shard_name(i + 2, total), layer)
+            self.shards[layer].items += self._expert_biases(layer)
         self.linear_modules: set[str] = set()
         self.other_linears: set[str] = set()
         for name in sorted(ck.tensors):
-            m = layer_re.match(name)
-            layer = int(m.group(1)) if m else None
-            if layer in dropped:
-                continue
+            layer = info.layer_of(name)
+            if layer in dropped or name in routed:
+                continue        # routed expert weights come from the stream, their biases from _expert_biases
             self._place(self.shards[layer if layer in self.shards else None], name)
         shapes = {"gate": (info.intermediate, info.hidden), "up": (info.intermediate, info.hidden),
                   "down": (info.hidden, info.intermediate)}
@@ -85,14 +83,29 @@ class GpuLayout:
             self.shards[layer].experts.append((e, p, base, *shapes[p]))
         self._check_fp8_config()
 
+    def _expert_biases(self, layer: int) -> list[Item]:
+        """Per-expert ``<expert>.bias`` items of `layer` (as stored: copied, or sliced out of a fused bias)."""
+        source, ck = self.source, self.source.checkpoint
+        layout = source.required_layout(layer)
+        if layout.kind == "per_expert":
+            return [_copy(ck.tensors[n]) for e in range(source.info.n_experts)
+                    for k, n in source.expert_weight_names(layer, e).items() if k.endswith("_bias")]
+        items = []
+        for t in (t for t in layout.tensors if t.bias):
+            ref = ck.tensors[t.bias]
+            rows = ref.shape[1] // len(t.projs)
+            for e in range(source.info.n_experts):
+                names = {p: self.expert_bases[(layer, e, p)] + ".bias" for p in t.projs}
+                items.append(Item([(names[p], ref.dtype, (rows,)) for p in t.projs],
+                                  lambda ck, t=t, e=e, names=names: {
+                                      names[p]: np.ascontiguousarray(b) for p, b in
+                                      source.split_role(t, ck.read_slice(t.bias, e)).items()}))
+        return items
+
     def _place(self, shard: Shard, name: str) -> None:
         ck = self.source.checkpoint
         ref = ck.tensors[name]
         module = linears.module_of(name)
-        if module in self.expert_modules:
-            if name.endswith(".bias"):
-                shard.items.append(_copy(ref))
-            return                      # the weight comes from the stream; scales / packed parts are replaced
         is_weight = name == module + ".weight"
         suffix = name[len(module) + 1:]
         if linears.is_linear_base(module):

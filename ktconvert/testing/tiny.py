@@ -253,15 +253,16 @@ def _write_weights(tmp: Path, info: ModelInfo, tiny: dict, writer: DtypeWriter, 
 
 def make_tiny_model(out, arch: str, layers: int | None = None, experts: int | None = None,
                     hidden: int | None = None, intermediate: int | None = None, dtype: str = "bf16",
-                    seed: int = 0, force: bool = False) -> Path:
+                    seed: int = 0, force: bool = False, mtp: int | None = None) -> Path:
     """Write a seeded random checkpoint of family/model_type `arch` into directory `out`; returns `out`.
 
     Files: config.json, generation_config.json, tokenizer.json + tokenizer_config.json + special_tokens_map.json
     (when `tokenizers` is installed), and the weights (one shard per layer, model.safetensors.index.json when there is more than one shard).
     Refuses a non-empty `out` unless force. Written to a temporary sibling directory, renamed when complete.
+    mtp: MTP layers (None: the family's tiny default), for families whose checkpoints carry them.
     """
     writer = dtype_writer(dtype)
-    config, tiny = build_config(arch, layers, experts, hidden, intermediate)
+    config, tiny = build_config(arch, layers, experts, hidden, intermediate, mtp)
     config["torch_dtype"] = writer.torch_dtype
     info = resolve(config, [tiny.get("name_prefix", manifest_for(arch).name_prefixes[0]) + "layers.0."])
     writer.update_config(config, info)

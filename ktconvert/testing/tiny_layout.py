@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterator
 
 from ktconvert.architecture import ModelInfo, manifest_for
@@ -93,11 +95,11 @@ def _linear_attention(cfg: dict, tiny: dict, p: str, hidden: int) -> Iterator[Te
     yield TensorSpec(a + "out_proj.weight", (hidden, nv * dv), "linear")
 
 
-def _attention(cfg: dict, tiny: dict, p: str, hidden: int, layer: int) -> Iterator[TensorSpec]:
+def _attention(cfg: dict, tiny: dict, p: str, hidden: int, layer: int, mtp: bool) -> Iterator[TensorSpec]:
     kind = tiny["attention"]
     if kind == "mla":
         return _mla(cfg, tiny, p, hidden)
-    if kind == "hybrid":
+    if kind == "hybrid" and not mtp:         # MTP layers of hybrid models are full-attention layers
         layer_types = cfg["layer_types"]
         if layer_types[layer % len(layer_types)] == "linear_attention":
             return _linear_attention(cfg, tiny, p, hidden)
@@ -140,9 +142,18 @@ def _moe(info: ModelInfo, tiny: dict, p: str, layer: int) -> Iterator[TensorSpec
         yield TensorSpec(p + tiny["shared_gate"], (1, info.hidden), "linear")
 
 
-def _mtp_extras(info: ModelInfo, p: str) -> Iterator[TensorSpec]:
-    """DeepSeek/GLM next-n layer: a full decoder layer plus these."""
+def _mtp_extras(info: ModelInfo, tiny: dict, p: str, layer: int) -> Iterator[TensorSpec]:
+    """What an MTP layer has besides a decoder layer: DeepSeek/GLM next-n (inside the layer) or, once for the
+    first MTP layer, Qwen3-Next / Qwen3.5's ``mtp.`` module (fc over [embedding, hidden], two pre-fc norms, norm)."""
     H, V = info.hidden, info.config["vocab_size"]
+    kind = tiny.get("mtp")
+    if kind == "qwen3_next" and layer == info.mtp_layers[0]:
+        m = info.manifest.mtp_prefix
+        yield TensorSpec(m + "fc.weight", (H, 2 * H), "linear")
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            yield TensorSpec(f"{m}{name}.weight", (H,), "norm")
+    if kind != "deepseek":
+        return
     yield TensorSpec(p + "enorm.weight", (H,), "norm")
     yield TensorSpec(p + "hnorm.weight", (H,), "norm")
     yield TensorSpec(p + "eh_proj.weight", (H, 2 * H), "linear")
@@ -154,16 +165,17 @@ def _mtp_extras(info: ModelInfo, p: str) -> Iterator[TensorSpec]:
 def layer_specs(info: ModelInfo, tiny: dict, layer: int) -> list[TensorSpec]:
     """Every tensor of decoder layer `layer` (an MTP layer when layer >= n_layers)."""
     cfg, H = info.config, info.hidden
-    p = f"{info.name_prefix}layers.{layer}."
+    p = info.layer_name("layers.{L}.", layer)
+    mtp = layer in info.mtp_layers
     specs = [TensorSpec(p + "input_layernorm.weight", (H,), "norm"),
              TensorSpec(p + "post_attention_layernorm.weight", (H,), "norm")]
-    specs += _attention(cfg, tiny, p, H, layer)
-    if layer in info.moe_layers or layer in info.mtp_layers:
+    specs += _attention(cfg, tiny, p, H, layer, mtp)
+    if layer in info.moe_layers or mtp:
         specs += _moe(info, tiny, p, layer)
     elif tiny.get("dense_mlp"):
         specs += _mlp(p + tiny["dense_mlp"], H, cfg["intermediate_size"])
-    if layer in info.mtp_layers and tiny.get("mtp") == "deepseek":
-        specs += _mtp_extras(info, p)
+    if mtp:
+        specs += _mtp_extras(info, tiny, p, layer)
     return specs
 
 
@@ -218,16 +230,20 @@ def _set_first(node: dict, keys: tuple[str, ...], value: int) -> None:
     node[keys[0]] = value
 
 
-def build_config(arch: str, layers=None, experts=None, hidden=None, intermediate=None) -> tuple[dict, dict]:
-    """(config.json dict, tiny table) for arch with the given dimension overrides."""
+def build_config(arch: str, layers=None, experts=None, hidden=None, intermediate=None,
+                 mtp=None) -> tuple[dict, dict]:
+    """(config.json dict, tiny table) for arch with the given dimension overrides (mtp: MTP layers; only for
+    families whose tiny table has an ``mtp`` kind)."""
     model_type, tiny = _tiny_table(arch)
     manifest = manifest_for(model_type)
     config = json.loads(json.dumps(tiny["config"]))
     node = config[manifest.text_config] if manifest.text_config in config else config
     node.update({key: None for key in tiny.get("null_keys", [])})
+    if mtp and not tiny.get("mtp"):
+        raise ManifestError(f"family {manifest.family} has no MTP layers in its tiny table", file=manifest.source)
     for field, value in (("n_layers", layers), ("n_experts", experts), ("hidden", hidden),
-                         ("intermediate", intermediate)):
-        if value is not None:
+                         ("intermediate", intermediate), ("mtp_layers", mtp)):
+        if value is not None and manifest.config_keys.get(field):
             _set_first(node, manifest.config_keys[field], int(value))
     if layers is not None:
         if isinstance(node.get("layer_types"), list) and node["layer_types"]:
@@ -240,3 +256,29 @@ def build_config(arch: str, layers=None, experts=None, hidden=None, intermediate
             if key in node:
                 node[key] = min(node[key], int(experts))
     return config, tiny
+
+
+# ---------------------------------------------------------------- the family's names
+
+def family_vocabulary(family: str) -> frozenset[str]:
+    """Every tensor name a checkpoint of `family` holds, over all its model types' tiny tables, with the name
+    prefix as "{P}" and decoder layer numbers as "{L}" ("{P}layers.{L}.self_attn.q_norm.weight", "lm_head.weight").
+    Which names a family uses, where other conventions exist (GGUF names mapped back to HF: formats/gguf_dense)."""
+    return _vocabulary(family)
+
+
+@lru_cache(maxsize=None)
+def _vocabulary(family: str) -> frozenset[str]:
+    from ktconvert.architecture import families, resolve
+
+    manifest = families()[family]
+    names = set()
+    for model_type in manifest.tiny:
+        config, tiny = build_config(model_type)
+        info = resolve(config, [tiny.get("name_prefix", manifest.name_prefixes[0]) + "layers.0."])
+        for spec in (s for group in model_specs(info, tiny) for s in group):
+            name = spec.name
+            if name.startswith(info.name_prefix):
+                name = "{P}" + name[len(info.name_prefix):]
+            names.add(re.sub(r"(^|[.}])layers\.\d+\.", r"\1layers.{L}.", name, count=1))
+    return frozenset(names)

@@ -23,7 +23,7 @@ from ktconvert.testing.tiny_layout import TensorSpec
 
 FP8_BLOCK = (128, 128)
 CT_GROUP = 32
-EXPERT_TARGET = r"re:.*experts\.\d+\.[^.]+$"
+EXPERT_TARGET = r"re:.*\.experts\.(\d+\.)?[^.]+$"   # per-expert and fused routed-expert modules
 
 
 def _bf16(values: np.ndarray) -> np.ndarray:

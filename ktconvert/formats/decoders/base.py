@@ -134,6 +134,12 @@ class Decoder:
         """uint16 [n, k] BF16 bits from the primary tensor's expert slice `data` (+ partners read here)."""
         raise NotImplementedError
 
+    @classmethod
+    def fixed_orientation(cls, refs: MatrixRefs) -> str | None:
+        """"out" when this storage format only exists as [out_features, in_features] (it quantizes along
+        in-features), so a fused tensor's orientation is known whatever its dims; None when it does not say."""
+        return None
+
 
 DECODERS: Registry = Registry("input decoder", base=Decoder)
 

@@ -27,6 +27,12 @@ def effective_block(group: QuantGroup, n: int, k: int) -> tuple[int, int]:
     return group.block
 
 
+def _weight_name(checkpoint, base: str, expert: int | None) -> str:
+    """``<base>.weight``, or a fused FP8 tensor stored under its own name (transformers 5: ``gate_up_proj`` +
+    ``gate_up_proj_scale_inv``)."""
+    return base if expert is not None and base in checkpoint.tensors else f"{base}.weight"
+
+
 class Fp8BlockDecoder(Decoder):
     """``quant_method: fp8`` with ``weight_block_size``: DeepSeek-convention block FP8."""
 
@@ -50,9 +56,9 @@ class Fp8BlockDecoder(Decoder):
 
     @classmethod
     def locate(cls, checkpoint, base: str, group: QuantGroup, expert: int | None) -> MatrixRefs:
-        w = tensor_ref(checkpoint, f"{base}.weight")
-        scale_name = f"{base}.weight_scale_inv" if f"{base}.weight_scale_inv" in checkpoint.tensors \
-            else f"{base}.weight_scale"
+        w = tensor_ref(checkpoint, _weight_name(checkpoint, base, expert))
+        scale_name = next((n for n in (w.name + "_scale_inv", w.name + "_scale") if n in checkpoint.tensors),
+                          w.name + "_scale_inv")
         s = tensor_ref(checkpoint, scale_name)
         if w.dtype != "F8_E4M3":
             raise shape_error(w, "FP8 weight has the wrong dtype", "F8_E4M3", w.dtype)
@@ -67,6 +73,10 @@ class Fp8BlockDecoder(Decoder):
             raise shape_error(s, f"scale shape does not match weight [{n}, {k}] in "
                                  f"{list(effective_block(group, n, k))} blocks", str(list(want)), str(list(s_shape)))
         return MatrixRefs(group.fmt, w.name, {"scale": scale_name}, expert, shape, group)
+
+    @classmethod
+    def fixed_orientation(cls, refs: MatrixRefs) -> str | None:
+        return "out" if refs.group is not None and refs.group.strategy == "channel" else None
 
     @classmethod
     def decode(cls, checkpoint, refs: MatrixRefs, data: np.ndarray, where: str) -> np.ndarray:

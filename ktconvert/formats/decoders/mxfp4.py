@@ -41,5 +41,9 @@ class Mxfp4Decoder(Decoder):
         return MatrixRefs(cls.scheme, b.name, {"scale": s.name}, expert, shape, group)
 
     @classmethod
+    def fixed_orientation(cls, refs: MatrixRefs) -> str | None:
+        return "out"      # 32-element blocks along in-features
+
+    @classmethod
     def decode(cls, checkpoint, refs: MatrixRefs, data: np.ndarray, where: str) -> np.ndarray:
         return mxfp4.dequant(data, read_partner(checkpoint, refs.partners["scale"], refs.index0), where)
