@@ -66,7 +66,7 @@ def _target_options(value):
 
 
 def convert(src, outputs, *, threads: int | None = None, resume: bool = False, force: bool = False,
-            progress=None) -> list[ConvertResult]:
+            progress=None, verify_source_hash: bool = False) -> list[ConvertResult]:
     """Write several outputs of `src` reading it once: outputs = [(out folder, CpuOptions | GpuOptions | a dict of
     either's fields: one with "experts" is a GPU checkpoint), ...] (RTN on every side; GPTQ runs one output at a
     time: use convert_cpu / convert_gpu).
@@ -89,7 +89,8 @@ def convert(src, outputs, *, threads: int | None = None, resume: bool = False, f
     folders = [o.out_dir.resolve() for o in built]
     if len(set(folders)) != len(folders):
         raise UsageError("every output needs its own folder", found=", ".join(map(str, folders)))
-    return write_outputs(built, threads=threads, progress=progress, timings={"plan": time.monotonic() - t0})
+    return write_outputs(built, threads=threads, progress=progress, timings={"plan": time.monotonic() - t0},
+                         verify_source_hash=verify_source_hash)
 
 
 def plan(src, cpu=None, gpu=None, *, out=None, threads: int | None = None, placement: dict | None = None,

@@ -21,7 +21,7 @@ from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
 from ktconvert.extras import require
 from ktconvert.cli_options import (GPU_GROUP_SIZES, RegistryChoice, choice, cpu_options, emit, gpu_options,
                                    json_option, load_api, orientation_option, prefer, profiling, progress_options, run_options,
-                                   source_arg)
+                                   source_arg, source_hash_option)
 from ktconvert.progress import make_progress
 
 
@@ -130,10 +130,12 @@ def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, g
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers' experts.")
 @click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
 @run_options
+@source_hash_option
 @progress_options
 @json_option
 @orientation_option
-def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation, **options) -> None:
+def cpu(src, out, threads, resume, force, profile, verify_source_hash, quiet, json_progress, as_json,
+        expert_orientation, **options) -> None:
     """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable).
 
     SRC may be a folder, a .safetensors or .gguf file, hf://ORG/NAME[@REV] or ms://ORG/NAME.
@@ -145,7 +147,8 @@ def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json
     options = {k: v for k, v in options.items() if v is not None or k not in ("dampening", "min_tokens")}
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
         result = load_api().convert_cpu(source_arg(src, expert_orientation), out, threads=threads, resume=resume,
-                                        force=force, progress=progress, **options)
+                                        force=force, progress=progress, verify_source_hash=verify_source_hash,
+                                        **options)
     emit(result, as_json, profile=prof.get("report"))
 
 
@@ -162,12 +165,13 @@ def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers (else they are left out).")
 @run_options
+@source_hash_option
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes per component, VRAM per expert) only.")
 @progress_options
 @json_option
 @orientation_option
 def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibration, include_mtp, threads, resume,
-        force, profile, dry_run, quiet, json_progress, as_json, expert_orientation) -> None:
+        force, profile, verify_source_hash, dry_run, quiet, json_progress, as_json, expert_orientation) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
     quant = prefer(quant, algo_deprecated, "--algo", "--quant") or "rtn"
@@ -179,7 +183,8 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
         return
     require("gpu", "ktconvert gpu")
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        result = api.convert_gpu(src, out, threads=threads, resume=resume, force=force, progress=progress, **options)
+        result = api.convert_gpu(src, out, threads=threads, resume=resume, force=force, progress=progress,
+                                 verify_source_hash=verify_source_hash, **options)
     emit(result, as_json, profile=prof.get("report"))
 
 

@@ -20,7 +20,8 @@ from ktconvert.results import ConvertResult
 
 
 def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
-                force: bool = False, progress=None, **option_values) -> ConvertResult:
+                force: bool = False, progress=None, verify_source_hash: bool = False,
+                **option_values) -> ConvertResult:
     """Convert the routed experts of checkpoint `src` (a folder, a .safetensors / .gguf file, hf://ORG/NAME[@REV]
     or ms://ORG/NAME) for kt-kernel into the folder `out`.
 
@@ -28,6 +29,8 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     include_mtp, allow_drop_bias, calibration; see CpuOptions). threads: worker threads (default: all cores; bytes
     never depend on it). resume: continue an interrupted run in `out` (a complete one is left as is); force:
     empty `out` first. progress: a ktconvert.progress.Progress (start / advance / message are called).
+    verify_source_hash: hash also the source files whose sha256 a Hugging Face cache blob name gives (else taken
+    from the name) and raise InputError where they differ.
     Raises UsageError (exit 2), InputError (3), OutputError (1, e.g. `out` not empty or locked by another
     process); nothing is written before every check passed. Returns the ConvertResult.
     """
@@ -39,4 +42,5 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     timings = {"plan": time.monotonic() - t0}
     if options.quant == "gptq":
         return gptq_cpu.convert_cpu_gptq(output, progress or Progress(), timings)
-    return write_outputs([output], threads=threads, progress=progress, timings=timings)[0]
+    return write_outputs([output], threads=threads, progress=progress, timings=timings,
+                         verify_source_hash=verify_source_hash)[0]

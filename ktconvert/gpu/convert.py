@@ -26,12 +26,14 @@ from ktconvert.results import ConvertResult
 
 
 def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
-                force: bool = False, progress=None, **option_values) -> ConvertResult:
+                force: bool = False, progress=None, verify_source_hash: bool = False,
+                **option_values) -> ConvertResult:
     """Write the SGLang-KT GPU checkpoint (SGLang's --model) of HF safetensors checkpoint `src` (a folder, or
     hf://ORG/NAME[@REV] / ms://ORG/NAME) into the folder `out`.
 
     options: a GpuOptions, or its fields as keywords (experts, group_size, quant, linears, include_mtp,
-    calibration; see GpuOptions). threads / resume / force / progress as for ktconvert.convert_cpu. Raises
+    calibration; see GpuOptions). threads / resume / force / progress / verify_source_hash as for
+    ktconvert.convert_cpu. Raises
     UsageError (exit 2), InputError (3), OutputError (1); nothing is written before every check passed.
     Returns the ConvertResult.
     """
@@ -44,7 +46,8 @@ def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | N
     timings = {"plan": time.monotonic() - t0}
     if options.quant == "gptq":
         return write_in_layer_order(output, lambda o: _run_gptq(o, progress or Progress()), timings)
-    return write_outputs([output], threads=threads, progress=progress, timings=timings)[0]
+    return write_outputs([output], threads=threads, progress=progress, timings=timings,
+                         verify_source_hash=verify_source_hash)[0]
 
 
 def gptq_hook():
