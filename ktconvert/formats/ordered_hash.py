@@ -17,7 +17,7 @@ from ktconvert import profile
 from ktconvert.errors import OutputError
 from ktconvert.formats import fileio
 
-PARK_BYTES = 32 << 20   # copies of early pieces one file may hold
+PARK_BYTES = 16 << 20   # copies of early pieces one file may hold
 
 
 class OrderedFileHash:

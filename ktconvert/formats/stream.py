@@ -20,7 +20,8 @@ import numpy as np
 from ktconvert import profile
 from ktconvert.errors import InputError
 
-CHUNK = 16 << 20  # bytes read at a time for data no job needs (non-expert tensors, headers)
+CHUNK = 8 << 20   # bytes read at a time for data no job needs (non-expert tensors, headers)
+HASH_QUEUE_DEPTH = 4   # buffers a reading thread may queue for its sha256 thread
 _SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 
 
@@ -52,7 +53,7 @@ class _BackgroundSha256:
     """sha256 fed from a bounded queue on its own thread (hashlib releases the GIL), so hashing the source
     overlaps reading and converting it. Buffers handed to update() must not be modified afterwards."""
 
-    def __init__(self, depth: int = 4):
+    def __init__(self, depth: int = HASH_QUEUE_DEPTH):
         self._sha = hashlib.sha256()
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._run, name="ktconvert-sha256", daemon=True)
