@@ -37,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_convert import ktkernel_run  # noqa: E402  (kt-kernel's converter path, same measurement)
+from bench_convert import ktkernel_run, make_model  # noqa: E402  (kt-kernel's converter path, same model)
 from peak_rss import run_python  # noqa: E402
 
 TARGETS = {"cpu_GBps_min": 2.0, "convert_over_cpu_max": 1.3, "peak_rss_MB_max": 512}
@@ -45,14 +45,6 @@ TARGETS = {"cpu_GBps_min": 2.0, "convert_over_cpu_max": 1.3, "peak_rss_MB_max": 
 
 def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
-
-
-def make_model(path: Path, layers: int, experts: int, hidden: int, inter: int) -> Path:
-    if not (path / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "ktconvert.cli", "tiny-model", str(path), "--arch", "qwen3_moe",
-                        "--layers", str(layers), "--experts", str(experts), "--hidden", str(hidden),
-                        "--intermediate", str(inter), "--force"], check=True, stdout=subprocess.DEVNULL)
-    return path
 
 
 def source_files(model: Path) -> list[Path]:
@@ -111,7 +103,7 @@ def run_ktconvert(code: str, profile: bool, pythonpath: str | None = None) -> di
                 "if rep:\n    import sys; print('PROFILE_JSON', json.dumps(rep), file=sys.stderr)\n"
                 "    print(_p.render(rep), file=sys.stderr)\n")
     env = {**os.environ, "KTCONVERT_NO_PROGRESS": "1", **({"PYTHONPATH": pythonpath} if pythonpath else {})}
-    wall, peak, stderr = run_python(prologue + code + epilogue, env=env)
+    wall, peak, stderr = run_python(prologue + code + epilogue, env=env, cwd=tempfile.gettempdir())
     row = {"wall_s": round(wall, 3), "peak_rss_MB": round(peak / 2**20)}
     for line in stderr.splitlines():
         if line.startswith("PROFILE_JSON "):
@@ -188,6 +180,7 @@ class Bench:
             if self.args.profile:
                 print(f"--- {name}{suffix}", file=sys.stderr, flush=True)
             row = run_ktconvert(code, self.args.profile, tree)
+            row["version"] = "baseline" if tree else "this"
             self.record(name + suffix, row, threads=threads or os.cpu_count(), outputs=len(targets), **extra)
             self.outs(len(targets))
 

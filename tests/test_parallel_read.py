@@ -114,3 +114,31 @@ def test_hf_cache_wrong_blob_name_caught_with_verify_source_hash(tiny_model, tmp
     line = result.output.strip().splitlines()[-1]
     assert shard in line and "blob name" in line and hashlib.sha256((src / shard).read_bytes()).hexdigest() in line
     assert not (tmp_path / "checked" / "ktconvert.json").exists()
+
+
+def test_gpu_expert_tensors_hashed_as_written_not_read_back(tiny_model, tmp_path, monkeypatch):
+    """Each GPU shard's weight_shape tensors (first in the file) are written on open, so the file hash follows the
+    experts as they go out: with a small parking budget only non-expert tensors (written on open, out of file
+    order) are ever read back to hash them, never an expert's."""
+    from ktconvert import profile
+    from ktconvert.formats import ordered_hash
+
+    monkeypatch.setattr(ordered_hash, "PARK_BYTES", 64 << 10)
+    src = tiny_model("qwen3_moe", **MODEL_KW)
+    out = tmp_path / "gpu"
+    profile.enable()
+    try:
+        ktconvert.convert_gpu(src, out, threads=1, experts="w4a16", group_size=32)
+    finally:
+        report = profile.disable()
+    read_back = report["kinds"].get("read.output", {}).get("bytes", 0)
+    non_expert = expert = 0
+    for shard in out.glob("*.safetensors"):
+        data = shard.read_bytes()
+        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+        for name, entry in header.items():
+            if name != "__metadata__":
+                nbytes = entry["data_offsets"][1] - entry["data_offsets"][0]
+                expert += nbytes if ".experts." in name else 0
+                non_expert += 0 if ".experts." in name else nbytes
+    assert expert > 64 << 10 and read_back <= non_expert
