@@ -20,10 +20,11 @@ _REPORT = ("\nimport atexit\n"
            "atexit.register(_ktconvert_peak)\n")
 
 
-def run_python(code: str, env=None) -> tuple[float, int, str]:
-    """Run `code` in a fresh interpreter; (wall seconds, peak RSS bytes, stderr). Raises on a non-zero exit."""
+def run_python(code: str, env=None, cwd=None) -> tuple[float, int, str]:
+    """Run `code` in a fresh interpreter (in folder `cwd`: `python -c` imports from there first); (wall seconds,
+    peak RSS bytes, stderr). Raises on a non-zero exit."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _REPORT + code], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-c", _REPORT + code], capture_output=True, text=True, env=env, cwd=cwd)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])

@@ -67,7 +67,7 @@ def _options(value, cls):
 
 
 def convert(src, targets, *, threads: int | None = None, resume: bool = False, force: bool = False,
-            progress=None, layers=None) -> list[ConvertResult]:
+            progress=None, layers=None, verify_source_hash: bool = False) -> list[ConvertResult]:
     """Write several outputs of `src` reading it once, each from every decoded layer as it goes by.
 
     targets: a list of tables, one per output: {"cpu": OUT, "method": ..., "numa": ..., ...} or {"gpu": OUT,
@@ -78,12 +78,13 @@ def convert(src, targets, *, threads: int | None = None, resume: bool = False, f
     Each output's bytes, manifest included, equal what convert_cpu / convert_gpu write alone. Every plan is
     checked (also the free disk the outputs need together) before any OUT is created; two targets may not share
     a folder. resume continues each output from its own journal (a complete one is left as is). layers: a MoE
-    layer range ("A-B"): every output becomes that part (as convert_cpu's `layers`). Returns one ConvertResult per
-    output, in order.
+    layer range ("A-B"): every output becomes that part (as convert_cpu's `layers`). verify_source_hash: as
+    convert_cpu's. Returns one ConvertResult per output, in order.
     """
     t0 = time.monotonic()
     built = plan_outputs(src, targets, threads=threads, resume=resume, force=force, layers=layers)
-    return write_outputs(built, threads=threads, progress=progress, timings={"plan": time.monotonic() - t0})
+    return write_outputs(built, threads=threads, progress=progress, timings={"plan": time.monotonic() - t0},
+                         verify_source_hash=verify_source_hash)
 
 
 def plan_outputs(src, targets, *, threads: int | None = None, resume: bool = False, force: bool = False,

@@ -21,7 +21,7 @@ from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
 from ktconvert.cli_options import (GPU_GROUP_SIZES, InputPath, RegistryChoice, batch_executor_options, choice,
                                    cpu_options, distribution_options, emit, gpu_options, json_option, load_api,
                                    orientation_option, pop_distribution, prefer, profiling, progress_options,
-                                   run_batch, run_on_ray, run_options, source_arg)
+                                   run_batch, run_on_ray, run_options, source_arg, source_hash_option)
 from ktconvert.cli_targets import TargetCommand, given_targets, target_options
 from ktconvert.progress import make_progress
 
@@ -132,10 +132,12 @@ def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, g
 @click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
 @run_options
 @distribution_options
+@source_hash_option
 @progress_options
 @json_option
 @orientation_option
-def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation, **options) -> None:
+def cpu(src, out, threads, resume, force, profile, verify_source_hash, quiet, json_progress, as_json,
+        expert_orientation, **options) -> None:
     """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable).
 
     SRC may be a folder, a .safetensors or .gguf file, hf://ORG/NAME[@REV] or ms://ORG/NAME.
@@ -151,7 +153,8 @@ def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json
                                 progress=progress)[0]
         else:
             result = load_api().convert_cpu(src, out, threads=threads, resume=resume, force=force,
-                                            progress=progress, layers=distribution["layers"], **options)
+                                            progress=progress, layers=distribution["layers"],
+                                            verify_source_hash=verify_source_hash, **options)
     emit(result, as_json, profile=prof.get("report"))
 
 
@@ -169,12 +172,14 @@ def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers (else they are left out).")
 @run_options
 @distribution_options
+@source_hash_option
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes per component, VRAM per expert) only.")
 @progress_options
 @json_option
 @orientation_option
 def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibration, include_mtp, threads, resume,
-        force, profile, dry_run, quiet, json_progress, as_json, expert_orientation, **distribution) -> None:
+        force, profile, verify_source_hash, dry_run, quiet, json_progress, as_json, expert_orientation,
+        **distribution) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
     quant = prefer(quant, algo_deprecated, "--algo", "--quant") or "rtn"
@@ -191,7 +196,8 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
                                 progress=progress)[0]
         else:
             result = api.convert_gpu(src, out, threads=threads, resume=resume, force=force, progress=progress,
-                                     layers=distribution["layers"], **options)
+                                     layers=distribution["layers"], verify_source_hash=verify_source_hash,
+                                     **options)
     emit(result, as_json, profile=prof.get("report"))
 
 
@@ -202,12 +208,13 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
               help="A TOML file of [[targets]] tables ({cpu = OUT, method = ...} / {gpu = OUT, experts = ...}), "
                    "written with (before) the command line's targets.")
 @run_options
+@source_hash_option
 @distribution_options
 @progress_options
 @json_option
 @orientation_option
-def convert(src, targets_file, threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation,
-            **given) -> None:
+def convert(src, targets_file, threads, resume, force, profile, verify_source_hash, quiet, json_progress, as_json,
+            expert_orientation, **given) -> None:
     """Write every output of SRC from one read of the source: each --cpu OUT / --gpu OUT starts an output, and
     the options after it are that output's (options before the first one are shared by every output that has
     them). Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write alone; every plan is
@@ -227,7 +234,8 @@ def convert(src, targets_file, threads, resume, force, profile, quiet, json_prog
                                  progress=progress)
         else:
             results = load_api().convert(src, targets, threads=threads, resume=resume, force=force,
-                                         progress=progress, layers=distribution["layers"])
+                                         progress=progress, layers=distribution["layers"],
+                                         verify_source_hash=verify_source_hash)
     emit({"outputs": [r.to_dict() for r in results]}, as_json, "\n".join(r.summary() for r in results),
          profile=prof.get("report"))
 

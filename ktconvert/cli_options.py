@@ -133,6 +133,13 @@ def run_options(fn):
     return fn
 
 
+def source_hash_option(fn):
+    """--verify-source-hash: hash source files whose sha256 a Hugging Face cache blob name already gives."""
+    return click.option("--verify-source-hash", is_flag=True,
+                        help="Hash every source file, also an LFS shard of a Hugging Face cache snapshot whose "
+                             "blob name gives its sha256, and stop if the two differ.")(fn)
+
+
 def orientation_option(fn):
     """--expert-orientation: how SRC's fused 3-D experts are stored where their shapes cannot tell."""
     return click.option("--expert-orientation", type=choice(["out", "in"]), default=None,

@@ -36,10 +36,11 @@ def open_outputs(outputs: list) -> list:
     return opened
 
 
-def write_outputs(outputs: list, *, threads: int | None = None, progress=None,
-                  timings: dict | None = None) -> list[ConvertResult]:
+def write_outputs(outputs: list, *, threads: int | None = None, progress=None, timings: dict | None = None,
+                  verify_source_hash: bool = False) -> list[ConvertResult]:
     """Write `outputs` (output.Output subclasses sharing one source and one list of layers) in one pass.
-    timings: seconds already spent (e.g. planning), completed with open / convert / finalize / total."""
+    timings: seconds already spent (e.g. planning), completed with open / convert / finalize / total.
+    verify_source_hash: see runner.run_jobs."""
     progress = progress or Progress()
     timings = dict(timings or {})
     layers = outputs[0].layers
@@ -52,7 +53,7 @@ def write_outputs(outputs: list, *, threads: int | None = None, progress=None,
     timings["open"] = time.monotonic() - t0
     try:
         if todo:
-            _run(todo, threads, progress)
+            _run(todo, threads, progress, verify_source_hash)
         timings["convert"] = time.monotonic() - t0 - timings["open"]
         t1 = time.monotonic()
         with profile.span("finalize"):
@@ -65,7 +66,7 @@ def write_outputs(outputs: list, *, threads: int | None = None, progress=None,
     return [result_of(o, manifests.get(id(o)), timings) for o in outputs]
 
 
-def _run(outputs: list, threads: int | None, progress) -> None:
+def _run(outputs: list, threads: int | None, progress, verify_source_hash: bool) -> None:
     source = outputs[0].source
     layers = outputs[0].layers
     journal = JointJournal([o.journal for o in outputs])
@@ -79,7 +80,8 @@ def _run(outputs: list, threads: int | None, progress) -> None:
     done = [layer for layer in layers if journal.layer_done(layer)]
     progress.start(sum(j.nbytes for j in jobs if not journal.layer_done(j.layer)), len(layers) - len(done),
                    " + ".join(o.label() for o in outputs))
-    run_jobs(jobs, source, outputs, journal, threads or os.cpu_count() or 1, progress, files)
+    run_jobs(jobs, source, outputs, journal, threads or os.cpu_count() or 1, progress, files,
+             verify_source_hash=verify_source_hash)
 
 
 def part_files(output, jobs: list) -> set:

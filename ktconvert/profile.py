@@ -10,7 +10,8 @@ sleeps and lock waits count as wall, not core. Spans nest: a span's figures excl
 the same thread (self time), so the kinds add up; the process's core time inside no span is reported as
 ``other`` (Python glue, allocation, threads' start-up). Kinds are
 dotted names, the first part the group: ``read``, ``hash.source``, ``decode``, ``quantize.cpu``,
-``quantize.gpu``, ``write``, ``hash.tensor``, ``hash.file``, ``hash.git``, ``fsync``, ``finalize``, ``import``,
+``quantize.gpu``, ``write``, ``hash.tensor``, ``hash.file``, ``hash.git``, ``read.output`` (output bytes read back
+to hash them: ordered_hash), ``fsync``, ``finalize``, ``import``,
 ``wait.*`` (a thread blocked on others: its wall time is idle time of that thread, not work); ``startup`` is the
 process before profiling began (interpreter, imports, option parsing).
 

@@ -67,6 +67,36 @@ def test_hash_file_matches_hashlib_and_git(tmp_path):
         assert fileio.hash_bytes(data) == (size, hashlib.sha256(data).hexdigest(), git_hash(data))
 
 
+def test_git_blob_of_lfs_sized_file_is_its_pointer(tmp_path):
+    """From LFS_THRESHOLD on, the git blob id a hub lists is the blob of the git-lfs pointer (spec v1 text)."""
+    rng = np.random.default_rng(3)
+    for size in (fileio.LFS_THRESHOLD - 1, fileio.LFS_THRESHOLD, fileio.LFS_THRESHOLD + 4097):
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        (tmp_path / "f").write_bytes(data)
+        sha256 = hashlib.sha256(data).hexdigest()
+        pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
+        want = git_hash(data) if size < fileio.LFS_THRESHOLD else git_hash(pointer)
+        assert fileio.hash_file(tmp_path / "f") == (size, sha256, want)
+        assert fileio.hash_bytes(data) == (size, sha256, want)
+        assert fileio.hash_file(tmp_path / "f", content_git=True) == (size, sha256, git_hash(data))
+
+
+def test_format_version_1_manifest_still_verifies(tmp_path):
+    """A manifest written before format_version 2 (content git blob for every file) still verifies, and a flipped
+    git_sha1 in it is still caught."""
+    manifest = make_output(tmp_path / "out")
+    path = tmp_path / "out" / om.MANIFEST_NAME
+    manifest["format_version"] = 1
+    for rel, entry in manifest["files"].items():
+        entry["git_sha1"] = git_hash((tmp_path / "out" / rel).read_bytes())
+    path.write_bytes(om.manifest_bytes(manifest))
+    assert verify_hashes(tmp_path / "out")["ok"]
+    rel = sorted(manifest["files"])[0]
+    manifest["files"][rel]["git_sha1"] = "0" * 40
+    path.write_bytes(om.manifest_bytes(manifest))
+    assert verify_hashes(tmp_path / "out")["mismatched"] == [rel]
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 20])
 def test_hash_safetensors_one_pass(tmp_path, monkeypatch, chunk):
     monkeypatch.setattr(fileio, "HASH_CHUNK", chunk)

@@ -195,3 +195,38 @@ def test_non_contiguous_input_written_in_logical_order(tmp_path):
     save_file({"t": np.ascontiguousarray(view)}, str(tmp_path / "ref.safetensors"))
     _stream(tmp_path / "out.safetensors", {"t": view})
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("park_bytes, threads", [(0, 1), (0, 4), (1 << 30, 4), (3000, 4)])
+def test_file_hash_fed_while_written_any_order(tmp_path, monkeypatch, park_bytes, threads):
+    """The file's sha256 / git blob id, fed from the bytes as they go out (pieces ahead of the hashed prefix parked
+    as copies up to park_bytes, the rest read back), equal hashlib / huggingface_hub over the finished file, for
+    any arrival order and thread count; written in file order nothing is read back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ktconvert.formats import ordered_hash
+
+    monkeypatch.setattr(ordered_hash, "PARK_BYTES", park_bytes)
+    rng = np.random.default_rng(5)
+    tensors = {f"t.{i}": _random_array(rng, dtype, (int(rng.integers(0, 900)),))
+               for i, dtype in enumerate(["int8", "float32", "uint16", "int64", "float32", "int8"] * 6)}
+    order = sorted(tensors)
+    random.Random(park_bytes + threads).shuffle(order)
+    specs = [(name, NUMPY_TO_ST[a.dtype], a.shape) for name, a in tensors.items()]
+    writer = StreamingSafetensorsWriter(tmp_path / "x.safetensors", specs)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda name: writer.write(name, tensors[name]), order))
+    writer.close()
+    data = (tmp_path / "x.safetensors").read_bytes()
+    assert (writer.sha256, writer.git_sha1) == (hashlib.sha256(data).hexdigest(), git_hash(data))
+    assert writer.read_back <= len(data)
+    if park_bytes == 0:
+        assert writer.read_back > 0
+
+    in_file_order = sorted(writer._spans, key=writer._spans.get)
+    writer = StreamingSafetensorsWriter(tmp_path / "y.safetensors", specs)
+    for name in in_file_order:
+        writer.write(name, tensors[name])
+    writer.close()
+    assert (tmp_path / "y.safetensors").read_bytes() == data
+    assert (writer.sha256, writer.read_back) == (hashlib.sha256(data).hexdigest(), 0)

@@ -22,7 +22,8 @@ from ktconvert.results import ConvertResult
 
 
 def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
-                force: bool = False, progress=None, layers=None, **option_values) -> ConvertResult:
+                force: bool = False, progress=None, layers=None, verify_source_hash: bool = False,
+                **option_values) -> ConvertResult:
     """Convert the routed experts of checkpoint `src` (a folder, a .safetensors / .gguf file, hf://ORG/NAME[@REV]
     or ms://ORG/NAME) for kt-kernel into the folder `out`.
 
@@ -32,6 +33,8 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     empty `out` first. progress: a ktconvert.progress.Progress (start / advance / message are called).
     layers: a MoE layer range ("A-B" or (A, B), inclusive): `out` becomes a part holding those layers' files and
     ktconvert-part.json (ktconvert.parts; `ktconvert merge` joins the parts).
+    verify_source_hash: hash also the source files whose sha256 a Hugging Face cache blob name gives (else taken
+    from the name) and raise InputError where they differ.
     Raises UsageError (exit 2), MissingExtraError (2: quant "gptq" without the [gpu] extra), InputError (3),
     OutputError (1, e.g. `out` not empty or locked by another process); nothing is written before every check
     passed. Returns the ConvertResult.
@@ -47,4 +50,5 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     if options.quant == "gptq":
         refuse_gptq_part(output)
         return gptq_cpu.convert_cpu_gptq(output, progress or Progress(), timings)
-    return write_outputs([output], threads=threads, progress=progress, timings=timings)[0]
+    return write_outputs([output], threads=threads, progress=progress, timings=timings,
+                         verify_source_hash=verify_source_hash)[0]

@@ -2,8 +2,11 @@
 
 * ``FileRecord``: one output file (relative posix path, size, sha256, git blob SHA-1). ``LayerResult``: what a
   finished layer (or any shard) wrote: its FileRecords and {tensor key: sha256 of its bytes}.
-* Hashes: ``hash_bytes`` / ``hash_file`` give (size, sha256 hex, git blob SHA-1 hex) in one pass
-  (hubs report sha256 only for LFS files and a git blob SHA-1 for the others, publish.md §2);
+* Hashes: ``hash_bytes`` / ``hash_file`` / ``FileHasher`` give (size, sha256 hex, git blob id hex) in one pass.
+  Hubs report sha256 for LFS files and a git blob SHA-1 for the others (publish.md §2), and an LFS file's git
+  blob is its LFS pointer (``lfs_pointer``): so the git blob SHA-1 is computed over the content only for files
+  below ``LFS_THRESHOLD`` and derived from size + sha256 for the others (``git_blob_id``; ``content_git=True``
+  computes the content's for every size, as manifests of format_version 1 record it).
   ``hash_safetensors`` adds the sha256 of every tensor of a .safetensors file in the same sequential read.
 * ``write_atomic(path, data)``: written as ``.NAME.partial`` in the same folder, renamed when complete
   (``temp_path_for``), fsynced with its folder (``fsync_dir``) unless the caller fsyncs in bulk.
@@ -22,6 +25,7 @@ from ktconvert.formats.safetensors_reader import ShardHeader, parse_header
 from ktconvert.safe_read import check_regular, open_regular
 
 HASH_CHUNK = 8 << 20
+LFS_THRESHOLD = 10 << 20  # files this large are LFS files on the hubs (HF refuses larger regular files)
 
 
 @dataclass(frozen=True)
@@ -45,28 +49,51 @@ class LayerResult(NamedTuple):
     tensors: dict[str, str]
 
 
-class _DualHash:
-    """sha256 and git blob SHA-1 (``sha1(b"blob <size>\\0" + content)``) fed together; size known up front."""
+def lfs_pointer(size: int, sha256: str) -> bytes:
+    """The git-lfs pointer file that stands in git for an LFS file of `size` bytes and content sha256 `sha256`."""
+    return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
 
-    def __init__(self, size: int):
-        self.size = size
+
+def git_blob_id(size: int, sha256: str, content_git_sha1: str | None = None) -> str:
+    """The git blob SHA-1 a hub lists for a file: of its LFS pointer when size >= LFS_THRESHOLD, else of its content
+    (`content_git_sha1`, which must be given for such a file)."""
+    if size >= LFS_THRESHOLD:
+        pointer = lfs_pointer(size, sha256)
+        return hashlib.sha1(b"blob %d\0" % len(pointer) + pointer).hexdigest()
+    if content_git_sha1 is None:
+        raise ValueError(f"a file of {size} bytes needs its content's git blob SHA-1")
+    return content_git_sha1
+
+
+class FileHasher:
+    """sha256 of a file's bytes fed in order, and its git blob id (``git_blob_id``): the content's git blob SHA-1
+    (``sha1(b"blob <size>\\0" + content)``) is computed alongside only below LFS_THRESHOLD, or for every size with
+    content_git=True (then ``hexdigests`` returns it whatever the size). size: the file's, known up front."""
+
+    def __init__(self, size: int, content_git: bool = False):
+        self.size, self.content_git = size, content_git
         self.sha256 = hashlib.sha256()
-        self.git = hashlib.sha1(b"blob %d\0" % size)
+        self.git = hashlib.sha1(b"blob %d\0" % size) if content_git or size < LFS_THRESHOLD else None
 
     def update(self, data) -> None:
         with profile.span("hash.file", len(data)):
             self.sha256.update(data)
-        with profile.span("hash.git", len(data)):
-            self.git.update(data)
+        if self.git is not None:
+            with profile.span("hash.git", len(data)):
+                self.git.update(data)
 
     def hexdigests(self) -> tuple[str, str]:
-        return self.sha256.hexdigest(), self.git.hexdigest()
+        """(sha256 hex, git blob id hex)."""
+        sha256 = self.sha256.hexdigest()
+        if self.content_git:
+            return sha256, self.git.hexdigest()
+        return sha256, git_blob_id(self.size, sha256, self.git.hexdigest() if self.git is not None else None)
 
 
-def hash_bytes(data) -> tuple[int, str, str]:
-    """(size, sha256 hex, git blob SHA-1 hex) of a bytes-like object."""
+def hash_bytes(data, content_git: bool = False) -> tuple[int, str, str]:
+    """(size, sha256 hex, git blob id hex) of a bytes-like object."""
     view = memoryview(data).cast("B")
-    hasher = _DualHash(len(view))
+    hasher = FileHasher(len(view), content_git)
     hasher.update(view)
     return (len(view), *hasher.hexdigests())
 
@@ -91,28 +118,29 @@ def _read_chunks(path: Path, size: int):
         raise InputError("file changed while hashing", file=str(path), expected=f"{size} bytes", found=str(done))
 
 
-def hash_file(path) -> tuple[int, str, str]:
-    """(size, sha256 hex, git blob SHA-1 hex) of a regular file (InputError otherwise), read once sequentially in
-    8 MiB chunks."""
+def hash_file(path, content_git: bool = False) -> tuple[int, str, str]:
+    """(size, sha256 hex, git blob id hex) of a regular file (InputError otherwise), read once sequentially in
+    8 MiB chunks (content_git: the content's git blob SHA-1 whatever the size)."""
     path = Path(path)
     size = check_regular(path, "file").st_size
-    hasher = _DualHash(size)
+    hasher = FileHasher(size, content_git)
     for chunk in _read_chunks(path, size):
         hasher.update(chunk)
     return (size, *hasher.hexdigests())
 
 
-def hash_safetensors(path, header: ShardHeader | None = None) -> tuple[int, str, str, dict[str, str]]:
-    """(size, sha256, git_sha1, {tensor: sha256 of its bytes}) of a .safetensors file in one sequential read.
+def hash_safetensors(path, header: ShardHeader | None = None,
+                     content_git: bool = False) -> tuple[int, str, str, dict[str, str]]:
+    """(size, sha256, git blob id, {tensor: sha256 of its bytes}) of a .safetensors file in one sequential read.
 
     header: the file's already parsed header (else parsed here). InputError if the header does not parse (the
-    caller can still compare the file hash via ``hash_file``).
+    caller can still compare the file hash via ``hash_file``). content_git: as for hash_file.
     """
     path = Path(path)
     header = parse_header(path) if header is None else header
     spans = sorted((ref.offset, ref.offset + ref.nbytes, name) for name, ref in header.tensors.items())
     size = check_regular(path, "file").st_size
-    hasher, tensor_hashes = _DualHash(size), {}
+    hasher, tensor_hashes = FileHasher(size, content_git), {}
     pos, i, current = 0, 0, hashlib.sha256()
     for chunk in _read_chunks(path, size):
         hasher.update(chunk)

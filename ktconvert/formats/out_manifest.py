@@ -8,7 +8,10 @@ posix path), tensors (sha256 per expert/dense tensor, keyed by its merged-safete
 packages (versions of the packages that affect output bytes). Written with sorted keys, indent 2 and a trailing
 newline, no timestamps and no host names: the same conversion gives the same bytes.
 
-Both hashes per file: hubs report sha256 only for LFS files and a git blob SHA-1 for the others (publish.md §2).
+Both hashes per file: hubs report sha256 for LFS files and a git blob SHA-1 for the others (publish.md §2).
+``git_sha1`` is the git blob id a hub lists for the file: since format_version 2, for a file of at least
+``fileio.LFS_THRESHOLD`` (10 MiB) bytes that is the blob of its LFS pointer (derived from size + sha256, no SHA-1 pass over
+the content); format_version 1 recorded the content's blob for every file. Both versions are read.
 """
 from __future__ import annotations
 
@@ -20,14 +23,15 @@ from typing import Iterable
 from ktconvert import __version__
 from ktconvert.architecture import MAX_DIM, MAX_EXPERTS, MAX_LAYERS
 from ktconvert.errors import InputError, OutputError
-from ktconvert.formats.fileio import FileRecord, hash_file, write_atomic
+from ktconvert.formats.fileio import FileRecord, git_blob_id, hash_file, write_atomic
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
 
 MANIFEST_NAME = "ktconvert.json"
 JOURNAL_NAME = ".ktconvert-journal.json"
 LOCK_NAME = ".ktconvert.lock"
 FORMAT = "ktconvert-manifest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)   # 1: git_sha1 of the content for every file; 2: of the LFS pointer from LFS_THRESHOLD on
 BYTE_PACKAGES = ("ktconvert", "numpy")  # the packages whose version can change output bytes (we write the files)
 MODEL_KEYS = ("layers", "experts", "hidden", "intermediate")
 
@@ -125,7 +129,7 @@ def build_manifest(*, method: str, numa: int, layout: str, model: dict, source: 
                           found="missing " + ", ".join(missing))
     if not isinstance(files, dict):
         files = {rec.path: rec for rec in files}
-    file_entries = {str(p): (r.entry() if isinstance(r, FileRecord) else dict(r)) for p, r in files.items()}
+    file_entries = {str(p): file_entry(r) for p, r in files.items()}
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "tool": "ktconvert", "tool_version": __version__,
         "kind": kind, "method": method, "numa": int(numa), "layout": layout, "quant": quant,
@@ -138,6 +142,14 @@ def build_manifest(*, method: str, numa: int, layout: str, model: dict, source: 
         manifest["expert_activation"] = expert_activation
     manifest["sglang_args"] = sglang_args(manifest)
     return manifest
+
+
+def file_entry(record) -> dict:
+    """The manifest entry {"bytes", "sha256", "git_sha1"} of a FileRecord or an entry dict (e.g. from a resume
+    journal an older version wrote), its git_sha1 as format_version 2 defines it."""
+    entry = record.entry() if isinstance(record, FileRecord) else dict(record)
+    entry["git_sha1"] = git_blob_id(entry["bytes"], entry["sha256"], entry.get("git_sha1"))
+    return entry
 
 
 def manifest_bytes(manifest: dict) -> bytes:
@@ -164,8 +176,10 @@ def load_manifest(out_dir) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise InputError("not a ktconvert manifest", file=str(path), expected=f'"format": "{FORMAT}"',
                          found=repr(manifest.get("format") if isinstance(manifest, dict) else manifest)[:60])
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise InputError("unsupported manifest format_version", file=str(path), expected=str(FORMAT_VERSION),
+    version = manifest.get("format_version")
+    if type(version) is not int or version not in READ_VERSIONS:
+        raise InputError("unsupported manifest format_version", file=str(path),
+                         expected=" or ".join(map(str, READ_VERSIONS)),
                          found=repr(manifest.get("format_version")), hint="upgrade ktconvert")
     for key, kind, default in (("files", dict, None), ("tensors", dict, None), ("model", dict, None),
                                ("numa", int, None), ("layout", str, None), ("method", str, ""), ("kind", str, "")):

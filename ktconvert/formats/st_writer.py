@@ -15,7 +15,8 @@ confirmed by experiment against the installed wheel):
 * The library writes ``__metadata__`` from a Rust ``HashMap``, so its order for two or more keys is not
   deterministic; this writer sorts metadata keys (identical bytes whenever the library's output is deterministic).
 
-Memory: the writer holds only the header and one tensor's hash state; tensors go to disk with ``pwrite`` as given.
+Memory: the writer holds the header, one tensor's hash state and at most ``ordered_hash.PARK_BYTES`` of tensors that
+arrived ahead of the file hash; tensors go to disk with ``pwrite`` as given.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ import numpy as np
 
 from ktconvert import profile
 from ktconvert.errors import OutputError
-from ktconvert.formats.fileio import fsync_dir, hash_file, temp_path_for
+from ktconvert.formats.fileio import fsync_dir, temp_path_for
+from ktconvert.formats.ordered_hash import OrderedFileHash
 
 # safetensors Dtype enum order (increasing alignment). Data are sorted by this rank, descending.
 DTYPE_RANK: dict[str, int] = {name: i for i, name in enumerate([
@@ -98,7 +100,9 @@ class StreamingSafetensorsWriter:
               models): no fsync and no hashing, same bytes; ``sha256`` / ``git_sha1`` stay None and
               ``tensor_sha256`` maps each written name to "".
 
-    After ``close()``: ``size``, ``sha256``, ``git_sha1`` (of the whole file) and ``tensor_sha256`` ({name: hex}).
+    After ``close()``: ``size``, ``sha256``, ``git_sha1`` (of the whole file, fed from the bytes as they were
+    written: ``ordered_hash.OrderedFileHash``; ``read_back`` bytes of it re-read) and ``tensor_sha256`` ({name: hex}).
+    ``write`` may be called from several threads at once.
     """
 
     def __init__(self, path, specs, metadata: dict[str, str] | None = None, fsync_and_hash: bool = True):
@@ -117,7 +121,9 @@ class StreamingSafetensorsWriter:
         self.tensor_sha256: dict[str, str] = {}
         self.sha256: str | None = None
         self.git_sha1: str | None = None
+        self.read_back = 0      # bytes the file hash had to read back (pieces that arrived far out of file order)
         self._fd: int | None = None
+        self._hash: OrderedFileHash | None = None
         self._open(header)
 
     def _open(self, header: bytes) -> None:
@@ -126,6 +132,9 @@ class StreamingSafetensorsWriter:
             _pwrite_all(self._fd, memoryview(header), 0)
             os.ftruncate(self._fd, self.size)
             _preallocate(self._fd, self.size)
+            if self.fsync_and_hash:
+                self._hash = OrderedFileHash(self._fd, self.size)
+                self._hash.wrote(0, header)
         except OSError as exc:
             self.abort()
             raise OutputError(f"cannot create output file ({exc.strerror})", file=str(self.temp_path),
@@ -148,6 +157,8 @@ class StreamingSafetensorsWriter:
             raise OutputError(f"write failed ({exc.strerror})", file=str(self.temp_path), tensor=name) from None
         with profile.span("hash.tensor", len(data)):
             digest = hashlib.sha256(data).hexdigest() if self.fsync_and_hash else ""
+        if self._hash is not None:
+            self._hash.wrote(begin, data)
         self.tensor_sha256[name] = digest
         return digest
 
@@ -175,8 +186,8 @@ class StreamingSafetensorsWriter:
         return sorted(set(self._spans) - set(self.tensor_sha256))
 
     def close(self) -> None:
-        """Check completeness, fsync, hash the file (one sequential read), rename into place, fsync the dir (no fsync
-        and no hashing without fsync_and_hash)."""
+        """Check completeness, take the file's hashes (fed while the bytes went out: ordered_hash), fsync, rename
+        into place, fsync the dir (no fsync and no hashing without fsync_and_hash)."""
         if self._fd is None:
             raise OutputError("writer already closed or aborted", file=self.path.name)
         missing = self.missing()
@@ -185,18 +196,18 @@ class StreamingSafetensorsWriter:
             raise OutputError(f"shard incomplete: {len(missing)} tensor(s) never written", file=self.path.name,
                               tensor=missing[0], found=", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""))
         try:
-            if self.fsync_and_hash:
+            size = os.fstat(self._fd).st_size
+            if size != self.size:
+                self.abort()
+                raise OutputError("file size changed while writing", file=str(self.temp_path),
+                                  expected=str(self.size), found=str(size))
+            if self._hash is not None:
+                self.sha256, self.git_sha1 = self._hash.hexdigests()
+                self.read_back = self._hash.read_back
                 with profile.span("fsync", self.size):
                     os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
-            if self.fsync_and_hash:
-                size, self.sha256, self.git_sha1 = hash_file(self.temp_path)
-            else:
-                size = os.stat(self.temp_path).st_size
-            if size != self.size:
-                raise OutputError("file size changed while writing", file=str(self.temp_path),
-                                  expected=str(self.size), found=str(size))
             os.replace(self.temp_path, self.path)
         except OSError as exc:
             self.abort()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,9 @@ from ktconvert import profile
 from ktconvert.errors import InputError
 from ktconvert.safe_read import open_regular
 
-CHUNK = 16 << 20  # bytes read at a time for data no job needs (non-expert tensors, headers)
+CHUNK = 8 << 20   # bytes read at a time for data no job needs (non-expert tensors, headers)
+HASH_QUEUE_DEPTH = 4   # buffers a reading thread may queue for its sha256 thread
+_SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class _BackgroundSha256:
     """sha256 fed from a bounded queue on its own thread (hashlib releases the GIL), so hashing the source
     overlaps reading and converting it. Buffers handed to update() must not be modified afterwards."""
 
-    def __init__(self, depth: int = 8):
+    def __init__(self, depth: int = HASH_QUEUE_DEPTH):
         self._sha = hashlib.sha256()
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._run, name="ktconvert-sha256", daemon=True)
@@ -77,16 +80,33 @@ class _BackgroundSha256:
             self._thread.join()
 
 
+def known_sha256(path) -> str | None:
+    """The sha256 of `path` that its place tells without reading it: a file of a Hugging Face cache snapshot
+    (``snapshots/REV/NAME`` a symlink to ``../../blobs/BLOB``) is stored under its sha256 when it is an LFS file
+    (BLOB 64 hex digits; other files are stored under their 40-digit git blob id). None otherwise."""
+    path = Path(path)
+    if not path.is_symlink():
+        return None
+    target = path.resolve()
+    if target.parent.name != "blobs" or not _SHA256_NAME.fullmatch(target.name):
+        return None
+    return target.name
+
+
 class HashingFileReader:
     """Reads one file strictly front to back. `read_range` returns the requested bytes and hashes everything up
-    to their end (gaps included); `finish` hashes the tail and returns the file's size and sha256."""
+    to their end (gaps included); `finish` hashes the tail and returns the file's size and sha256.
 
-    def __init__(self, path: Path):
+    known: the file's sha256 when known without reading it (``known_sha256``): nothing is hashed and gaps are
+    skipped, unless verify, which hashes as usual and raises InputError at finish when the two differ."""
+
+    def __init__(self, path: Path, known: str | None = None, verify: bool = False):
         self.path = Path(path)
         self._fd = open_regular(self.path, f"source file {self.path.name}")   # may have changed since it was checked
         self._size = os.fstat(self._fd).st_size
         self._pos = 0
-        self._sha = _BackgroundSha256()
+        self._known = known
+        self._sha = _BackgroundSha256() if known is None or verify else None
 
     def __enter__(self) -> "HashingFileReader":
         return self
@@ -94,7 +114,14 @@ class HashingFileReader:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def skip_to(self, offset: int) -> None:
+        """Move the stream to `offset` (the bytes before it hashed, read only for that)."""
+        self._advance_to(offset)
+
     def _advance_to(self, offset: int) -> None:
+        if self._sha is None:
+            self._pos = max(self._pos, offset)
+            return
         while self._pos < offset:
             n = min(CHUNK, offset - self._pos)
             self._sha.update(self._pread(self._pos, n))
@@ -123,14 +150,20 @@ class HashingFileReader:
                     raise InputError("file changed or truncated while reading", file=self.path,
                                      expected=f"{nbytes} bytes at offset {offset}", found=f"{done} bytes")
                 done += got
-        self._sha.update(buf)
+        if self._sha is not None:
+            self._sha.update(buf)
         self._pos = offset + nbytes
         return buf
 
     def finish(self) -> FileDigest:
         self._advance_to(self._size)
-        with profile.span("wait.hash.source"):
-            sha256 = self._sha.hexdigest()
+        sha256 = self._known
+        if self._sha is not None:
+            with profile.span("wait.hash.source"):
+                sha256 = self._sha.hexdigest()
+        if self._known is not None and sha256 != self._known:
+            raise InputError("source file does not match its Hugging Face cache blob name (sha256)", file=self.path,
+                             expected=self._known, found=sha256, hint="the cache is damaged: download the file again")
         if os.fstat(self._fd).st_size != self._size:
             raise InputError("file size changed while converting", file=self.path, expected=self._size,
                              found=os.fstat(self._fd).st_size)
@@ -139,7 +172,8 @@ class HashingFileReader:
         return FileDigest(self._size, sha256)
 
     def close(self) -> None:
-        self._sha.stop()
+        if self._sha is not None:
+            self._sha.stop()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -29,14 +29,15 @@ from ktconvert.results import ConvertResult
 
 
 def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
-                force: bool = False, progress=None, layers=None, **option_values) -> ConvertResult:
+                force: bool = False, progress=None, layers=None, verify_source_hash: bool = False,
+                **option_values) -> ConvertResult:
     """Write the SGLang-KT GPU checkpoint (SGLang's --model) of HF safetensors checkpoint `src` (a folder, or
     hf://ORG/NAME[@REV] / ms://ORG/NAME) into the folder `out`.
 
     options: a GpuOptions, or its fields as keywords (experts, group_size, quant, linears, include_mtp,
-    calibration; see GpuOptions). threads / resume / force / progress / layers as for ktconvert.convert_cpu. Raises
-    UsageError (exit 2), MissingExtraError (2: the [gpu] extra is not installed), InputError (3), OutputError (1);
-    nothing is written before every check passed. Returns the ConvertResult.
+    calibration; see GpuOptions). threads / resume / force / progress / layers / verify_source_hash as for
+    ktconvert.convert_cpu. Raises UsageError (exit 2), MissingExtraError (2: the [gpu] extra is not installed),
+    InputError (3), OutputError (1); nothing is written before every check passed. Returns the ConvertResult.
     """
     t0 = time.monotonic()
     options = options or GpuOptions.make(**option_values)
@@ -51,7 +52,8 @@ def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | N
         samples = load_samples(options.calibration, output.source.root,
                                vocab_size=output.source.info.config.get("vocab_size"))
         return write_in_layer_order(output, lambda o: _run_gptq(o, samples, progress or Progress()), timings)
-    return write_outputs([output], threads=threads, progress=progress, timings=timings)[0]
+    return write_outputs([output], threads=threads, progress=progress, timings=timings,
+                         verify_source_hash=verify_source_hash)[0]
 
 
 def gptq_hook():

@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from ktconvert import profile
+from ktconvert.errors import OutputError
 from ktconvert.formats.fileio import FileRecord, LayerResult, record_for, write_atomic
 from ktconvert.formats.out_manifest import BYTE_PACKAGES, GPU_FLAGS, MANIFEST_NAME, package_versions
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter, tensor_nbytes
@@ -28,15 +31,20 @@ NO_COPY_NAMES = ("config.json", INDEX_NAME, MANIFEST_NAME, "README.md")
 
 
 class GpuLayerWriter:
-    """One MoE layer's shard: non-expert tensors written on open, then routed experts as they arrive."""
+    """One MoE layer's shard: non-expert tensors and every expert's weight_shape ([n, k], known from the plan)
+    written on open, then routed experts as they arrive. The weight_shape tensors come first in the file (I64
+    sorts first), so writing them up front lets the file hash follow the experts as they go out."""
 
     def __init__(self, output: "GpuOutput", shard):
         self.output, self.shard, self.layer = output, shard, shard.layer
         opts = output.options
         self.writer = StreamingSafetensorsWriter(output.out_dir / shard.name, shard.specs(opts.bits, opts.group_size))
         self.bases = {(e, p): base for e, p, base, _, _ in shard.experts}
+        self.shapes = {(e, p): (n, k) for e, p, _, n, k in shard.experts}
         try:
             _write_items(self.writer, shard.items, output.source.checkpoint)
+            for e, p, base, n, k in shard.experts:
+                self.writer.write(f"{base}.weight_shape", np.array([n, k], np.int64))
         except BaseException:
             self.writer.abort()
             raise
@@ -51,8 +59,13 @@ class GpuLayerWriter:
     def put_tensors(self, expert: int, proj: str, tensors: dict) -> None:
         """Write an already quantized expert matrix {weight_packed, weight_scale, weight_shape} (GPTQ's emit)."""
         base = self.bases[(expert, proj)]
+        shape = [int(x) for x in np.asarray(tensors["weight_shape"]).reshape(-1)]
+        if shape != list(self.shapes[(expert, proj)]):
+            raise OutputError("expert matrix has the wrong shape", tensor=f"{base}.weight_shape",
+                              expected=str(list(self.shapes[(expert, proj)])), found=str(shape))
         for suffix in EXPERT_SUFFIXES:
-            self.writer.write(f"{base}.{suffix}", tensors[suffix])
+            if suffix != "weight_shape":            # written on open
+                self.writer.write(f"{base}.{suffix}", tensors[suffix])
 
     def finish(self) -> LayerResult:
         self.writer.close()

@@ -10,7 +10,6 @@ writes, and renames it into place only when every file matched. Memory: one read
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import re
@@ -19,6 +18,7 @@ import tarfile
 from pathlib import Path
 
 from ktconvert.errors import OutputError, VerifyError
+from ktconvert.formats.fileio import FileHasher
 from ktconvert.ops.hub import files_digest
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, open_regular, parse_json, unsafe_name
 
@@ -29,12 +29,12 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 class _HashingReader(io.RawIOBase):
-    """File-like wrapper counting size and feeding sha256 + git blob SHA-1 as tarfile reads through it."""
+    """File-like wrapper counting size and feeding sha256 + git blob SHA-1 as tarfile reads through it (the git blob
+    id as the manifest's format_version defines it: content_git for version 1, fileio.FileHasher)."""
 
-    def __init__(self, fh, size: int):
+    def __init__(self, fh, size: int, content_git: bool = False):
         self.fh = fh
-        self.sha256 = hashlib.sha256()
-        self.git = hashlib.sha1(b"blob %d\0" % size)
+        self.hasher = FileHasher(size, content_git)
         self.nbytes = 0
 
     def readable(self) -> bool:
@@ -42,13 +42,13 @@ class _HashingReader(io.RawIOBase):
 
     def read(self, n: int = -1) -> bytes:
         data = self.fh.read(n)
-        self.sha256.update(data)
-        self.git.update(data)
+        self.hasher.update(data)
         self.nbytes += len(data)
         return data
 
     def entry(self) -> dict:
-        return {"bytes": self.nbytes, "sha256": self.sha256.hexdigest(), "git_sha1": self.git.hexdigest()}
+        sha256, git_sha1 = self.hasher.hexdigests()
+        return {"bytes": self.nbytes, "sha256": sha256, "git_sha1": git_sha1}
 
 
 def _same(entry: dict, seen: dict) -> bool:
@@ -87,7 +87,7 @@ def bundle(out, dest, level: int = DEFAULT_LEVEL, progress=None) -> dict:
                     tar.addfile(_tarinfo(MANIFEST_NAME, len(manifest_raw)), io.BytesIO(manifest_raw))
                     progress.advance(len(manifest_raw), 1, MANIFEST_NAME)
                     for rel in sorted(files):
-                        _add_checked(tar, out, rel, files[rel])
+                        _add_checked(tar, out, rel, files[rel], manifest["format_version"] == 1)
                         progress.advance(int(files[rel]["bytes"]), 1, rel)
             raw.flush()
             os.fsync(raw.fileno())
@@ -102,12 +102,12 @@ def bundle(out, dest, level: int = DEFAULT_LEVEL, progress=None) -> dict:
             "ratio": round(size / total, 4) if total else 1.0}
 
 
-def _add_checked(tar: tarfile.TarFile, out: Path, rel: str, entry: dict) -> None:
+def _add_checked(tar: tarfile.TarFile, out: Path, rel: str, entry: dict, content_git: bool) -> None:
     path = out / rel
     fd = open_regular(path, f"file listed in {MANIFEST_NAME}", error=VerifyError)
     size = os.fstat(fd).st_size
     with os.fdopen(fd, "rb") as fh:
-        reader = _HashingReader(fh, size)
+        reader = _HashingReader(fh, size, content_git)
         tar.addfile(_tarinfo(rel, size), reader)
     if not _same(entry, reader.entry()):
         raise VerifyError(f"file differs from {MANIFEST_NAME}; not bundled", file=str(path),
@@ -160,7 +160,8 @@ def _check_files_table(manifest, path: Path) -> dict:
 
 def _walk(path: Path, on_member, progress=None, strict: bool = False) -> tuple[dict, bytes | None]:
     """Stream the bundle: parse the leading manifest, hand each listed member to `on_member(rel, fileobj, size)`
-    which returns its {"bytes","sha256","git_sha1"}, and compare with the manifest. A member whose tar size differs
+    which returns its {"bytes","sha256","git_sha1"} (the git blob id as the manifest's format_version defines it:
+    on_member's content_git argument), and compare with the manifest. A member whose tar size differs
     from the manifest is never handed over. strict: raise VerifyError at the first problem (nothing more is read).
     Returns (report dict, the manifest's bytes or None)."""
     import zstandard
@@ -179,8 +180,10 @@ def _walk(path: Path, on_member, progress=None, strict: bool = False) -> tuple[d
                                       found=f"tar type {member.type!r}")
                 if files is None:
                     raw = _read_manifest(tar, member, path)
-                    files = _check_files_table(parse_json(raw, what=f"{MANIFEST_NAME} in bundle", file=path,
-                                                          max_bytes=MAX_MANIFEST_BYTES, error=VerifyError), path)
+                    manifest = parse_json(raw, what=f"{MANIFEST_NAME} in bundle", file=path,
+                                          max_bytes=MAX_MANIFEST_BYTES, error=VerifyError)
+                    files = _check_files_table(manifest, path)
+                    content_git = manifest.get("format_version") == 1
                     if progress is not None:
                         progress.start(sum(e["bytes"] for e in files.values()), len(files), f"check {path.name}")
                     continue
@@ -193,7 +196,7 @@ def _walk(path: Path, on_member, progress=None, strict: bool = False) -> tuple[d
                     report[problem[0]].append(name)
                     continue
                 seen.add(name)
-                got = on_member(name, tar.extractfile(member), entry["bytes"])
+                got = on_member(name, tar.extractfile(member), entry["bytes"], content_git)
                 report["checked"] += 1
                 if not _same(entry, got):
                     if strict:
@@ -236,9 +239,9 @@ def _read_manifest(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) ->
     return tar.extractfile(member).read(MAX_MANIFEST_BYTES + 1)
 
 
-def _hash_stream(fileobj, size: int, sink=None) -> dict:
+def _hash_stream(fileobj, size: int, sink=None, content_git: bool = False) -> dict:
     """Hash (and copy to `sink`) at most `size` bytes of `fileobj`."""
-    reader = _HashingReader(fileobj, size)
+    reader = _HashingReader(fileobj, size, content_git)
     while reader.nbytes < size:
         chunk = reader.read(min(CHUNK, size - reader.nbytes))
         if not chunk:
@@ -257,7 +260,8 @@ def verify_bundle(path, progress=None) -> dict:
     InputError only when `path` is not a readable regular file."""
     path = Path(path)
     try:
-        return _walk(path, lambda name, fobj, size: _hash_stream(fobj, size), progress)[0]
+        return _walk(path, lambda name, fobj, size, content_git: _hash_stream(fobj, size, None, content_git),
+                     progress)[0]
     except VerifyError as exc:
         return {"ok": False, "path": str(path), "checked": 0, "missing": [], "extra": [], "mismatched": [],
                 "problems": [str(exc)]}
@@ -284,12 +288,12 @@ def unbundle(path, dest, progress=None) -> dict:
     tmp = dest.with_name(f".{dest.name}.partial")
     _fresh_dir(tmp)
 
-    def write_member(name: str, fobj, size: int) -> dict:
+    def write_member(name: str, fobj, size: int, content_git: bool) -> dict:
         target = tmp / name
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with open(target, "xb") as out:
-                return _hash_stream(fobj, size, out)
+                return _hash_stream(fobj, size, out, content_git)
         except OSError as exc:
             raise OutputError(f"cannot write bundle member ({exc.strerror})", file=str(dest), tensor=name) from None
 

@@ -1,5 +1,6 @@
 """``verify --hashes`` (and ``publish``'s local check): every file and tensor of an output re-hashed against the
-sha256 / git blob SHA-1 its ``ktconvert.json`` records."""
+sha256 / git blob SHA-1 its ``ktconvert.json`` records (the git blob id as its format_version defines it: of the
+content for every file in version 1, of the LFS pointer for files from ``fileio.LFS_THRESHOLD`` on in version 2)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,20 +26,22 @@ def verify_hashes(out_dir, manifest: dict | None = None, folder=None) -> dict:
     report = {"mismatched": [], "missing": [], "extra": sorted(on_disk - set(listed)), "tensor_mismatched": [],
               "tensor_extra": [], "unreadable": [], "files_checked": 0, "tensors_checked": 0, "problems": []}
     seen_tensors: dict[str, str] = {}
+    content_git = manifest.get("format_version") == 1
     for rel in sorted(listed):
         if rel not in on_disk:
             report["missing"].append(rel)
             continue
-        _check_file(root, rel, listed[rel], headers.get(rel), report, seen_tensors)
+        _check_file(root, rel, listed[rel], headers.get(rel), report, seen_tensors, content_git)
     _compare_tensors(manifest["tensors"], seen_tensors, report)
     report["problems"] = _hash_problems(report)
     report["ok"] = not report["problems"]
     return report
 
 
-def _check_file(root: Path, rel: str, entry: dict, header, report: dict, seen_tensors: dict) -> None:
+def _check_file(root: Path, rel: str, entry: dict, header, report: dict, seen_tensors: dict,
+                content_git: bool) -> None:
     try:
-        size, sha256, git_sha1, tensor_hashes = _hashes(root, rel, header)
+        size, sha256, git_sha1, tensor_hashes = _hashes(root, rel, header, content_git)
     except InputError as exc:           # not a regular file, or changed while hashing
         report["unreadable"].append(f"{rel}: {exc.detail}")
         return
@@ -48,15 +51,15 @@ def _check_file(root: Path, rel: str, entry: dict, header, report: dict, seen_te
     seen_tensors.update(tensor_hashes)
 
 
-def _hashes(root: Path, rel: str, header) -> tuple[int, str, str, dict[str, str]]:
+def _hashes(root: Path, rel: str, header, content_git: bool) -> tuple[int, str, str, dict[str, str]]:
     """(size, sha256, git_sha1, {tensor: sha256}) of one output file: a shard's tensors from its header, a .kt
-    file is one tensor; InputError when it is not a regular file."""
+    file is one tensor; InputError when it is not a regular file. content_git: see fileio.hash_file."""
     if rel.endswith(".safetensors"):
         try:
-            return hash_safetensors(root / rel, header)
+            return hash_safetensors(root / rel, header, content_git)
         except InputError:
-            return (*hash_file(root / rel), {})
-    size, sha256, git_sha1 = hash_file(root / rel)
+            return (*hash_file(root / rel, content_git), {})
+    size, sha256, git_sha1 = hash_file(root / rel, content_git)
     key = key_for_kt_path(rel)
     return size, sha256, git_sha1, ({key: sha256} if key is not None else {})
 
