@@ -228,6 +228,10 @@ def test_cli_flag_reaches_the_conversion_and_verify(layouts, tmp_path):
     assert verified.exit_code == 0, verified.output
     report = json.loads(verified.output)
     assert report["ok"] and report["checks"]
+    planned = CliRunner().invoke(cli, ["plan", str(path), "--method", "amxint4", "--gpu-experts-ratio", "0.25",
+                                       "--expert-orientation", "in", "--json"])
+    assert planned.exit_code == 0, planned.output
+    assert json.loads(planned.output)["placement"]["gpu_experts_total"] > 0
 
 
 def test_two_layouts_in_one_layer_are_refused(layouts, tmp_path):
