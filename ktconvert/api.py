@@ -41,7 +41,7 @@ from ktconvert.onepass import write_outputs
 from ktconvert.quant.row_quant import ROW_QUANT
 from ktconvert.results import ConvertResult, InspectResult, PlanResult, VerifyResult
 from ktconvert.testing.tiny import make_tiny_model
-from ktconvert.verification import run as verify_run
+from ktconvert.verification import report_html, run as verify_run
 
 __all__ = ["ConvertResult", "CpuOptions", "GpuOptions", "InspectResult", "PlanResult", "VerifyResult", "convert",
            "convert_cpu", "convert_gpu", "env_info", "families", "inspect", "make_tiny_model", "methods", "plan",
@@ -131,15 +131,24 @@ def inspect(path, expert_orientation: str | None = None) -> InspectResult:
 
 def verify(out, *, source=None, hashes: bool = False, tokens: int = 8, layers=None, sample_experts="4",
            threshold: float | None = None, remote: str | None = None, hub: str = "hf", revision: str | None = None,
-           endpoint: str | None = None) -> VerifyResult:
+           endpoint: str | None = None, calibration=None, compare=None, report=None) -> VerifyResult:
     """Check output folder `out` (or a .tar.zst bundle, or with remote="" the hub repo `out`): structure, hashes
     (hashes=True: every file and tensor against ktconvert.json), numerics (the native kernels on the written
     files; against `source` when given: layers None = first/middle/last, "all" or "1,3"; sample_experts: experts
     per layer, a count or "all"; tokens: random activations; threshold: the MoE relative-L2 limit, default per
-    method) and remote (remote=REPO: the hub copy's hashes). Never raises for a failed check: result.ok."""
-    return VerifyResult.from_dict(verify_run.verify(out, source=source, hashes=hashes, tokens=tokens, layers=layers,
-                                          experts=sample_experts, threshold=threshold, remote=remote, hub=hub,
-                                          revision=revision, endpoint=endpoint))
+    method) and remote (remote=REPO: the hub copy's hashes). calibration: a JSON-lines calibration file; the
+    numerics then run on the hidden states its tokens produce in `source` (compare: a second output side by
+    side). Never raises for a failed check: result.ok.
+    report: also write the HTML page of what was measured there (verification.report_html: per-layer error
+    curves, layer x expert heat map, worst experts, thresholds), also for a failed verification; its folder must
+    exist and lie outside `out` (OutputError / UsageError before anything runs); result.report is its path."""
+    target = None if report is None else report_html.check_target(report, out)
+    result = verify_run.verify(out, source=source, hashes=hashes, tokens=tokens, layers=layers,
+                               experts=sample_experts, threshold=threshold, remote=remote, hub=hub,
+                               revision=revision, endpoint=endpoint, calibration=calibration, compare=compare)
+    if target is not None:
+        result["report"] = str(report_html.write_report(target, result))
+    return VerifyResult.from_dict(result)
 
 
 def families() -> dict:
@@ -195,5 +204,6 @@ def render(result) -> str:
         parts += [render_gpu(result.gpu.report)] if result.gpu is not None else []
         return "\n\n".join(parts + ([render_placement(result.placement)] if result.placement is not None else []))
     if isinstance(result, VerifyResult):
-        return verify_run.render(result.to_dict())
+        text = verify_run.render(result.to_dict())
+        return text + (f"\nreport: {result.report}" if result.report else "")
     return inspect_module.render(result.to_dict())

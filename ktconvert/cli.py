@@ -20,7 +20,7 @@ import click
 from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
 from ktconvert.extras import require
 from ktconvert.cli_options import (GPU_GROUP_SIZES, RegistryChoice, choice, cpu_options, emit, gpu_options,
-                                   json_option, load_api, orientation_option, prefer, progress_options, run_options,
+                                   json_option, load_api, orientation_option, prefer, profiling, progress_options, run_options,
                                    source_arg)
 from ktconvert.progress import make_progress
 
@@ -122,6 +122,10 @@ def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, g
                                                            "lists each method's; default its largest).")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
+@click.option("--dampening", type=float, default=None,
+              help="For --quant gptq: GPTQ's relative Hessian dampening (default 0.1).")
+@click.option("--min-tokens", type=int, default=None,
+              help="For --quant gptq: routed calibration tokens an expert needs before GPTQ is tried (default 64).")
 @click.option("--include-dense", is_flag=True, help="Also write non-expert tensors (blk.-renamed) into OUT.")
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers' experts.")
 @click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
@@ -129,7 +133,7 @@ def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, g
 @progress_options
 @json_option
 @orientation_option
-def cpu(src, out, threads, resume, force, quiet, json_progress, as_json, expert_orientation, **options) -> None:
+def cpu(src, out, threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation, **options) -> None:
     """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable).
 
     SRC may be a folder, a .safetensors or .gguf file, hf://ORG/NAME[@REV] or ms://ORG/NAME.
@@ -138,10 +142,11 @@ def cpu(src, out, threads, resume, force, quiet, json_progress, as_json, expert_
         raise click.UsageError("Missing option '--method'.")
     if options["quant"] == "gptq":
         require("gpu", "--quant gptq")
-    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+    options = {k: v for k, v in options.items() if v is not None or k not in ("dampening", "min_tokens")}
+    with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
         result = load_api().convert_cpu(source_arg(src, expert_orientation), out, threads=threads, resume=resume,
                                         force=force, progress=progress, **options)
-    emit(result, as_json)
+    emit(result, as_json, profile=prof.get("report"))
 
 
 @cli.command()
@@ -162,7 +167,7 @@ def cpu(src, out, threads, resume, force, quiet, json_progress, as_json, expert_
 @json_option
 @orientation_option
 def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibration, include_mtp, threads, resume,
-        force, dry_run, quiet, json_progress, as_json, expert_orientation) -> None:
+        force, profile, dry_run, quiet, json_progress, as_json, expert_orientation) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
     quant = prefer(quant, algo_deprecated, "--algo", "--quant") or "rtn"
@@ -173,9 +178,9 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
         emit(api.plan(src, gpu=options), as_json)
         return
     require("gpu", "ktconvert gpu")
-    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+    with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
         result = api.convert_gpu(src, out, threads=threads, resume=resume, force=force, progress=progress, **options)
-    emit(result, as_json)
+    emit(result, as_json, profile=prof.get("report"))
 
 
 @cli.command()
@@ -193,7 +198,7 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
 @json_option
 @orientation_option
 def convert(src, cpu_out, gpu_out, method, numa, layout, experts, linears, group_size, include_mtp, allow_drop_bias,
-            threads, resume, force, quiet, json_progress, as_json, expert_orientation) -> None:
+            threads, resume, force, profile, quiet, json_progress, as_json, expert_orientation) -> None:
     """Write the CPU and the GPU outputs of SRC in one pass (every source expert read once, RTN on both sides).
     Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write."""
     if method is None:
@@ -203,10 +208,11 @@ def convert(src, cpu_out, gpu_out, method, numa, layout, experts, linears, group
                               allow_drop_bias=allow_drop_bias)),
                (gpu_out, dict(experts=experts or "w4a16", group_size=group_size or 128, linears=linears,
                               include_mtp=include_mtp))]
-    with make_progress(quiet=quiet, json_lines=json_progress) as progress:
+    with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
         results = load_api().convert(source_arg(src, expert_orientation), targets, threads=threads, resume=resume,
                                      force=force, progress=progress)
-    emit({"outputs": [r.to_dict() for r in results]}, as_json, "\n".join(r.summary() for r in results))
+    emit({"outputs": [r.to_dict() for r in results]}, as_json, "\n".join(r.summary() for r in results),
+         profile=prof.get("report"))
 
 
 @cli.command("expert-stats")
@@ -249,13 +255,24 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
 @click.option("--hub", type=choice(["hf", "modelscope"]), default="hf", show_default=True)
 @click.option("--revision", default=None)
 @click.option("--endpoint", default=None, help="Hub endpoint URL.")
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Numerics on the hidden states these calibration tokens produce in --source (the model's own "
+                   "routing, streamed layer by layer) instead of random probes.")
+@click.option("--compare", type=click.Path(exists=True, file_okay=False), default=None,
+              help="With --calibration: a second output OUT2, side by side.")
+@click.option("--report", type=click.Path(dir_okay=False), default=None,
+              help="Also write an HTML page (outside OUT): error per layer, layer x expert heat map, worst experts, "
+                   "thresholds; written for a failed verification too.")
 @json_option
 def verify(out, source, hashes, tokens, layers, sample_experts, experts_deprecated, threshold, remote, hub, revision,
-           endpoint, as_json) -> None:
+           endpoint, calibration, compare, report, as_json) -> None:
     """Check a converted output OUT: structure, hashes, numerics (native kernels) and error against the source."""
+    if calibration is not None:
+        require("gpu", "verify --calibration")
     sample = prefer(sample_experts, experts_deprecated, "--experts", "--sample-experts") or "4"
     result = load_api().verify(out, source=source, hashes=hashes, tokens=tokens, layers=layers, sample_experts=sample,
-                           threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint)
+                               threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint,
+                               calibration=calibration, compare=compare, report=report)
     emit(result, as_json)
     if not result.ok:
         sys.exit(4)

@@ -6,6 +6,7 @@ shown), the deprecated spellings' warning and the printing of a result. Importin
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import click
 
@@ -56,12 +57,33 @@ def prefer(new, old, old_flag: str, new_flag: str):
     return old
 
 
-def emit(result, as_json: bool, text: str | None = None) -> None:
-    """A result object as JSON (to_dict) or as text (its rendering)."""
+def emit(result, as_json: bool, text: str | None = None, profile: dict | None = None) -> None:
+    """A result object as JSON (to_dict; with `profile`, its "profile" key added) or as text (its rendering)."""
     if as_json:
-        click.echo(json.dumps(result.to_dict() if hasattr(result, "to_dict") else result, indent=2, sort_keys=True))
+        data = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+        click.echo(json.dumps({**data, "profile": profile} if profile else data, indent=2, sort_keys=True))
     else:
         click.echo(text if text is not None else load_api().render(result))
+
+
+@contextmanager
+def profiling(enabled: bool):
+    """--profile: collect where the time goes while the body runs; yields a dict that holds the report ("report")
+    afterwards, whose table is printed on stderr (also when the body fails)."""
+    holder: dict = {}
+    if not enabled:
+        yield holder
+        return
+    from ktconvert import profile
+
+    profile.enable()
+    try:
+        with profile.span("import"):
+            load_api()     # usually loaded already by the option parser: then counted in "startup"
+        yield holder
+    finally:
+        holder["report"] = profile.disable()
+        click.echo(profile.render(holder["report"]), err=True)
 
 
 def json_option(fn):
@@ -76,12 +98,14 @@ def progress_options(fn):
 
 
 def run_options(fn):
-    """--threads / --resume / --force of a conversion."""
+    """--threads / --resume / --force / --profile of a conversion."""
     for option in reversed([
             click.option("--threads", type=int, default=None, help="Worker threads (default: all cores). Bytes never "
                                                                    "depend on it."),
             click.option("--resume", is_flag=True, help="Continue an interrupted conversion in OUT."),
-            click.option("--force", is_flag=True, help="Delete an existing OUT and start over.")]):
+            click.option("--force", is_flag=True, help="Delete an existing OUT and start over."),
+            click.option("--profile", is_flag=True, help="Print where wall and core time went (read, decode, "
+                                                         "quantize, write, hashes, fsync, waits) on stderr.")]):
         fn = option(fn)
     return fn
 

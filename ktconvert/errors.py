@@ -67,6 +67,11 @@ class UsageError(KtConvertError, ValueError):
     exit_code = EXIT_USAGE
 
 
+class ResumeMismatchError(UsageError):
+    """``--resume`` with options (or a source, or a kind of output) other than those OUT was written with: the
+    message names each differing option with OUT's value and the requested one. Exit code 2."""
+
+
 class UnknownNameError(UsageError, LookupError):
     """Registry miss; the message lists the known names."""
 

@@ -12,9 +12,41 @@ import json
 import os
 from pathlib import Path
 
-from ktconvert.errors import OutputError
+from ktconvert.errors import OutputError, ResumeMismatchError
 from ktconvert.formats.out_manifest import JOURNAL_NAME
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
+
+
+# the command-line option behind a journal / manifest key where it is not "--" + the key with dashes
+OPTION_OF = {"layers": "--include-mtp (MoE layers)", "model.layers": "--include-mtp (MoE layers)",
+             "source_config_sha256": "SRC", "kind": "output kind"}
+
+
+def option_name(key: str) -> str:
+    """The command-line option that sets journal / manifest key `key` ("group_size" -> "--group-size")."""
+    if key == "source" or key.startswith("source."):
+        return "SRC"
+    return OPTION_OF.get(key) or "--" + key.split(".")[-1].replace("_", "-")
+
+
+def _shown(option: str, value) -> str:
+    if isinstance(value, bool):
+        return option if value else f"no {option}"
+    text = str(value)
+    return f"{option} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def mismatch_error(out_dir, differences: list[tuple[str, object, object]]) -> ResumeMismatchError:
+    """The error of a --resume whose options differ from OUT's: differences = [(option, OUT's value, requested
+    value)], one entry per option (later entries of an option already named are dropped)."""
+    named: dict[str, tuple] = {}
+    for option, recorded, requested in differences:
+        named.setdefault(option, (recorded, requested))
+    return ResumeMismatchError(
+        "cannot resume: the output was written with different options or another source", file=str(out_dir),
+        expected=", ".join(_shown(o, rec) for o, (rec, _) in named.items()),
+        found=", ".join(_shown(o, req) for o, (_, req) in named.items()),
+        hint="resume with OUT's options, or pass --force to start over")
 
 
 class Journal:
@@ -39,15 +71,18 @@ class Journal:
         state = read_json(path, what="resume journal", max_bytes=MAX_MANIFEST_BYTES, error=OutputError)
         if not isinstance(state, dict):
             raise OutputError("resume journal is not a JSON object", file=path, hint="start over with --force")
-        if state.get("options") != options:
-            changed = sorted(k for k in set(options) | set(state.get("options", {}))
-                             if options.get(k) != state.get("options", {}).get(k))
-            raise OutputError("cannot resume: the output was started with different options or source", file=path,
-                              expected=", ".join(f"{k}={state.get('options', {}).get(k)!r}" for k in changed),
-                              found=", ".join(f"{k}={options.get(k)!r}" for k in changed),
-                              hint="use the original options, or --force to start over")
-        journal = cls(out_dir, options, state)
-        journal._drop_missing_layers()
+        recorded = state.get("options")
+        if not isinstance(recorded, dict):
+            raise OutputError("resume journal records no options", file=path, hint="start over with --force")
+        if recorded != options:
+            changed = sorted(k for k in set(options) | set(recorded) if options.get(k) != recorded.get(k))
+            raise mismatch_error(out_dir, [(option_name(k), recorded.get(k), options.get(k)) for k in changed])
+        try:
+            journal = cls(out_dir, options, state)
+            journal._drop_missing_layers()
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise OutputError(f"resume journal is damaged ({type(exc).__name__}: {exc})", file=path,
+                              hint="start over with --force") from None
         return journal
 
     def _drop_missing_layers(self) -> None:

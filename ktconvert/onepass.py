@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 
+from ktconvert import profile
 from ktconvert.errors import OutputError
 from ktconvert.formats.out_manifest import load_manifest, sglang_args
 from ktconvert.progress import Progress
@@ -53,7 +54,8 @@ def write_outputs(outputs: list, *, threads: int | None = None, progress=None,
             _run(todo, threads, progress)
         timings["convert"] = time.monotonic() - t0 - timings["open"]
         t1 = time.monotonic()
-        manifests = {id(o): o.finalize() for o in todo}
+        with profile.span("finalize"):
+            manifests = {id(o): o.finalize() for o in todo}
         timings["finalize"] = time.monotonic() - t1
     finally:
         for output in todo:

@@ -10,6 +10,8 @@
   or a manifest, or ``force``: emptied first, after the lock is taken).
 * Lock: an exclusive ``fcntl.flock`` on ``OUT/.ktconvert.lock`` for the whole run, holding the writer's pid; a
   second writer fails at once with an OutputError naming that pid. The file is removed when the run ends.
+* Resume: OUT's options must be the requested ones (and its source this source): a finished OUT's ktconvert.json
+  (``resume_claims``), an unfinished one's journal; else a ResumeMismatchError (exit 2) naming each option.
 * Journal (``journal.Journal``): the finished layers (files and tensor hashes) and the hashed source files, so
   a resumed run skips them and writes the same bytes.
 * Manifest: files and tensors of every journalled layer plus the subclass's own last files, the source
@@ -25,10 +27,11 @@ import shutil
 import threading
 from pathlib import Path
 
-from ktconvert.errors import OutputError
+from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.fileio import FileRecord, LayerResult, hash_file
-from ktconvert.formats.out_manifest import JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, build_manifest, write_manifest
-from ktconvert.journal import Journal
+from ktconvert.formats.out_manifest import (JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, build_manifest, load_manifest,
+                                            write_manifest)
+from ktconvert.journal import Journal, mismatch_error, option_name
 
 
 class Output:
@@ -36,6 +39,7 @@ class Output:
     finish_files; `plan` is their validated plan (with .input: inputs.Input, .layers)."""
 
     kind = ""
+    option_of: dict[str, str] = {}   # ktconvert.json keys set by an option other than "--" + the key (error messages)
 
     def __init__(self, out_dir, plan, *, resume: bool = False, force: bool = False):
         self.out_dir = Path(out_dir)
@@ -87,10 +91,43 @@ class Output:
         """Create or reuse OUT under its lock and start (or reopen) the journal. False when ``resume`` finds OUT
         complete (ktconvert.json, no journal): nothing to do. OutputError for anything that could lose data."""
         self._prepare()
-        if self.resume and (self.out_dir / MANIFEST_NAME).exists() and not (self.out_dir / JOURNAL_NAME).exists():
-            return False
-        self.journal = Journal.start(self.out_dir, self.journal_options(), self.resume)
+        try:
+            if self.resume and (self.out_dir / MANIFEST_NAME).exists() and not (self.out_dir / JOURNAL_NAME).exists():
+                self._check_finished()
+                return False
+            self.journal = Journal.start(self.out_dir, self.journal_options(), self.resume)
+        except BaseException:
+            self.close()
+            raise
         return True
+
+    def resume_claims(self) -> dict:
+        """{dotted ktconvert.json key: value} a finished OUT written with this plan records: the manifest fields of
+        the options (flags and package versions aside: derived), the kind, the MoE layers, the source."""
+        fields = self.manifest_fields()
+        extra = fields.pop("extra", {})
+        fields.pop("flags", None), fields.pop("packages", None)
+        claims = {"kind": self.kind, **fields, "model.layers": sorted(self.layers),
+                  "source.config_sha256": self._config_sha256()}
+        claims.update({f"source.{key}": value for key, value in self.plan.input.hub.items()})
+        for key, value in extra.items():
+            claims.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
+        return claims
+
+    def _check_finished(self) -> None:
+        """ResumeMismatchError unless OUT's ktconvert.json records what this plan would write."""
+        try:
+            manifest = load_manifest(self.out_dir)
+        except InputError as exc:
+            raise OutputError(f"cannot resume: {exc.detail}", file=str(self.out_dir / MANIFEST_NAME),
+                              hint="pass --force to start over") from None
+        claims = self.resume_claims()
+        if manifest.get("kind", "cpu") != self.kind:     # another kind of output: its other fields say nothing
+            claims = {"kind": self.kind}
+        differences = [(self.option_of.get(key) or option_name(key), _dig(manifest, key), value)
+                       for key, value in claims.items() if _dig(manifest, key) != value]
+        if differences:
+            raise mismatch_error(self.out_dir, differences)
 
     def close(self) -> None:
         """Release the lock and remove the lock file (idempotent)."""
@@ -204,8 +241,7 @@ class Output:
             files[self.expert_activation.path] = self.expert_activation.entry()
         tensors.update(last.tensors)
         info = self.source.info
-        config = self.source.root / "config.json"
-        source = {"config_sha256": hash_file(config)[1] if config.is_file() else None,
+        source = {"config_sha256": self._config_sha256(),
                   "files": dict(sorted(self.journal.sources.items())), **self.plan.input.hub}
         model = {"family": info.family, "model_type": info.model_type, "layers": self.layers,
                  "experts": info.n_experts, "hidden": info.hidden, "intermediate": info.intermediate}
@@ -216,3 +252,16 @@ class Output:
                                   expert_activation=activation, **fields)
         manifest.update(extra)
         return manifest
+
+    def _config_sha256(self) -> str | None:
+        """sha256 of the source's config.json as ktconvert.json records it (None without one)."""
+        config = self.source.root / "config.json"
+        return hash_file(config)[1] if config.is_file() else None
+
+
+def _dig(manifest: dict, key: str):
+    """The value at dotted `key` of a manifest (None where a level is missing or not a table)."""
+    value = manifest
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value

@@ -5,11 +5,14 @@ external resources, no plotting library).
 
 * ``heat_map(values [rows, cols], ...)``: one coloured cell per value (NaN: "no data", hatched grey), a colour
   bar, a tooltip (``<title>``) per cell; large maps keep a readable size by shrinking cells.
-* ``line_chart({name: [(x, y), ...]}, ...)``: polylines with axes, ticks and a legend.
-* ``table(header, rows)``: numbers right-aligned.
+* ``line_chart({name: [(x, y), ...]}, ...)``: polylines with axes, ticks and a legend; ``limits`` adds dashed
+  horizontal lines (thresholds).
+* ``table(header, rows)``: numbers right-aligned; ``bullets(items)``: a list; ``status(ok, text)``: a verdict line.
 
 Every plot is a ``<figure class="plot" data-kind="heatmap|line">`` holding one ``<svg>`` that is well-formed XML,
-so a reader (or a test) can count and parse them. Text is escaped; the output depends only on the arguments.
+so a reader (or a test) can count and parse them; ``group=`` adds ``data-group`` (which part of a page a plot
+belongs to) and keeps the ids inside one heat map's SVG distinct from another's. Text is escaped; the output
+depends only on the arguments.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #
 table{border-collapse:collapse;margin:.6em 0}td,th{border:1px solid #ccc;padding:2px 8px}
 td.num{text-align:right;font-variant-numeric:tabular-nums}th{background:#f4f4f4}
 figure.plot{margin:1em 0}figcaption{font-size:.9em;color:#555}p.note{color:#555;font-size:.9em}
-svg text{font-family:system-ui,sans-serif}"""
+svg text{font-family:system-ui,sans-serif}p.status{font-size:1.2em;font-weight:bold;padding:.3em .6em}
+p.status.ok{background:#e3f4e1;color:#1d5e1a}p.status.failed{background:#fbe3e1;color:#8a1c12}"""
 
 
 def esc(value) -> str:
@@ -71,15 +75,26 @@ def table(header: list, rows: list[list], caption: str = "") -> str:
     return f"<table>{cap}<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody></table>"
 
 
+def bullets(items: list) -> str:
+    """An unordered list of `items` (text, escaped)."""
+    return "<ul>\n" + "".join(f"<li>{esc(item)}</li>\n" for item in items) + "</ul>"
+
+
+def status(ok: bool, text: str) -> str:
+    """A verdict line, green when `ok`, red otherwise."""
+    return f'<p class="status {"ok" if ok else "failed"}">{esc(text)}</p>'
+
+
 def _cell(value) -> str:
     if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
         return f'<td class="num">{esc(fmt(value))}</td>'
     return f"<td>{esc(value)}</td>"
 
 
-def _figure(kind: str, svg: str, caption: str) -> str:
+def _figure(kind: str, svg: str, caption: str, group: str = "") -> str:
     cap = f"<figcaption>{esc(caption)}</figcaption>" if caption else ""
-    return f'<figure class="plot" data-kind="{kind}">\n{svg}\n{cap}</figure>'
+    data = f' data-group="{esc(group)}"' if group else ""
+    return f'<figure class="plot" data-kind="{kind}"{data}>\n{svg}\n{cap}</figure>'
 
 
 def _svg(width: float, height: float, body: list[str], label: str) -> str:
@@ -108,10 +123,11 @@ def colour(t: float) -> str:
 
 def heat_map(values, *, row_labels: list | None = None, col_labels: list | None = None, title: str = "",
              x_label: str = "", y_label: str = "", value_label: str = "value", caption: str = "",
-             max_width: int = 1100, max_cell: int = 18) -> str:
+             max_width: int = 1100, max_cell: int = 18, group: str = "") -> str:
     """A heat map figure of `values` (2-D array-like [rows, cols], NaN = no data). Rows top to bottom, columns
     left to right; colour linear from the smallest to the largest finite value. Each cell's tooltip names its
-    row label, column label and value."""
+    row label, column label and value. group: the figure's data-group, also the suffix of its "no data"
+    pattern id (give each heat map of a page its own)."""
     v = np.asarray(values, dtype=np.float64)
     if v.ndim != 2:
         raise ValueError(f"heat map needs a 2-D array, got shape {v.shape}")
@@ -124,7 +140,8 @@ def heat_map(values, *, row_labels: list | None = None, col_labels: list | None 
     finite = v[np.isfinite(v)]
     lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
     span = hi - lo if hi > lo else 1.0
-    body = ['<defs><pattern id="nodata" width="4" height="4" patternUnits="userSpaceOnUse">'
+    nodata = f"nodata-{group}" if group else "nodata"
+    body = [f'<defs><pattern id="{esc(nodata)}" width="4" height="4" patternUnits="userSpaceOnUse">'
             '<rect width="4" height="4" fill="#eee"/><path d="M0 4L4 0" stroke="#bbb" stroke-width="0.7"/>'
             "</pattern></defs>"]
     if title:
@@ -133,7 +150,7 @@ def heat_map(values, *, row_labels: list | None = None, col_labels: list | None 
         for c in range(cols):
             x, y = left + c * cell_w, top + r * cell_h
             val = v[r, c]
-            fill = "url(#nodata)" if not math.isfinite(val) else colour((val - lo) / span)
+            fill = f"url(#{esc(nodata)})" if not math.isfinite(val) else colour((val - lo) / span)
             tip = f"{y_label or 'row'} {row_labels[r]}, {x_label or 'column'} {col_labels[c]}: " \
                   f"{'no data' if not math.isfinite(val) else fmt(val)}"
             body.append(f'<rect x="{x:.2f}" y="{y:.2f}" width="{cell_w:.2f}" height="{cell_h:.2f}" '
@@ -147,7 +164,7 @@ def heat_map(values, *, row_labels: list | None = None, col_labels: list | None 
     bar_top = top + grid_h + (48 if x_label else 30)
     body += _colour_bar(left, bar_top, min(max(grid_w, 160.0), 320.0), lo, hi, value_label)
     width = max(left + grid_w + 20, left + 340 + 7 * len(value_label))
-    return _figure("heatmap", _svg(width, bar_top + 30, body, title or "heat map"), caption)
+    return _figure("heatmap", _svg(width, bar_top + 30, body, title or "heat map"), caption, group)
 
 
 def _heat_labels(row_labels, col_labels, left, top, cell_w, cell_h) -> list[str]:
@@ -195,19 +212,22 @@ def nice_ticks(lo: float, hi: float, count: int = 5, integer: bool = False) -> l
 
 
 def line_chart(series: dict, *, title: str = "", x_label: str = "", y_label: str = "", caption: str = "",
-               y_min: float | None = None, y_max: float | None = None, width: int = 720, height: int = 320) -> str:
+               y_min: float | None = None, y_max: float | None = None, width: int = 720, height: int = 320,
+               limits: dict | None = None, group: str = "") -> str:
     """A line chart figure: `series` maps a legend name to [(x, y), ...] (points with NaN y are skipped; a
     series with one point is drawn as a dot; points get a marker with a tooltip when a series has at most
-    MAX_MARKERS). y range: the data's, unless y_min / y_max are given."""
+    MAX_MARKERS). limits: {legend name: y} drawn as dashed horizontal lines (thresholds; None values skipped).
+    y range: the data's and the limits', unless y_min / y_max are given. group: the figure's data-group."""
     points = {name: [(float(x), float(y)) for x, y in pts if math.isfinite(float(y))] for name, pts in series.items()}
+    levels = {name: float(y) for name, y in (limits or {}).items() if y is not None and math.isfinite(float(y))}
     xs = [x for pts in points.values() for x, _ in pts]
-    ys = [y for pts in points.values() for _, y in pts]
+    ys = [y for pts in points.values() for _, y in pts] + list(levels.values())
     x_lo, x_hi = (min(xs), max(xs)) if xs else (0.0, 1.0)
     y_lo = y_min if y_min is not None else (min(ys) if ys else 0.0)
     y_hi = y_max if y_max is not None else (max(ys) if ys else 1.0)
     x_hi, y_hi = (x_hi if x_hi > x_lo else x_lo + 1.0), (y_hi if y_hi > y_lo else y_lo + 1.0)
     left, top, bottom = 64.0, 30.0 if title else 12.0, 46.0
-    right = 40.0 + 6.5 * max((len(str(name)) for name in points), default=0)
+    right = 40.0 + 6.5 * max((len(str(name)) for name in [*points, *levels]), default=0)
     pw, ph = width - left - right, height - top - bottom
 
     def sx(x):
@@ -226,6 +246,7 @@ def line_chart(series: dict, *, title: str = "", x_label: str = "", y_label: str
     for t in nice_ticks(x_lo, x_hi, 8, integer=integer_x):
         if x_lo <= t <= x_hi:
             body.append(_text(sx(t), top + ph + 16, fmt(t), 10, "middle"))
+    legend = []
     for i, (name, pts) in enumerate(points.items()):
         c = _SERIES_COLOURS[i % len(_SERIES_COLOURS)]
         if len(pts) > 1:
@@ -235,12 +256,25 @@ def line_chart(series: dict, *, title: str = "", x_label: str = "", y_label: str
         if len(pts) <= MAX_MARKERS:
             body += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.2" fill="{c}"><title>{esc(name)}: '
                      f"{esc(fmt(x))}, {esc(fmt(y))}</title></circle>" for x, y in pts]
-        ly = top + 8 + 16 * i
-        body.append(f'<line x1="{left + pw + 12}" x2="{left + pw + 30}" y1="{ly}" y2="{ly}" stroke="{c}" '
-                    f'stroke-width="2"/>')
-        body.append(_text(left + pw + 34, ly + 4, name, 10))
+        legend.append((name, c, ""))
+    for name, y in levels.items():
+        if y_lo <= y <= y_hi:
+            body.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" stroke="#555" '
+                        f'stroke-dasharray="6 4"><title>{esc(name)}: {esc(fmt(y))}</title></line>')
+        legend.append((name, "#555", ' stroke-dasharray="6 4"'))
+    body += _legend(legend, left + pw, top)
     if x_label:
         body.append(_text(left + pw / 2, height - 8, x_label, 11, "middle"))
     if y_label:
         body.append(_text(14, top + ph / 2, y_label, 11, "middle", rotate=True))
-    return _figure("line", _svg(width, height, body, title or "line chart"), caption)
+    return _figure("line", _svg(width, height, body, title or "line chart"), caption, group)
+
+
+def _legend(entries: list[tuple[str, str, str]], x: float, top: float) -> list[str]:
+    """One legend row per (name, colour, extra line attributes), right of the plot area at `x`."""
+    out = []
+    for i, (name, c, style) in enumerate(entries):
+        ly = top + 8 + 16 * i
+        out.append(f'<line x1="{x + 12}" x2="{x + 30}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="2"{style}/>')
+        out.append(_text(x + 34, ly + 4, name, 10))
+    return out

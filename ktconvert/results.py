@@ -68,7 +68,7 @@ class PlanResult:
 class VerifyResult:
     """What `verify` found: ok; out (the folder, bundle or repo checked); problems (one line each); checks
     [{name, status ("ok" | "failed" | "skipped"), detail}]; the reports of the checks that ran: hashes, numerics,
-    remote, gpu (a GPU checkpoint's checks), bundle."""
+    remote, gpu (a GPU checkpoint's checks), bundle; report: the path of the HTML page written (verify's report=)."""
 
     ok: bool
     out: str
@@ -79,6 +79,7 @@ class VerifyResult:
     remote: dict | None = None
     gpu: dict | None = None
     bundle: dict | None = None
+    report: str | None = None
 
     @classmethod
     def from_dict(cls, report: dict) -> "VerifyResult":

@@ -16,6 +16,7 @@ import threading
 from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
+from ktconvert import profile
 from ktconvert.errors import InputError
 from ktconvert.formats.stream import HashingFileReader, MatrixJob, jobs_by_file
 
@@ -57,7 +58,9 @@ def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int
 
     def work(job: MatrixJob, raw) -> None:
         targets = consumers_for(job.layer)
-        for proj, w in source.decode(job, raw).items():
+        with profile.span("decode", job.nbytes):
+            matrices = source.decode(job, raw)
+        for proj, w in matrices.items():
             where = f"{job_tensor(job)} (layer {job.layer}, expert {job.expert}, {proj})"
             for consumer in targets:
                 consumer.put_matrix(proj, job.expert, w, where)
@@ -71,7 +74,8 @@ def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int
 
     def record_finished(block: bool = False) -> None:
         if block:
-            wait(list(finishing.values()))
+            with profile.span("wait.workers"):
+                wait(list(finishing.values()))
         for layer in sorted(finishing):
             if finishing[layer].done():
                 for out, result in zip(outputs, finishing.pop(layer).result()):
@@ -103,7 +107,8 @@ def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int
                         record_finished()
                     digest = reader.finish()
                 journal.finish_source(name, {"bytes": digest.bytes, "sha256": digest.sha256})
-            wait([f for fs in tracker.futures.values() for f in fs])
+            with profile.span("wait.workers"):
+                wait([f for fs in tracker.futures.values() for f in fs])
             for layer in tracker.ready():
                 if not journal.layer_done(layer):
                     finishing[layer] = pool.submit(finish, layer)
@@ -161,7 +166,8 @@ def _throttle(tracker: _LayerTracker, workers: int) -> None:
             raise f.exception()
     pending = [f for f in futures if not f.done()]
     if len(pending) >= 2 * workers:
-        wait(pending, return_when=FIRST_COMPLETED)
+        with profile.span("wait.workers"):
+            wait(pending, return_when=FIRST_COMPLETED)
 
 
 class _FaultInjector:

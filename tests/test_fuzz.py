@@ -1,5 +1,5 @@
 """Property-based fuzzing of the parsers that read files from elsewhere (issue 14, "Fuzzing"): the safetensors header
-parser, the bundle reader and the batch-file loader. Whatever the bytes, they return a result or raise one of our
+parser, the GGUF header reader, the bundle reader and the batch-file loader. Whatever the bytes, they return a result or raise one of our
 errors (KtConvertError), never anything else, never hang, and never write outside their destination.
 
 Each test runs a few hundred examples in the default suite ("quick") and many more under `-m slow` ("deep"); the
@@ -232,3 +232,82 @@ def test_fuzz_batch_loader(examples):
         near_valid = st.builds(lambda jobs: {"jobs": jobs}, st.lists(near_valid_jobs() | TOML_LEAF, min_size=1,
                                                                     max_size=3))
         _fuzz(examples, any_doc | near_valid | st.text(max_size=120), check)
+
+
+# ---------------------------------------------------------------- GGUF headers
+
+def _small_gguf(path: Path) -> tuple[int, list[int]]:
+    """A valid two-layer MoE GGUF (F16 experts [2, 32, 32], a Q8_0 tensor, metadata). Returns where its data
+    starts and the byte positions of every tensor info's dims, type and offset fields (as gguf-py reads them)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    w = GGUFWriter(str(path), "qwen3moe")
+    for key, value in (("block_count", 2), ("expert_count", 2), ("embedding_length", 32), ("expert_used_count", 1),
+                       ("expert_feed_forward_length", 32)):
+        w.add_uint32(f"qwen3moe.{key}", value)
+    w.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    for layer in range(2):
+        for proj in ("gate", "up", "down"):
+            w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.full((2, 32, 32), layer + 1, np.float16))
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((32, 34), np.uint8), raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = GGUFReader(path)
+    base = reader.data.ctypes.data
+    fields = [part.ctypes.data - base for t in reader.tensors for part in t.field.parts[3:]]
+    return reader.data_offset, fields
+
+
+def _tiles_its_file(tensors: dict, size: int) -> bool:
+    """Accepted tensors lie inside the file and do not overlap (checked here from the TensorRefs alone)."""
+    spans = sorted((ref.offset, ref.offset + ref.nbytes) for ref in tensors.values())
+    return all(end <= size for _, end in spans) and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def _gguf_py_accepts(path: Path) -> bool:
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+        return True
+    except Exception:  # noqa: BLE001  (any refusal)
+        return False
+
+
+@pytest.mark.parametrize("examples", BUDGETS)
+def test_fuzz_gguf_header(examples):
+    """Arbitrary bytes, and valid files with header bytes changed or cut: GGUFSource.open returns or raises our error;
+    whatever read_header accepts tiles its file and gguf-py's reader accepts too."""
+    pytest.importorskip("gguf")
+    from ktconvert.formats.gguf_source import GGUFSource, read_header
+
+    with tempfile.TemporaryDirectory() as tmp:
+        valid = Path(tmp) / "valid.gguf"
+        header_end, fields = _small_gguf(valid)
+        original = valid.read_bytes()
+        path = Path(tmp) / "model.gguf"
+
+        def check(drawn):
+            if isinstance(drawn, bytes):
+                data = drawn
+            else:
+                flips, cut = drawn
+                buf = bytearray(original)
+                for pos, value in flips:
+                    buf[pos] = value
+                data = bytes(buf[:cut]) if cut is not None else bytes(buf)
+            path.write_bytes(data)
+            verdict, header = _ours(lambda: read_header(path))
+            if verdict == "ok":
+                assert _tiles_its_file(header[1], len(data)) and _gguf_py_accepts(path)
+            _ours(lambda: GGUFSource.open(path))
+
+        raw = st.binary(max_size=200) | st.builds(lambda body: b"GGUF\x03\x00\x00\x00" + body, st.binary(max_size=200))
+        anywhere = st.integers(0, header_end - 1)
+        in_tensor_info = st.builds(lambda pos, delta: pos + delta, st.sampled_from(fields), st.integers(0, 7))
+        mutated = st.tuples(st.lists(st.tuples(anywhere | in_tensor_info, st.integers(0, 255)), min_size=1,
+                                     max_size=4), st.none() | st.integers(0, len(original)))
+        _fuzz(examples, raw | mutated, check)

@@ -119,60 +119,6 @@ def test_gpu_hook_needs_calibration(small_qwen):
 
 # ---------------------------------------------------------------------------------------------- AMX (fast)
 
-def _moe_out(w, x):
-    """One expert's output, float32: down(silu(gate x) * up x)."""
-    g, u, d = (torch.from_numpy(m) for m in w)
-    return (torch.nn.functional.silu(x @ g.T) * (x @ u.T)) @ d.T
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-def test_amx_codes_range_scales_and_error(small_qwen, bits):
-    from ktconvert.formats.hf_source import HFSource
-    from ktconvert.gptq.cpu import gptq_amx_codes
-    from ktconvert.gptq.loop import GptqOptions
-    from ktconvert.quant import amx_rows as amx
-    from ktconvert.quant.bf16 import bf16_bits_to_f32
-
-    numa, limit = 2, (7 if bits == 4 else 127)
-    samples = _samples(4, 32)
-    src = HFSource.open(small_qwen)
-    (result,) = list(gptq_amx_codes(src, samples, bits, numa, options=GptqOptions(calibrate_all=True)))
-    rows = amx.quantize_int4_rows if bits == 4 else amx.quantize_int8_rows
-    deq = amx.dequantize_int4_rows if bits == 4 else amx.dequantize_int8_rows
-    # calibration-like inputs: the embeddings of the calibration tokens after the first RMSNorm are what the
-    # experts see in layer 0 up to attention; use the captured MoE inputs through a second stream instead
-    from ktconvert.gptq.loop import GpuQuantizer, LayerStream
-
-    probe = LayerStream(src, samples, GpuQuantizer(4, 128))
-    layer = probe.load_layer(0)
-    from ktconvert.gptq.skeleton import experts_module
-
-    x = torch.cat([h for h, _, _ in probe._capture_moe_inputs(0, layer, experts_module(layer))]).float()
-    err_gptq = err_rtn = 0.0
-    for e in range(4):
-        ew = src.read_expert(0, e)
-        ref, gptq, rtn = [], [], []
-        for proj in ("gate", "up", "down"):
-            w = getattr(ew, proj)
-            parts = result.payloads[(e, proj)]
-            assert len(parts) == numa
-            cols = []
-            for t, (codes, d) in enumerate(parts):
-                assert codes.dtype == np.int8 and np.abs(codes).max() <= limit
-                part = w[t * 64:(t + 1) * 64] if proj != "down" else np.ascontiguousarray(w[:, t * 64:(t + 1) * 64])
-                np.testing.assert_array_equal(d, rows(part)[1])       # kt-kernel's own scale, 1:1
-                cols.append(deq(codes, d))
-            axis = 0 if proj != "down" else 1
-            gptq.append(np.concatenate(cols, axis=axis))
-            rtn.append(np.concatenate([deq(*rows(np.ascontiguousarray(p)))
-                                       for p in np.split(w, numa, axis=axis)], axis=axis))
-            ref.append(bf16_bits_to_f32(w))
-        y = _moe_out(ref, x)
-        err_gptq += float(((_moe_out(gptq, x) - y) ** 2).sum())
-        err_rtn += float(((_moe_out(rtn, x) - y) ** 2).sum())
-    assert err_gptq < err_rtn, (err_gptq, err_rtn)
-
-
 def test_amx_output_verifies(tmp_path, tiny_model):
     """convert_cpu_gptq writes a kt output that `ktconvert verify OUT --source SRC` accepts."""
     small_qwen = tiny_model("qwen3_moe", layers=1, experts=4, hidden=128, intermediate=256)
@@ -250,10 +196,22 @@ def _causal_mask_hooks(model):
     return [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in model.model.layers]
 
 
-def _oneshot(src, samples, bits, calibrate_all, out, causal_fix=False):
+def _recipe(bits: int, observer: str | None):
+    """GPTQModifier W{bits}A16 (group 128); observer: the weight observer (None: the preset's min-max)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor.modifiers.quantization import GPTQModifier
+
+    if observer is None:
+        return GPTQModifier(targets="Linear", scheme=f"W{bits}A16", ignore=IGNORE, dampening_frac=0.1)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=128,
+                            observer=observer)
+    return GPTQModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                        ignore=IGNORE, dampening_frac=0.1)
+
+
+def _oneshot(src, samples, bits, calibrate_all, out, causal_fix=False, observer=None):
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import GPTQModifier
     from transformers import AutoModelForCausalLM
 
     from ktconvert.formats.safetensors_reader import Checkpoint
@@ -266,7 +224,7 @@ def _oneshot(src, samples, bits, calibrate_all, out, causal_fix=False):
     torch.set_num_threads(1)          # ours solves GPTQ at one thread (MKL's Cholesky depends on the count)
     try:
         oneshot(model=model, dataset=ds, num_calibration_samples=len(samples), max_seq_length=max(map(len, samples)),
-                recipe=GPTQModifier(targets="Linear", scheme=f"W{bits}A16", ignore=IGNORE, dampening_frac=0.1),
+                recipe=_recipe(bits, observer),
                 moe_calibrate_all_experts=calibrate_all, shuffle_calibration_samples=False)
     finally:
         torch.set_num_threads(threads)
@@ -277,11 +235,12 @@ def _oneshot(src, samples, bits, calibrate_all, out, causal_fix=False):
     return {k: ck.read(k) for k in ck.tensors if ".experts." in k}
 
 
-def _ours(src, samples, bits, **opts):
+def _ours(src, samples, bits, observer=None, **opts):
     from ktconvert.gptq.loop import GpuQuantizer, GptqOptions, LayerStream
 
     got, results = {}, []
-    for res in LayerStream(src, samples, GpuQuantizer(bits, 128), GptqOptions(**opts)).layers_results():
+    quantizer = GpuQuantizer(bits, 128, observer=observer)
+    for res in LayerStream(src, samples, quantizer, GptqOptions(**opts)).layers_results():
         results.append(res)
         for (e, p), tensors in res.payloads.items():
             for k, v in tensors.items():
@@ -311,6 +270,22 @@ def test_bit_identical_to_oneshot(tmp_path, tiny_model, arch, causal_mask, bits)
     ref = _oneshot(src, samples, bits, True, tmp_path / "os")
     ours, _ = _ours(src, samples, bits, causal_mask=causal_mask)
     assert _differing(ref, ours) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, causal_mask", [("qwen3_moe", False), ("deepseek_v3", True)])
+def test_mse_observer_bit_identical_to_oneshot(tmp_path, tiny_model, arch, causal_mask):
+    """`gpu --quant gptq`'s scales (llmcompressor's MSE weight observer, gpu.config.GPTQ_OBSERVER): every expert
+    tensor byte-identical to oneshot run with a GPTQModifier whose weights use observer "mse"; and the searched
+    scales do change bytes against the min-max observer."""
+    from ktconvert.gpu.config import GPTQ_OBSERVER
+
+    src = tiny_model(arch)
+    samples = _varied_samples()
+    ref = _oneshot(src, samples, 4, True, tmp_path / "os", observer=GPTQ_OBSERVER)
+    ours, _ = _ours(src, samples, 4, observer=GPTQ_OBSERVER, causal_mask=causal_mask)
+    assert _differing(ref, ours) == []
+    assert _differing(_ours(src, samples, 4, causal_mask=causal_mask)[0], ours)
 
 
 @pytest.mark.slow
@@ -373,4 +348,5 @@ def test_gptq_gpu_checkpoint_of_every_family_verifies(tiny_model, tmp_path, arch
     convert_gpu(model, out, experts="w4a16", quant="gptq", linears=linears, calibration=calib)
     result = verify(out, source=str(model), experts="all")
     assert result["ok"], result["problems"]
-    assert json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert (weights["weights"]["observer"], weights["weights"]["actorder"]) == ("mse", "static")

@@ -171,7 +171,7 @@ def test_verify_ok_and_render(tmp_path, layout):
     result = verify(out, hashes=True)
     assert result["ok"], result["problems"]
     statuses = {c["name"]: c["status"] for c in result["checks"]}
-    assert statuses == {"manifest": "ok", "structure": "ok", "hashes": "ok", "numerics": "ok",
+    assert statuses == {"manifest": "ok", "structure": "ok", "flags": "ok", "hashes": "ok", "numerics": "ok",
                         "remote": "skipped"}
     text = render(result)
     assert "result: OK" in text and "structure" in text

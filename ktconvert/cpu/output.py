@@ -3,6 +3,7 @@ HF tensors), plus the non-expert tensors with ``include_dense``, the copied conf
 """
 from __future__ import annotations
 
+from ktconvert import profile
 from ktconvert.cpu.plan import CpuPlan
 from ktconvert.envinfo import cpu_flags
 from ktconvert.formats.fileio import LayerResult
@@ -18,7 +19,8 @@ class LayerConsumer:
 
     def put_matrix(self, proj: str, expert: int, w, where: str) -> None:
         """w: uint16 BF16 bits, gate/up [I, H], down [H, I]."""
-        self.method.write_matrix(self.writer, proj, expert, w, numa=self.numa, quant=self.quant, where=where)
+        with profile.span("quantize.cpu", w.nbytes):
+            self.method.write_matrix(self.writer, proj, expert, w, numa=self.numa, quant=self.quant, where=where)
 
     def finish(self) -> LayerResult:
         return self.writer.finish()
@@ -38,6 +40,7 @@ class CpuOutput(Output):
         self.sink = None
         self.run_notes: list[str] = []
         self.run_details: dict = {}
+        self.manifest_extra: dict = {}   # ktconvert.json keys a calibrated run adds ("gptq", gptq/cpu.py)
 
     def open(self) -> bool:
         if not super().open():
@@ -69,7 +72,7 @@ class CpuOutput(Output):
         o = self.options
         return {"method": self.method.kt_method, "numa": o.numa, "layout": o.layout, "quant": o.quant,
                 "include_dense": o.include_dense, "flags": self.method.flags(o.numa),
-                "extra": self.method.manifest_fields()}
+                "extra": {**self.method.manifest_fields(), **self.manifest_extra}}
 
     def notes(self) -> list[str]:
         return self.run_notes + self.method.runtime_notes(cpu_flags())

@@ -21,7 +21,11 @@ from ktconvert.inputs import Input, open_input
 from ktconvert.methods import METHODS
 from ktconvert.methods.base import CpuMethod, check
 from ktconvert.options import Options, Plan
+from ktconvert.gptq.holdout import SelectionOptions
+from ktconvert.gptq.loop import GptqOptions
 from ktconvert.quant.row_quant import ROW_QUANT
+
+GPTQ_DAMPENING, GPTQ_MIN_TOKENS = GptqOptions.dampening, SelectionOptions.min_tokens
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,9 @@ class CpuOptions(Options):
     SGLang's --kt-threadpool-count), layout ("safetensors" merged shards or the "kt" tree), quant (the per-row
     quantizer: "rtn", "mse", or "gptq" with calibration, a JSON-lines file), group_size (rawint4: 32, 64 or 128;
     None = 128), include_dense (also the non-expert tensors), include_mtp (also the MTP layers' experts),
-    allow_drop_bias (convert although non-zero expert biases are dropped)."""
+    allow_drop_bias (convert although non-zero expert biases are dropped); with gptq: dampening (GPTQ's relative
+    Hessian dampening) and min_tokens (routed calibration tokens an expert needs before GPTQ is tried;
+    ktconvert.gptq.holdout)."""
 
     method: str
     numa: int = 1
@@ -41,6 +47,8 @@ class CpuOptions(Options):
     include_mtp: bool = False
     allow_drop_bias: bool = False
     calibration: str | None = None
+    dampening: float = GPTQ_DAMPENING
+    min_tokens: int = GPTQ_MIN_TOKENS
 
     kind, lowercase = "CPU", ("method", "layout", "quant")
 
@@ -72,6 +80,12 @@ class CpuOptions(Options):
                                              ("--include-mtp", self.include_mtp)) if on]
         if self.quant == "gptq" and unsupported:
             raise UsageError("not available with --quant gptq", found=", ".join(unsupported))
+        if not (0 <= self.dampening < float("inf")) or self.min_tokens < 0:
+            raise UsageError("GPTQ options out of range", expected="dampening >= 0, min_tokens >= 0",
+                             found=f"dampening {self.dampening}, min_tokens {self.min_tokens}")
+        if self.quant != "gptq" and (self.dampening, self.min_tokens) != (GPTQ_DAMPENING, GPTQ_MIN_TOKENS):
+            raise UsageError("--dampening and --min-tokens are only used with --quant gptq",
+                             found=f"--quant {self.quant}")
 
 
 class CpuPlan(Plan):

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from ktconvert import profile
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.safetensors_reader import ShardHeader, parse_header
+from ktconvert.safe_read import check_regular, open_regular
 
 HASH_CHUNK = 8 << 20
 
@@ -52,8 +54,10 @@ class _DualHash:
         self.git = hashlib.sha1(b"blob %d\0" % size)
 
     def update(self, data) -> None:
-        self.sha256.update(data)
-        self.git.update(data)
+        with profile.span("hash.file", len(data)):
+            self.sha256.update(data)
+        with profile.span("hash.git", len(data)):
+            self.git.update(data)
 
     def hexdigests(self) -> tuple[str, str]:
         return self.sha256.hexdigest(), self.git.hexdigest()
@@ -68,15 +72,17 @@ def hash_bytes(data) -> tuple[int, str, str]:
 
 
 def _read_chunks(path: Path, size: int):
-    """Yield the file's bytes in HASH_CHUNK pieces, one sequential pass; InputError if its size changes."""
+    """Yield the file's bytes in HASH_CHUNK pieces, one sequential pass; InputError if its size changes or it is not
+    a regular file (a FIFO would block the read forever)."""
     buf = bytearray(min(HASH_CHUNK, max(size, 1)))
     view = memoryview(buf)
     done = 0
-    with open(path, "rb", buffering=0) as fh:
+    with os.fdopen(open_regular(path, "file"), "rb", buffering=0) as fh:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         while True:
-            got = fh.readinto(view)
+            with profile.span("read.output", len(view)):
+                got = fh.readinto(view)
             if not got:
                 break
             done += got
@@ -86,9 +92,10 @@ def _read_chunks(path: Path, size: int):
 
 
 def hash_file(path) -> tuple[int, str, str]:
-    """(size, sha256 hex, git blob SHA-1 hex) of a file, read once sequentially in 8 MiB chunks."""
+    """(size, sha256 hex, git blob SHA-1 hex) of a regular file (InputError otherwise), read once sequentially in
+    8 MiB chunks."""
     path = Path(path)
-    size = os.stat(path).st_size
+    size = check_regular(path, "file").st_size
     hasher = _DualHash(size)
     for chunk in _read_chunks(path, size):
         hasher.update(chunk)
@@ -104,7 +111,7 @@ def hash_safetensors(path, header: ShardHeader | None = None) -> tuple[int, str,
     path = Path(path)
     header = parse_header(path) if header is None else header
     spans = sorted((ref.offset, ref.offset + ref.nbytes, name) for name, ref in header.tensors.items())
-    size = os.stat(path).st_size
+    size = check_regular(path, "file").st_size
     hasher, tensor_hashes = _DualHash(size), {}
     pos, i, current = 0, 0, hashlib.sha256()
     for chunk in _read_chunks(path, size):
@@ -140,7 +147,8 @@ def fsync_dir(directory: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
+        with profile.span("fsync"):
+            os.fsync(fd)
     except OSError:
         pass
     finally:
@@ -155,10 +163,12 @@ def write_atomic(path: Path, data, durable: bool = True) -> None:
     tmp = temp_path_for(path)
     try:
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            with profile.span("write", memoryview(data).nbytes):
+                fh.write(data)
             if durable:
                 fh.flush()
-                os.fsync(fh.fileno())
+                with profile.span("fsync"):
+                    os.fsync(fh.fileno())
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

@@ -1,7 +1,7 @@
 """Expert source for GGUF files (llama.cpp): one routed expert at a time, as BF16 bits in HF orientation.
 
 Input: one ``.gguf`` file, one file of a split set (``NAME-00001-of-00003.gguf``: the whole set is opened), or a
-directory holding one model's ``.gguf`` file(s). Headers are parsed with ``gguf.GGUFReader``; only tensor infos and
+directory holding one model's ``.gguf`` file(s). Headers are parsed and checked by ``formats.gguf_header``; only tensor infos and
 scalar metadata are kept, and expert data is read by byte range (os.pread), so memory is one expert slice.
 
 Tensors (ggml names): ``blk.L.ffn_{gate,up,down}_exps.weight`` (or a fused ``blk.L.ffn_gate_up_exps.weight``, gate
@@ -22,11 +22,12 @@ import numpy as np
 
 from ktconvert.architecture import ModelInfo, manifest_for
 from ktconvert.errors import InputError, ManifestError, ShapeError
-from ktconvert.safe_read import check_regular
 from ktconvert.formats import gguf_dense
 from ktconvert.formats.base import ExpertWeights, Source, TensorRef
+from ktconvert.formats.gguf_header import read_header
 from ktconvert.formats.stream import MatrixJob
 from ktconvert.quant import ggml
+from ktconvert.safe_read import open_regular
 
 GGUF_MAGIC = b"GGUF"
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -38,36 +39,8 @@ GGUF_ARCH_MODEL_TYPES = {
 }
 PROJ_TENSORS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 FUSED_GATE_UP = "ffn_gate_up_exps"
-
-
-def _scalar(field):
-    """A metadata field's value when it is a scalar or string (arrays are skipped: tokenizer data)."""
-    from gguf import GGUFValueType
-
-    if not field.types or field.types[0] == GGUFValueType.ARRAY:
-        return None
-    value = field.contents()
-    return value.item() if hasattr(value, "item") else value
-
-
-def read_header(path: Path) -> tuple[dict, dict[str, TensorRef]]:
-    """(scalar metadata, tensors by name) of one GGUF file; the file's memory map is released on return.
-
-    TensorRef.dtype is the ggml type name ("Q4_K"; "type N" for ids ktconvert.quant.ggml does not know), shape is
-    numpy order (ggml ne reversed), offset absolute in the file."""
-    from gguf import GGUFReader
-
-    check_regular(path, "GGUF file")
-    try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, OSError, KeyError, IndexError) as exc:
-        raise InputError(f"not a readable GGUF file ({exc})", file=path.name) from None
-    meta = {name: value for name, field in reader.fields.items()
-            if not name.startswith("GGUF.") and (value := _scalar(field)) is not None}
-    tensors = {t.name: TensorRef(path, t.name, ggml.type_name(int(t.tensor_type)), tuple(int(d) for d in reversed(t.shape)),
-                                 int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
-    del reader  # drops the memory map; nothing of the tensor data was touched
-    return meta, tensors
+MAX_BLOCKS = 1 << 16   # block_count sanity bound: loops over the layers must stay short whatever the header says
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 
 
 def gguf_files(path) -> list[Path]:
@@ -108,34 +81,71 @@ def _meta(meta: dict, key: str, file: str, default=None, required: bool = True):
     return default
 
 
+def _meta_int(meta: dict, key: str, file: str, default: int | None = None, minimum: int = 0,
+              maximum: int | None = None) -> int:
+    """Integer metadata `key` in [minimum, maximum] (`default` when absent; InputError when absent without a default,
+    or when the value is not an integer in range: a string, a float, a bool)."""
+    value = _meta(meta, key, file, default=default, required=default is None)
+    if type(value) is not int or value < minimum or (maximum is not None and value > maximum):
+        span = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+        raise InputError(f"GGUF metadata {key} is not usable", file=file, expected=span, found=repr(value))
+    return value
+
+
+def _block_ids(tensors: dict[str, TensorRef]) -> dict[int, str]:
+    """{block index: first tensor name of that block} of the ``blk.L.*`` tensors."""
+    blocks: dict[int, str] = {}
+    for name in sorted(tensors):
+        m = _BLOCK_RE.match(name)
+        if m:
+            blocks.setdefault(int(m.group(1)), name)
+    return blocks
+
+
+def _check_blocks(tensors: dict[str, TensorRef], n_blocks: int, n_layers: int, arch: str, file: str) -> None:
+    """No tensor of a block past block_count (a smaller block_count would drop layers), and tensors in the last
+    non-MTP block (a larger one would describe layers that are not there)."""
+    blocks = _block_ids(tensors)
+    outside = [b for b in blocks if b >= n_blocks]
+    if outside:
+        raise InputError(f"tensor of block {min(outside)}, outside the {n_blocks} blocks {arch}.block_count "
+                         "describes", file=file, tensor=blocks[min(outside)])
+    if n_layers - 1 not in blocks:
+        raise InputError(f"block {n_layers - 1} has no tensors", file=file,
+                         expected=f"tensors up to block {n_layers - 1} ({arch}.block_count = {n_blocks} less "
+                                  f"{arch}.nextn_predict_layers)",
+                         found=f"tensors up to block {max(blocks)}" if blocks else "no blk.* tensors")
+
+
 def model_info(meta: dict, tensors: dict[str, TensorRef], file: str) -> ModelInfo:
-    """ModelInfo (ktconvert.architecture) from GGUF metadata + tensor names."""
+    """ModelInfo (ktconvert.architecture) from GGUF metadata + tensor names; InputError naming the metadata key for
+    a value that is not an integer in range or that contradicts the tensors."""
     arch = str(_meta(meta, "general.architecture", file))
     model_type = GGUF_ARCH_MODEL_TYPES.get(arch)
     if model_type is None:
         raise ManifestError(f"GGUF architecture {arch!r} is not a supported MoE family", file=file,
                             expected="one of " + ", ".join(sorted(GGUF_ARCH_MODEL_TYPES)), found=arch)
-    n_blocks = int(_meta(meta, f"{arch}.block_count", file))
-    n_experts = int(_meta(meta, f"{arch}.expert_count", file, default=0, required=False))
+    n_blocks = _meta_int(meta, f"{arch}.block_count", file, minimum=1, maximum=MAX_BLOCKS)
+    n_experts = _meta_int(meta, f"{arch}.expert_count", file, default=0)
     if n_experts <= 0:
         raise InputError("GGUF model has no routed experts", file=file, expected=f"{arch}.expert_count > 0",
                          found=n_experts)
-    n_mtp = int(_meta(meta, f"{arch}.nextn_predict_layers", file, default=0, required=False))
+    n_mtp = _meta_int(meta, f"{arch}.nextn_predict_layers", file, default=0, maximum=n_blocks - 1)
     n_layers = n_blocks - n_mtp
+    _check_blocks(tensors, n_blocks, n_layers, arch, file)
     moe = tuple(L for L in range(n_layers) if _has_experts(tensors, L))
     if not moe:
         raise InputError("no routed expert tensors found", file=file, tensor="blk.L.ffn_gate_exps.weight")
-    hidden = int(_meta(meta, f"{arch}.embedding_length", file))
-    inter = _meta(meta, f"{arch}.expert_feed_forward_length", file, default=0, required=False)
-    inter = int(inter) or _expert_rows(tensors, moe[0])
-    n_shared = int(_meta(meta, f"{arch}.expert_shared_count", file, default=0, required=False))
-    shared_i = int(_meta(meta, f"{arch}.expert_shared_feed_forward_length", file, default=0, required=False))
+    hidden = _meta_int(meta, f"{arch}.embedding_length", file, minimum=1)
+    inter = _meta_int(meta, f"{arch}.expert_feed_forward_length", file, default=0) or _expert_rows(tensors, moe[0])
+    n_shared = _meta_int(meta, f"{arch}.expert_shared_count", file, default=0)
+    shared_i = _meta_int(meta, f"{arch}.expert_shared_feed_forward_length", file, default=0)
     config = {"gguf_architecture": arch, **{k: v for k, v in meta.items() if k.startswith(arch + ".")}}
     manifest = manifest_for(model_type)
     return ModelInfo(
         family=manifest.family, model_type=model_type, n_layers=n_layers, moe_layers=moe,
         mtp_layers=tuple(range(n_layers, n_blocks)), n_experts=n_experts, hidden=hidden, intermediate=inter,
-        experts_per_tok=int(_meta(meta, f"{arch}.expert_used_count", file, default=0, required=False)),
+        experts_per_tok=_meta_int(meta, f"{arch}.expert_used_count", file, default=0, maximum=n_experts),
         n_shared=n_shared, shared_intermediate=shared_i or inter * n_shared, first_dense=moe[0], name_prefix="",
         manifest=manifest, config=config)
 
@@ -145,10 +155,13 @@ def _has_experts(tensors: dict, layer: int) -> bool:
 
 
 def _expert_rows(tensors: dict, layer: int) -> int:
+    """I from the layer's gate (or fused gate_up) tensor [E, I (2I), H]; 0 when it is not 3-D (validate says so)."""
     ref = tensors.get(f"blk.{layer}.{PROJ_TENSORS['gate']}.weight")
-    if ref is not None:
-        return ref.shape[1]
-    return tensors[f"blk.{layer}.{FUSED_GATE_UP}.weight"].shape[1] // 2
+    fused = ref is None
+    ref = ref or tensors[f"blk.{layer}.{FUSED_GATE_UP}.weight"]
+    if len(ref.shape) != 3:
+        return 0
+    return ref.shape[1] // 2 if fused else ref.shape[1]
 
 
 class GGUFSource(Source):
@@ -195,7 +208,7 @@ class GGUFSource(Source):
             if dup:
                 raise InputError("tensor stored in two split parts", file=part.name, tensor=dup[0])
             tensors.update(part_tensors)
-        count = int(meta.get("split.count", 1) or 1)
+        count = _meta_int(meta, "split.count", paths[0].name, default=1) or 1
         if count != len(paths):
             raise InputError("split part count disagrees with the files found", file=paths[0].name,
                              expected=f"split.count = {count} parts", found=f"{len(paths)} file(s)")
@@ -244,6 +257,8 @@ class GGUFSource(Source):
         for layer in self.all_layers(include_mtp):
             for name, projs in self._layer_tensors(layer):
                 self._check_tensor(name, projs)
+            for proj, name in self._bias_names(layer).items():
+                self._check_bias(name, proj)
 
     def _check_tensor(self, name: str, projs: tuple[str, ...]) -> TensorRef:
         ref = self.tensors.get(name)
@@ -268,6 +283,18 @@ class GGUFSource(Source):
                              found=f"file size {ref.file.stat().st_size}")
         return ref
 
+    def _check_bias(self, name: str, proj: str) -> TensorRef:
+        """An expert bias: [E, I] (gate, up) or [E, H] (down) of a dequantizable type (its span was checked with
+        the header)."""
+        ref = self.tensors[name]
+        E, H, I = self.info.n_experts, self.info.hidden, self.info.intermediate
+        want = (E, H if proj == "down" else I)
+        if ref.shape != want or not ggml.supported(ref.dtype):
+            raise ShapeError("expert bias disagrees with the GGUF metadata", file=ref.file.name, tensor=name,
+                             expected=f"{list(want)} of a dequantizable type",
+                             found=f"{list(ref.shape)} {ref.dtype}")
+        return ref
+
     # -- reading
 
     def slice_range(self, name: str, expert: int) -> tuple[TensorRef, int, int]:
@@ -278,7 +305,7 @@ class GGUFSource(Source):
 
     def _pread(self, path: Path, offset: int, nbytes: int) -> np.ndarray:
         buf = np.empty(nbytes, dtype=np.uint8)
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path, "GGUF file")
         try:
             view, done = memoryview(buf), 0
             while done < nbytes:
@@ -328,7 +355,7 @@ class GGUFSource(Source):
         name = self._bias_names(layer).get(proj)
         if name is None:
             return None
-        ref = self.tensors[name]
+        ref = self._check_bias(name, proj)
         if expert is None:
             return ggml.dequantize(self._pread(ref.file, ref.offset, ref.nbytes), ref.dtype, name=name)
         _, offset, nbytes = self.slice_range(name, expert)

@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from ktconvert import profile
 from ktconvert.errors import OutputError
 from ktconvert.formats.fileio import FileRecord, LayerResult, fsync_dir, hash_bytes, record_for, write_atomic
 from ktconvert.formats.safetensors_reader import parse_header
@@ -268,7 +269,8 @@ class KtLayerWriter(LayerWriter):
             for name in os.listdir(numa_dir):
                 fd = os.open(numa_dir / name, os.O_RDONLY)
                 try:
-                    os.fsync(fd)
+                    with profile.span("fsync"):
+                        os.fsync(fd)
                 finally:
                     os.close(fd)
             fsync_dir(numa_dir)

@@ -56,6 +56,16 @@ def kt_flags(kt_method: str, numa: int) -> dict:
     return {"kt-method": kt_method, "kt-weight-path": ".", "kt-threadpool-count": int(numa)}
 
 
+GPU_FLAGS = {"model": "."}                   # SGLang's --model: the GPU checkpoint is the folder itself
+
+
+def launch_fields(flags: dict, expert_activation: str | None) -> dict:
+    """The launch fields of a ktconvert.json whose folder needs `flags` and holds the expert activation counts
+    file `expert_activation` (None: none): {"flags", "sglang_args", "expert_activation"}."""
+    manifest = {"flags": dict(flags), "expert_activation": expert_activation}
+    return {**manifest, "sglang_args": sglang_args(manifest)}
+
+
 FLAG_ORDER = ("model", "kt-method", "kt-weight-path", "kt-threadpool-count")
 PATH_FLAGS = ("model", "kt-weight-path")     # flags naming the output folder ("." in the manifest)
 

@@ -29,6 +29,7 @@ from typing import Iterable
 
 import numpy as np
 
+from ktconvert import profile
 from ktconvert.errors import OutputError
 from ktconvert.formats.fileio import fsync_dir, hash_file, temp_path_for
 
@@ -141,10 +142,12 @@ class StreamingSafetensorsWriter:
         data = self._checked_bytes(name, array)
         begin, _ = self._spans[name]
         try:
-            _pwrite_all(self._fd, data, begin)
+            with profile.span("write", len(data)):
+                _pwrite_all(self._fd, data, begin)
         except OSError as exc:
             raise OutputError(f"write failed ({exc.strerror})", file=str(self.temp_path), tensor=name) from None
-        digest = hashlib.sha256(data).hexdigest() if self.fsync_and_hash else ""
+        with profile.span("hash.tensor", len(data)):
+            digest = hashlib.sha256(data).hexdigest() if self.fsync_and_hash else ""
         self.tensor_sha256[name] = digest
         return digest
 
@@ -183,7 +186,8 @@ class StreamingSafetensorsWriter:
                               tensor=missing[0], found=", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""))
         try:
             if self.fsync_and_hash:
-                os.fsync(self._fd)
+                with profile.span("fsync", self.size):
+                    os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
             if self.fsync_and_hash:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ktconvert import profile
 from ktconvert.errors import InputError
 
 CHUNK = 16 << 20  # bytes read at a time for data no job needs (non-expert tensors, headers)
@@ -57,10 +58,12 @@ class _BackgroundSha256:
 
     def _run(self) -> None:
         while (data := self._queue.get()) is not None:
-            self._sha.update(data)
+            with profile.span("hash.source", len(data)):
+                self._sha.update(data)
 
     def update(self, data) -> None:
-        self._queue.put(data)
+        with profile.span("wait.hash.source"):
+            self._queue.put(data)
 
     def hexdigest(self) -> str:
         self._queue.put(None)
@@ -97,7 +100,8 @@ class HashingFileReader:
             self._pos += n
 
     def _pread(self, offset: int, nbytes: int) -> bytes:
-        data = os.pread(self._fd, nbytes, offset)
+        with profile.span("read", nbytes):
+            data = os.pread(self._fd, nbytes, offset)
         if len(data) != nbytes:
             raise InputError("file changed or truncated while reading", file=self.path,
                              expected=f"{nbytes} bytes at offset {offset}", found=f"{len(data)} bytes")
@@ -111,24 +115,27 @@ class HashingFileReader:
         buf = np.empty(nbytes, dtype=np.uint8)
         view = memoryview(buf)
         done = 0
-        while done < nbytes:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise InputError("file changed or truncated while reading", file=self.path,
-                                 expected=f"{nbytes} bytes at offset {offset}", found=f"{done} bytes")
-            done += got
+        with profile.span("read", nbytes):
+            while done < nbytes:
+                got = os.preadv(self._fd, [view[done:]], offset + done)
+                if got <= 0:
+                    raise InputError("file changed or truncated while reading", file=self.path,
+                                     expected=f"{nbytes} bytes at offset {offset}", found=f"{done} bytes")
+                done += got
         self._sha.update(buf)
         self._pos = offset + nbytes
         return buf
 
     def finish(self) -> FileDigest:
         self._advance_to(self._size)
+        with profile.span("wait.hash.source"):
+            sha256 = self._sha.hexdigest()
         if os.fstat(self._fd).st_size != self._size:
             raise InputError("file size changed while converting", file=self.path, expected=self._size,
                              found=os.fstat(self._fd).st_size)
         os.close(self._fd)
         self._fd = -1
-        return FileDigest(self._size, self._sha.hexdigest())
+        return FileDigest(self._size, sha256)
 
     def close(self) -> None:
         self._sha.stop()

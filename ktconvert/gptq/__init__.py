@@ -1,12 +1,13 @@
 """Calibration tokens streamed through a checkpoint one decoder layer at a time, and GPTQ for routed experts
-through llmcompressor's own functions on that stream.
+on that stream (llmcompressor's own functions for the GPU checkpoint, a fixed-grid solve for kt-kernel's files).
 
 * ``skeleton.py``: the meta-device transformers model (experts linearised), torch helpers.
 * ``inputs.py``: the recording forward that gives layer 0's hidden states and every layer's keyword arguments.
 * ``stream.py``: ``DecoderStream``: per-layer weights from safetensors, the layer's own forward, layer freed.
 * ``hessians.py``: per-expert routes, Hessians and the llmcompressor GPTQ solve of one Linear.
 * ``loop.py``: ``LayerStream`` (GPTQ on the stream), ``GpuQuantizer``; ``cpu.py``: the AMX variant
-  (per-row scales mapped 1:1 onto kt-kernel's AMXINT4/AMXINT8 files).
+  (``mse``-searched per-row scales mapped 1:1 onto kt-kernel's AMXINT4/AMXINT8 files, codes from ``grid.py``).
+* ``holdout.py``: the fit / held-out split and the per-expert choice between GPTQ and the data-free codes.
 * ``calibration.py``: ``--calibration FILE`` (jsonl of {"text": ...} or {"input_ids": [...]}).
 
 Heavy imports (torch, transformers, llmcompressor) happen inside functions.

@@ -82,10 +82,15 @@ def load_samples(path, model_dir, max_length: int = 2048, num_samples: int | Non
     return samples
 
 
-def oneshot_order(samples: list) -> list:
-    """`samples` (1-D token tensors) reordered as llmcompressor's LengthAwareSampler visits them: descending
-    length, ties in the order ``torch.argsort(lengths, descending=True)`` gives on CPU."""
+def oneshot_permutation(samples: list) -> list[int]:
+    """Indices of `samples` (1-D token tensors) in the order llmcompressor's LengthAwareSampler visits them:
+    descending length, ties in the order ``torch.argsort(lengths, descending=True)`` gives on CPU."""
     import torch
 
     lengths = torch.tensor([len(s) for s in samples])
-    return [samples[i] for i in torch.argsort(lengths, descending=True).tolist()]
+    return torch.argsort(lengths, descending=True).tolist()
+
+
+def oneshot_order(samples: list) -> list:
+    """`samples` reordered as oneshot(shuffle_calibration_samples=False) calibrates them (oneshot_permutation)."""
+    return [samples[i] for i in oneshot_permutation(samples)]

@@ -1,20 +1,19 @@
 """GPTQ for kt-kernel's AMXINT4 / AMXINT8 CPU files (``ktconvert cpu --quant gptq``).
 
-The AMX formats keep one fp32 scale per row of each NUMA part (kt-format.md §2.0-2.2), so GPTQ runs with scales
-that map 1:1 onto them:
+The AMX formats keep one fp32 scale per row of each NUMA part (kt-format.md §2.0-2.2):
 
-* gate / up [I, H]: one scale per row (group = the whole row); a NUMA part is a block of rows.
-* down [H, I]: group size I/T, so each row has T scales — exactly one per NUMA part (part t = columns t*I/T..).
+* gate / up [I, H]: one scale per row (a NUMA part is a block of rows);
+* down [H, I]: one scale per row and NUMA part (part t = columns t*I/T..), i.e. T groups of I/T columns.
 
-Scales come from kt-kernel's own per-row rule on the (part of the) row (``ktconvert.quant.amx_rows``): INT4 stored
-d = amax/112 and the step 16·d = amax/7, codes -7..7 (never -8: nibble 0x8 breaks kt-kernel's forward,
-kt-format.md §2.1); INT8 d = amax·fp32(1/127), codes -127..127. llmcompressor's ``quantize_weight`` runs with
-those scales (actorder "weight", so every column uses its own part's scale); GPTQ's error feedback can push a
-value one step past the range, which is clamped (counted in ``AmxQuantizer.clamped``). Rows whose d flushes to 0
-get codes 0, as kt-kernel stores them.
+Scales searched, then GPTQ: every row (part) first gets the data-free row quantizer's scale (``scale_quant``,
+default "mse": the ``--quant mse`` search of ktconvert.quant.mse, per NUMA part as ``--quant mse`` writes it),
+then GPTQ's error compensation (``grid.solve``) chooses the codes on that fixed grid, -7..7 (INT4, never -8:
+nibble 0x8 breaks kt-kernel's forward, kt-format.md §2.1) or -127..127 (INT8). Stored d is the searched scale, so
+the files keep kt-kernel's format byte for byte: w ~= codes * 16 * d (INT4), codes * d (INT8).
 
-Experts no calibration token reaches (routed-only calibration) are quantized data-free with the ``mse`` row
-quantizer when ``ktconvert.quant.mse`` provides one, else kt-kernel's RTN (``AmxQuantizer.fallback_quant``).
+With a ``selection`` (holdout.SelectionOptions, on by default) the stream judges each expert on held-out
+calibration tokens and writes the data-free codes (exactly what ``--quant scale_quant`` writes for that expert)
+where GPTQ does not beat them (loop.LayerStream, holdout.py).
 """
 from __future__ import annotations
 
@@ -27,34 +26,25 @@ from ktconvert.activation.stats import write_gptq_activation
 from ktconvert.errors import InputError, ShapeError, UsageError
 from ktconvert.formats.fileio import hash_file
 from ktconvert.formats.hf_source import HFSource
-from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream, gptq_module
+from ktconvert.gptq import grid
 from ktconvert.gptq.calibration import load_samples
+from ktconvert.gptq.hessians import single_thread_on_cpu
+from ktconvert.gptq.holdout import REASONS, SelectionOptions
+from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream
 from ktconvert.layouts.naming import PROJS
 from ktconvert.layouts.numa import numa_slices
 from ktconvert.methods import METHODS
-from ktconvert.quant import amx_rows
 from ktconvert.onepass import write_in_layer_order
+from ktconvert.quant import mse  # noqa: F401  (registers the "mse" row quantizer)
 from ktconvert.quant.row_quant import ROW_QUANT
 from ktconvert.results import ConvertResult
-
-
-def _row_quantizer(bits: int):
-    return amx_rows.quantize_int4_rows if bits == 4 else amx_rows.quantize_int8_rows
-
-
-def part_scales(w_bf16: np.ndarray, bits: int, numa: int, proj: str, where: str = "") -> np.ndarray:
-    """kt-kernel's stored scales d, float32 [n, groups]: gate/up one per row ([I, 1]); down one per row and
-    NUMA part ([H, T]). w_bf16: uint16 BF16 bits [n, k]."""
-    quantize_rows = _row_quantizer(bits)
-    if proj != "down":
-        return quantize_rows(w_bf16, where=where)[1][:, None]
-    cols = numa_slices(w_bf16.shape[1], numa)
-    return np.stack([quantize_rows(np.ascontiguousarray(w_bf16[:, sl]), where=where)[1] for sl in cols], axis=1)
 
 
 def split_parts(codes: np.ndarray, d: np.ndarray, numa: int, proj: str) -> list[tuple[np.ndarray, np.ndarray]]:
     """(codes int8 [n, k], d float32 [n, groups]) -> per NUMA part (codes [n_t, k_t], d [n_t]) as kt-kernel
     splits the matrix (gate/up rows, down input columns)."""
+    from ktconvert.layouts.numa import numa_slices
+
     if proj != "down":
         return [(np.ascontiguousarray(codes[sl]), np.ascontiguousarray(d[sl, 0]))
                 for sl in numa_slices(codes.shape[0], numa)]
@@ -62,60 +52,58 @@ def split_parts(codes: np.ndarray, d: np.ndarray, numa: int, proj: str) -> list[
             for t, sl in enumerate(numa_slices(codes.shape[1], numa))]
 
 
+def part_scales(parts: list, proj: str) -> np.ndarray:
+    """Stored scales d float32 [n, groups] of one projection from its NUMA parts [(codes, d [n_t])]: gate/up
+    [I, 1] (parts stacked by rows), down [H, T] (one column per part)."""
+    if proj != "down":
+        return np.concatenate([d for _, d in parts])[:, None].astype(np.float32)
+    return np.stack([d for _, d in parts], axis=1).astype(np.float32)
+
+
 class AmxQuantizer:
     """LayerStream quantizer for the AMX formats; payload per proj: list over NUMA parts of
-    (codes int8 [n_t, k_t] in -7..7 / -127..127, d float32 [n_t]) with w ~= codes * (16 if INT4 else 1) * d."""
+    (codes int8 [n_t, k_t] in -7..7 / -127..127, d float32 [n_t]) with w ~= codes * (16 if INT4 else 1) * d.
 
-    def __init__(self, bits: int, numa: int, fallback_quant: str | None = None):
+    scale_quant: the ROW_QUANT entry that picks the scales (and writes the data-free experts); selection:
+    holdout.SelectionOptions (None: GPTQ written for every expert with calibration tokens)."""
+
+    def __init__(self, bits: int, numa: int, scale_quant: str | None = None,
+                 selection: SelectionOptions | None = SelectionOptions()):
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, not {bits}")
         self.bits, self.numa = bits, numa
         self.limit = 7 if bits == 4 else 127
         self.step_factor = 16.0 if bits == 4 else 1.0
-        self.fallback_quant = fallback_quant or default_fallback()
-        self.clamped = 0          # codes GPTQ pushed one step past the range
+        self.fallback_quant = scale_quant or default_fallback()
+        self.selection = selection
 
-    def _args(self, group_size: int):
-        from compressed_tensors.quantization import QuantizationArgs
-
-        return QuantizationArgs(num_bits=self.bits, type="int", symmetric=True, strategy="group",
-                                group_size=group_size, actorder="weight")
-
-    def quantize(self, expert, gate_up, down, options: GptqOptions, where: str) -> dict:
-        out = {}
-        for proj, (H, n) in (("gate", gate_up), ("up", gate_up), ("down", down)):
-            out[proj] = self._quantize_proj(getattr(expert, proj + "_proj"), proj, H, n, options, f"{where} {proj}")
-        return out
-
-    def _quantize_proj(self, module, proj: str, H, n, options: GptqOptions, where: str) -> list:
+    def quantize(self, expert, gate_up, down, options: GptqOptions, where: str) -> dict | None:
+        """GPTQ payloads of one expert on the data-free quantizer's scales; None when a damped Hessian is not
+        positive definite (the caller writes the data-free payloads)."""
         import torch
 
-        w = _bf16_bits(module.weight)
-        rows, k = w.shape
-        if proj == "down" and k % self.numa:
-            raise ShapeError("expert intermediate size does not split into NUMA parts", tensor=where,
-                             expected=f"I % {self.numa} == 0", found=f"I = {k}")
-        d = part_scales(w, self.bits, self.numa, proj, where)               # [n, groups]
-        step = d.astype(np.float32) * np.float32(self.step_factor)
-        gptq_step = np.where(step > 0, step, np.float32(1.0)).astype(np.float32)
-        device = module.weight.device
-        qparams = {"scale": torch.from_numpy(gptq_step).to(device),
-                   "zero_point": torch.zeros(gptq_step.shape, dtype=torch.int8, device=device),
-                   "global_scale": None}
-        group = k // d.shape[1]
-        quantized = gptq_module(module, self._args(group), H, n, options, qparams=qparams)[0][0]
-        codes = self._codes(quantized.to("cpu", torch.float32).numpy(), gptq_step, step, group)
-        module.weight.data = torch.from_numpy(codes.astype(np.float32) * np.repeat(step, group, axis=1)
-                                              ).to(module.weight.dtype).to(device)
-        return split_parts(codes, d, self.numa, proj)
+        weights = {p: getattr(expert, p + "_proj").weight.detach().to("cpu") for p in PROJS}
+        if weights["down"].shape[1] % self.numa:
+            raise ShapeError("expert intermediate size does not split into NUMA parts", tensor=f"{where} down",
+                             expected=f"I % {self.numa} == 0", found=f"I = {weights['down'].shape[1]}")
+        scales = {p: part_scales(parts, p) for p, parts in self.fallback(expert, where).items()}
+        with single_thread_on_cpu("cpu"):
+            gate_up_factor = grid.inverse_factor(gate_up[0].to("cpu"), options.dampening)
+            down_factor = grid.inverse_factor(down[0].to("cpu"), options.dampening)
+            if gate_up_factor is None or down_factor is None:
+                return None
+            stacked = grid.solve(torch.cat([weights["gate"], weights["up"]]), gate_up_factor,
+                                 self._steps(np.concatenate([scales["gate"], scales["up"]])), self.limit,
+                                 options.block_size)
+            codes = dict(zip(("gate", "up"), np.split(stacked.numpy(), 2)))
+            codes["down"] = grid.solve(weights["down"], down_factor, self._steps(scales["down"]), self.limit,
+                                       options.block_size).numpy()
+        return {p: split_parts(codes[p], scales[p], self.numa, p) for p in PROJS}
 
-    def _codes(self, qdq: np.ndarray, gptq_step: np.ndarray, step: np.ndarray, group: int) -> np.ndarray:
-        """GPTQ's dequantized float32 values -> integer codes on the part grids, clamped to +-limit."""
-        q = np.rint(qdq / np.repeat(gptq_step, group, axis=1))
-        self.clamped += int(np.count_nonzero(np.abs(q) > self.limit))
-        q = np.clip(q, -self.limit, self.limit)
-        q[np.repeat(step, group, axis=1) == 0] = 0
-        return q.astype(np.int8)
+    def _steps(self, d: np.ndarray):
+        import torch
+
+        return torch.from_numpy(d * np.float32(self.step_factor))
 
     def fallback(self, expert, where: str) -> dict:
         """Data-free per-row quantization of every NUMA part (``fallback_quant``: "mse" or "rtn")."""
@@ -128,6 +116,16 @@ class AmxQuantizer:
                                                                         self.numa)]
             out[proj] = [tuple(quantize_rows(np.ascontiguousarray(p), self.bits, f"{where} {proj}"))
                          for p in parts]
+        return out
+
+    def dequantized(self, payloads: dict) -> dict:
+        """{proj: float32 torch [n, k]} the weights kt-kernel computes with (codes * step, NUMA parts joined)."""
+        import torch
+
+        out = {}
+        for proj, parts in payloads.items():
+            mats = [codes.astype(np.float32) * (np.float32(self.step_factor) * d)[:, None] for codes, d in parts]
+            out[proj] = torch.from_numpy(np.concatenate(mats, axis=0 if proj != "down" else 1))
         return out
 
 
@@ -146,25 +144,33 @@ def _bf16_bits(weight) -> np.ndarray:
 
 def gptq_amx_codes(src, calibration, method_bits: int, numa: int, *, max_length: int = 2048,
                    num_samples: int | None = None, options: GptqOptions = GptqOptions(),
-                   fallback_quant: str | None = None) -> Iterator[LayerResult]:
+                   fallback_quant: str | None = None,
+                   selection: SelectionOptions | None = SelectionOptions()) -> Iterator[LayerResult]:
     """GPTQ codes for every MoE layer of checkpoint `src`, in layer order, one layer in memory at a time.
 
-    calibration: a jsonl path (ktconvert.gptq.calibration) or a list of 1-D int64 token tensors.
+    calibration: a jsonl path (ktconvert.gptq.calibration) or a list of 1-D int64 token tensors (file order).
     Yields LayerResult with payloads[(expert, proj)] = [(codes int8 [n_t, k_t], d float32 [n_t]) per NUMA part]
     (tile with ktconvert.layouts.tiles.pack_int4 / pack_int8, or write_layer()), tokens (routed calibration
-    tokens per expert) and fallback (experts quantized data-free; quantizer name in
-    ``result.fallback_quant``)."""
+    tokens per expert), fallback / reasons (experts written data-free and why; quantizer name in
+    ``result.fallback_quant``) and the held-out errors (``errors``)."""
     source = src if isinstance(src, HFSource) else HFSource.open(src)
     samples = calibration
     if isinstance(calibration, (str, Path)):
         samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
-    quantizer = AmxQuantizer(method_bits, numa, fallback_quant)
+    quantizer = AmxQuantizer(method_bits, numa, fallback_quant, selection)
     stream = LayerStream(source, samples, quantizer, options)
     for result in stream.layers_results():
         result.fallback_quant = quantizer.fallback_quant
-        result.clamped = quantizer.clamped
         yield result
+
+
+def selection_counts(result: LayerResult) -> dict:
+    """How many experts of the layer took which: {"gptq": n, <data-free quantizer>: n, "because": {reason: n}}
+    (reasons other than GPTQ, holdout.REASONS, only those that occur)."""
+    because = {r: result.reasons.count(r) for r in REASONS[1:] if r in result.reasons}
+    return {"gptq": result.reasons.count(REASONS[0]), result.fallback_quant: len(result.fallback),
+            "because": because}
 
 
 def write_layer(writer, method, result: LayerResult) -> None:
@@ -176,18 +182,21 @@ def write_layer(writer, method, result: LayerResult) -> None:
 
 
 def write_gptq_layers(output, progress=None, *, max_length: int = 2048, num_samples: int | None = None,
-                      options: GptqOptions = GptqOptions()) -> dict:
+                      options: GptqOptions = GptqOptions(),
+                      selection: SelectionOptions | None = SelectionOptions()) -> dict:
     """Write every layer of an opened CPU output (cpu.output.CpuOutput, quant "gptq": its options hold method,
     numa and calibration) from gptq_amx_codes, then record the source files' digests in its journal. Returns
-    {"tokens" {layer: [per expert]}, "fallback" {layer: [experts]}, "fallback_quant", "clamped"}."""
+    {"tokens" {layer: [per expert]}, "fallback" {layer: [experts]}, "fallback_quant",
+    "selection" {layer: selection_counts}}."""
     method, source = output.method, output.source
     if not hasattr(method, "bits"):
         tiled = [name for name, m in METHODS.items() if hasattr(m, "bits")]
         raise InputError("--quant gptq needs a method with per-row tiles", expected=" or ".join(tiled),
                          found=method.name)
-    summary = {"tokens": {}, "fallback": {}, "fallback_quant": None, "clamped": 0}
+    summary = {"tokens": {}, "fallback": {}, "fallback_quant": None, "selection": {}}
     for result in gptq_amx_codes(source, output.options.calibration, method.bits, output.options.numa,
-                                 max_length=max_length, num_samples=num_samples, options=options):
+                                 max_length=max_length, num_samples=num_samples, options=options,
+                                 selection=selection):
         consumer = output.begin_layer(result.layer)
         try:
             write_layer(consumer.writer, method, result)
@@ -197,7 +206,8 @@ def write_gptq_layers(output, progress=None, *, max_length: int = 2048, num_samp
             raise
         summary["tokens"][result.layer] = result.tokens
         summary["fallback"][result.layer] = result.fallback
-        summary["fallback_quant"], summary["clamped"] = result.fallback_quant, result.clamped
+        summary["fallback_quant"] = result.fallback_quant
+        summary["selection"][result.layer] = selection_counts(result)
         if progress is not None:
             progress.advance(0, items=1, detail=f"layer {result.layer}")
     for path in source.files():
@@ -206,25 +216,44 @@ def write_gptq_layers(output, progress=None, *, max_length: int = 2048, num_samp
     return summary
 
 
-def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, options: GptqOptions = GptqOptions(),
-                     max_length: int = 2048, num_samples: int | None = None) -> ConvertResult:
+def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, options: GptqOptions | None = None,
+                     selection: SelectionOptions | None = None, max_length: int = 2048,
+                     num_samples: int | None = None) -> ConvertResult:
     """``ktconvert cpu SRC OUT --method amxint4|amxint8 --quant gptq --calibration FILE`` for an unopened CPU
     output (cpu.output.CpuOutput of a validated plan): open OUT, write every layer, finalize (ktconvert.json with
-    quant "gptq"). No resume of a partial run. Returns the ConvertResult (details: tokens per expert, fallback
-    experts, fallback_quant, clamped codes). OUT also gets expert_activation.pt, the routed-token counts of the
+    quant "gptq" and a "gptq" record: the options and, per layer, how many experts took GPTQ / the data-free
+    quantizer and why). options / selection: None = from the output's CpuOptions (dampening, min_tokens). No
+    resume of a partial run. Returns the ConvertResult (details: tokens per expert, fallback experts,
+    fallback_quant, selection counts). OUT also gets expert_activation.pt, the routed-token counts of the
     calibration (activation.stats.write_gptq_activation), recorded in the manifest and its SGLang flags."""
     if output.resume:
         raise UsageError("not available with --quant gptq", found="--resume")
+    opts = output.options
+    options = options or GptqOptions(dampening=opts.dampening)
+    selection = selection or SelectionOptions(min_tokens=opts.min_tokens)
 
     def write(output) -> None:
         summary = write_gptq_layers(output, progress, max_length=max_length, num_samples=num_samples,
-                                    options=options)
+                                    options=options, selection=selection)
         output.expert_activation = write_gptq_activation(output.out_dir, output.source, summary["tokens"],
                                                          output.options.calibration, max_length=max_length,
                                                          num_samples=num_samples)
-        fallback = sum(len(v) for v in summary["fallback"].values())
-        output.run_notes.append(f"GPTQ: {fallback} experts without calibration tokens used "
-                                f"{summary['fallback_quant']}, {summary['clamped']} codes clamped")
+        counts = summary["selection"]
+        gptq = sum(c["gptq"] for c in counts.values())
+        output.run_notes.append(f"GPTQ written for {gptq} experts, {summary['fallback_quant']} for "
+                                f"{sum(len(v) for v in summary['fallback'].values())} (GPTQ not better on held-out "
+                                f"calibration tokens, or too few tokens)")
+        output.manifest_extra["gptq"] = gptq_record(options, selection, summary)
         output.run_details.update(summary)
 
     return write_in_layer_order(output, write, timings)
+
+
+def gptq_record(options: GptqOptions, selection: SelectionOptions | None, summary: dict) -> dict:
+    """The "gptq" entry of ktconvert.json: scales, dampening, Hessian inputs, held-out split, and per layer
+    {"gptq": n, <data-free quantizer>: n, "because": {...}} (selection_counts)."""
+    return {"scales": summary["fallback_quant"], "dampening": options.dampening, "block_size": options.block_size,
+            "calibrate_all": options.calibrate_all,
+            "holdout_every": selection.holdout_every if selection is not None else 0,
+            "min_tokens": selection.min_tokens if selection is not None else 0,
+            "layers": {str(L): counts for L, counts in sorted(summary["selection"].items())}}

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from ktconvert.gpu.experts import quantize_expert_rtn, scheme
-from ktconvert.gptq.calibration import oneshot_order
+from ktconvert.gptq.calibration import oneshot_permutation
 from ktconvert.gptq.hessians import StopForward, expert_hessians, gptq_module, routes, shared_gate_up
-from ktconvert.gptq.skeleton import experts_module
+from ktconvert.gptq.holdout import DATA_FREE, FEW_TOKENS, GPTQ, NOT_PD, choose, expert_errors, holdout_masks
+from ktconvert.gptq.skeleton import experts_module, routed
 from ktconvert.gptq.stream import DecoderStream
 
 
@@ -52,25 +53,39 @@ class GptqOptions:
 @dataclass
 class LayerResult:
     """One MoE layer: payloads[(expert, proj)] from the quantizer; tokens[e] = calibration tokens routed to
-    expert e (top-k choices over all samples); fallback = experts quantized data-free (no routed token)."""
+    expert e (top-k choices over all samples); fallback = experts written data-free; reasons[e] = why expert e got
+    what it got (holdout.GPTQ, DATA_FREE: held-out judgement, FEW_TOKENS, NOT_PD); errors[e] = {GPTQ, DATA_FREE:
+    held-out squared error} of the experts the held-out split judged."""
 
     layer: int
     payloads: dict = field(default_factory=dict)
     tokens: list[int] = field(default_factory=list)
     fallback: list[int] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    errors: dict = field(default_factory=dict)
     fallback_quant: str | None = None   # the data-free quantizer the fallback experts went through
-    clamped: int = 0                    # AMX: codes clamped to the range so far (see gptq/cpu.py)
+
+    def add(self, expert: int, reason: str, payloads: dict) -> None:
+        self.payloads.update({(expert, p): v for p, v in payloads.items()})
+        self.reasons.append(reason)
+        if reason != GPTQ:
+            self.fallback.append(expert)
 
 
 class LayerStream(DecoderStream):
     """GPTQ over checkpoint `src`'s decoder layers in order, with calibration `samples` (list of 1-D int64
-    token tensors, calibrated in ``oneshot_order``), quantizer `quantizer` (see GpuQuantizer for the interface)
-    and GptqOptions."""
+    token tensors in file order; calibrated in ``oneshot_order``), quantizer `quantizer` (see GpuQuantizer for
+    the interface) and GptqOptions. A quantizer with a ``selection`` (holdout.SelectionOptions) and
+    ``dequantized`` gets the held-out selection of ``holdout.py``: its Hessians come from the fit tokens only."""
 
     def __init__(self, src, samples: list, quantizer, options: GptqOptions = GptqOptions()):
         self.quantizer, self.options = quantizer, options
-        super().__init__(src, oneshot_order(samples) if samples else samples, device=options.device,
-                         causal_mask=options.causal_mask)
+        self.selection = getattr(quantizer, "selection", None)
+        every = self.selection.holdout_every if self.selection is not None else 0
+        order = oneshot_permutation(samples) if samples else []
+        masks = holdout_masks([len(s) for s in samples], every)
+        self.held_masks = [masks[i] for i in order] if every else None
+        super().__init__(src, [samples[i] for i in order], device=options.device, causal_mask=options.causal_mask)
 
     def layers_results(self) -> Iterator[LayerResult]:
         """Run every decoder layer in order; yields a LayerResult after each MoE layer is quantized."""
@@ -105,29 +120,69 @@ class LayerStream(DecoderStream):
             handle.remove()
         return captured
 
+    def _split(self, cached: list) -> tuple[list, tuple | None]:
+        """(fit samples [(hidden, top_k_index, top_k_weights)], held-out tokens of all samples concatenated as one
+        such triple, or None without a split)."""
+        import torch
+
+        if self.held_masks is None:
+            return cached, None
+        fit = [tuple(t[~m] for t in c) for c, m in zip(cached, self.held_masks) if bool((~m).any())]
+        held = tuple(torch.cat([c[i][m] for c, m in zip(cached, self.held_masks)]) for i in range(3))
+        return fit, held
+
     def _quantize_experts(self, L: int, layer, experts) -> LayerResult:
         import torch
 
         cached = self._capture_moe_inputs(L, layer, experts)
         n_experts = experts.num_experts
-        per_sample = [routes(idx, n_experts) for _, idx, _ in cached]
-        result = LayerResult(L, tokens=[sum(int(r[e].numel()) for r in per_sample) for e in range(n_experts)])
-        shared_gu = shared_gate_up(experts, cached, self.device) if self.options.calibrate_all else None
-        for e in range(n_experts):
-            expert, where = experts[e], f"layer {L} expert {e}"
-            if not self.options.calibrate_all and result.tokens[e] == 0:
-                result.payloads.update({(e, p): v for p, v in self.quantizer.fallback(expert, where).items()})
-                result.fallback.append(e)
-                continue
-            inputs = [h if self.options.calibrate_all else h[r[e]] for (h, _, _), r in zip(cached, per_sample)]
-            gate_up, down = expert_hessians(expert, inputs, shared_gu)
-            payloads = self.quantizer.quantize(expert, gate_up, down, self.options, where)
-            result.payloads.update({(e, p): v for p, v in payloads.items()})
-            del gate_up, down, inputs
+        result = LayerResult(L, tokens=torch.bincount(torch.cat([idx.reshape(-1) for _, idx, _ in cached]).cpu(),
+                                                      minlength=n_experts).tolist())
+        fit, held = self._split(cached)
         del cached
+        per_sample = [routes(idx, n_experts) for _, idx, _ in fit]
+        shared_gu = shared_gate_up(experts, fit, self.device) if self.options.calibrate_all else None
+        for e in range(n_experts):
+            inputs = [h if self.options.calibrate_all else h[r[e]] for (h, _, _), r in zip(fit, per_sample)]
+            reason, payloads = self._quantize_expert(experts[e], e, f"layer {L} expert {e}", inputs, shared_gu,
+                                                     result, held)
+            result.add(e, reason, payloads)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return result
+
+    def _quantize_expert(self, expert, e: int, where: str, inputs: list, shared_gu, result: LayerResult,
+                         held) -> tuple[str, dict]:
+        """(reason, payloads) of one expert; leaves the written weights on the expert for propagation."""
+        q = self.quantizer
+        fit_tokens = sum(int(x.shape[0]) for x in inputs)
+        if held is None:
+            if fit_tokens == 0:
+                return self._written(expert, FEW_TOKENS, q.fallback(expert, where))
+            payloads = q.quantize(expert, *expert_hessians(expert, inputs, shared_gu), self.options, where)
+            return self._written(expert, *((GPTQ, payloads) if payloads is not None
+                                           else (NOT_PD, q.fallback(expert, where))))
+        tokens, weights = routed(held[1], held[2], e)
+        data_free = q.fallback(expert, where)
+        if fit_tokens == 0 or result.tokens[e] < self.selection.min_tokens or tokens.numel() == 0:
+            return self._written(expert, FEW_TOKENS, data_free)
+        gptq = q.quantize(expert, *expert_hessians(expert, inputs, shared_gu), self.options, where)
+        if gptq is None:
+            return self._written(expert, NOT_PD, data_free)
+        candidates = {GPTQ: q.dequantized(gptq), DATA_FREE: q.dequantized(data_free)}
+        errors = expert_errors(expert, candidates, held[0][tokens], weights)
+        result.errors[e] = errors
+        choice = choose(errors)
+        return self._written(expert, choice, gptq if choice == GPTQ else data_free)
+
+    def _written(self, expert, reason: str, payloads: dict) -> tuple[str, dict]:
+        """Put the written weights on the expert (quantizers with ``dequantized``; GpuQuantizer's GPTQ sets its
+        QDQ weights itself) for the propagation pass; returns (reason, payloads)."""
+        if hasattr(self.quantizer, "dequantized"):
+            for proj, w in self.quantizer.dequantized(payloads).items():
+                module = getattr(expert, proj + "_proj")
+                module.weight.data = w.to(module.weight.device, module.weight.dtype)
+        return reason, payloads
 
     @contextlib.contextmanager
     def _propagation_context(self, layer):
@@ -145,7 +200,9 @@ class LayerStream(DecoderStream):
 
 class GpuQuantizer:
     """compressed-tensors pack-quantized W4A16/W8A16 (symmetric int, group `group_size`, actorder static, as
-    llmcompressor's GPTQModifier resolves it). Quantizer interface used by LayerStream:
+    llmcompressor's GPTQModifier resolves it), scales from llmcompressor's weight observer `observer` (None: its
+    default, min-max; "mse": its MSE grid search, what ``ktconvert gpu --quant gptq`` uses). Quantizer interface
+    used by LayerStream:
 
     quantize(expert, (H_gu, n_gu), (H_down, n_down), options, where) -> {proj: payload}  (sets the QDQ weights
         on the modules for the propagation pass)
@@ -154,9 +211,9 @@ class GpuQuantizer:
     payload: {"weight_packed": int32 [n, k*bits/32], "weight_scale": uint16 BF16 bits [n, k/gs],
     "weight_shape": int64 [2]} — the same dict as ktconvert.gpu.experts.quantize_expert_rtn."""
 
-    def __init__(self, bits: int, group_size: int, actorder: str | None = "static"):
-        self.bits, self.group_size = bits, group_size
-        self.scheme = scheme(bits, group_size, actorder)
+    def __init__(self, bits: int, group_size: int, actorder: str | None = "static", observer: str | None = None):
+        self.bits, self.group_size, self.observer = bits, group_size, observer
+        self.scheme = scheme(bits, group_size, actorder, observer)
         self.rtn_fallback: list[str] = []   # modules where llmcompressor itself fell back (not positive definite)
 
     def quantize(self, expert, gate_up, down, options: GptqOptions, where: str) -> dict:

@@ -173,3 +173,31 @@ def experts_module(layer):
         if isinstance(module, LinearExperts2D):
             return module
     return None
+
+
+def routed(top_k_index, top_k_weights, expert: int):
+    """(token indices int64 [n_e], routing weights [n_e]) of the tokens routed to `expert`, in the order
+    LinearExperts2D selects them. top_k_index int64 [T, k], top_k_weights [T, k]."""
+    import torch
+
+    pos, tokens = torch.where((top_k_index == expert).T)
+    return tokens, top_k_weights[tokens, pos]
+
+
+def float_params(expert, dtype=None) -> dict:
+    """{name: tensor} of every parameter of an expert module (weights and biases) in `dtype` (None: float32)."""
+    import torch
+
+    return {name: p.detach().to(dtype or torch.float32) for name, p in expert.named_parameters()}
+
+
+def expert_forward(expert, params: dict, x, weights: dict | None = None):
+    """The expert module's own forward (its family's activation, its biases) on x [T, H], with `params`
+    (float_params) and, where given, `weights` {"gate" | "up" | "down": [n, k]} in place of its projection
+    weights, all in the dtype of `params` (float32 or float64). Returns [T, H] in that dtype."""
+    from torch.func import functional_call
+
+    dtype = next(iter(params.values())).dtype
+    if weights:
+        params = dict(params, **{f"{proj}_proj.weight": w.to(dtype) for proj, w in weights.items()})
+    return functional_call(expert, params, (x.to(dtype),))

@@ -67,12 +67,16 @@ def _entry_for(name: str, ct: bool) -> str:
     return "re:" + re.escape(name) + "$"
 
 
+GPTQ_OBSERVER = "mse"   # llmcompressor's weight observer for GPTQ's group scales (its MSE grid search)
+
+
 def quantization_config(bits: int, group_size: int, ignore: list[str], actorder: str | None = None,
-                        linear_fp8: bool = False) -> dict:
-    """The §4.3 dict (num_bits `bits`, group_size, actorder null for RTN / "static" for GPTQ);
-    with linear_fp8, ``linear_fp8_config`` is the last key."""
+                        linear_fp8: bool = False, observer: str = "minmax") -> dict:
+    """The §4.3 dict (num_bits `bits`, group_size, actorder null for RTN / "static" for GPTQ, the weight observer
+    the scales were chosen with: "minmax" for RTN, GPTQ_OBSERVER for GPTQ); with linear_fp8,
+    ``linear_fp8_config`` is the last key."""
     weights = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
-               "dynamic": False, "actorder": actorder, "block_structure": None, "observer": "minmax",
+               "dynamic": False, "actorder": actorder, "block_structure": None, "observer": observer,
                "observer_kwargs": {}}
     qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
           "version": _ct_version(),

@@ -60,12 +60,15 @@ def check_shape(n: int, k: int, bits: int, group_size: int, where: str = "") -> 
 
 
 @lru_cache(maxsize=None)
-def scheme(bits: int, group_size: int, actorder: str | None = None):
-    """compressed-tensors QuantizationScheme: int, symmetric, group strategy, pack-quantized, targets ["Linear"]."""
+def scheme(bits: int, group_size: int, actorder: str | None = None, observer: str | None = None):
+    """compressed-tensors QuantizationScheme: int, symmetric, group strategy, pack-quantized, targets ["Linear"];
+    observer: the weight observer llmcompressor picks the scales with (None: its default, min-max; "mse": its
+    MSE grid search, ``llmcompressor.observers.mse``)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+    extra = {} if observer is None else {"observer": observer}
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group_size,
-                            dynamic=False, actorder=actorder)
+                            dynamic=False, actorder=actorder, **extra)
     return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
 
 

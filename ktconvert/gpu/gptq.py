@@ -10,7 +10,8 @@ hidden states carried from layer to layer; layers in between — dense ones — 
 ``emit(expert, proj, tensors)`` is called once per routed expert matrix with the dict
 ``ktconvert.gpu.experts.quantize_expert_rtn`` returns (``weight_packed`` int32, ``weight_scale`` BF16 bits,
 ``weight_shape`` int64): GPTQ bytes equal llmcompressor ``oneshot`` GPTQModifier (W4A16/W8A16, group
-`group_size`, actorder static) on the same calibration data, except where oneshot is wrong (causal mask; experts
+`group_size`, actorder static, weight observer "mse" — each group's scale searched by llmcompressor's MSE
+observer, ``gpu.config.GPTQ_OBSERVER``) on the same calibration data, except where oneshot is wrong (causal mask; experts
 no token reaches in routed-only mode get RTN instead of all-zero weights). Layers the transformers model does not
 run (MTP / next-n layers) are RTN-quantized (``state.rtn_layers``).
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from ktconvert.errors import InputError
 from ktconvert.gptq.calibration import load_samples
 from ktconvert.gpu.experts import quantize_expert_rtn
+from ktconvert.gpu.config import GPTQ_OBSERVER
 from ktconvert.gptq.loop import GpuQuantizer, GptqOptions, LayerStream
 
 
@@ -49,7 +51,7 @@ def start(source, bits: int, group_size: int, calibration, options: GptqOptions 
     if not isinstance(calibration, list):
         samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
-    quantizer = GpuQuantizer(bits, group_size, "static")
+    quantizer = GpuQuantizer(bits, group_size, "static", GPTQ_OBSERVER)
     return GptqState(LayerStream(source, samples, quantizer, options or GptqOptions()), quantizer)
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ktconvert import profile
 from ktconvert.formats.fileio import FileRecord, LayerResult, record_for, write_atomic
-from ktconvert.formats.out_manifest import BYTE_PACKAGES, MANIFEST_NAME, package_versions
+from ktconvert.formats.out_manifest import BYTE_PACKAGES, GPU_FLAGS, MANIFEST_NAME, package_versions
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter, tensor_nbytes
 from ktconvert.gpu import config as gpu_config
 from ktconvert.gpu.experts import SUFFIXES as EXPERT_SUFFIXES, quantize_expert_rtn
@@ -43,7 +44,9 @@ class GpuLayerWriter:
     def put_matrix(self, proj: str, expert: int, w, where: str) -> None:
         """RTN-quantize one routed expert matrix (uint16 BF16 bits, HF orientation) and write its tensors."""
         opts = self.output.options
-        self.put_tensors(expert, proj, quantize_expert_rtn(w, opts.bits, opts.group_size, where=where))
+        with profile.span("quantize.gpu", w.nbytes):
+            tensors = quantize_expert_rtn(w, opts.bits, opts.group_size, where=where)
+        self.put_tensors(expert, proj, tensors)
 
     def put_tensors(self, expert: int, proj: str, tensors: dict) -> None:
         """Write an already quantized expert matrix {weight_packed, weight_scale, weight_shape} (GPTQ's emit)."""
@@ -62,7 +65,9 @@ class GpuLayerWriter:
 
 def _write_items(writer, items, checkpoint) -> None:
     for item in items:
-        for name, array in item.produce(checkpoint).items():
+        with profile.span("linears"):
+            tensors = item.produce(checkpoint)
+        for name, array in tensors.items():
             writer.write(name, array)
 
 
@@ -70,6 +75,7 @@ class GpuOutput(Output):
     """The GPU checkpoint of `plan` (gpu.plan.GpuPlan) in `out_dir`."""
 
     kind = "gpu"
+    option_of = {"method": "--experts", "gpu.bits": "--experts", "gpu.algo": "--quant", "gpu.linear_fp8": "--linears"}
 
     def __init__(self, out_dir, plan: GpuPlan, *, resume: bool = False, force: bool = False):
         super().__init__(out_dir, plan, resume=resume, force=force)
@@ -112,9 +118,10 @@ class GpuOutput(Output):
     def _config_bytes(self) -> bytes:
         hf, sgl = self.layout.ignore_modules()
         ignore = gpu_config.build_ignore(hf, sgl, self.layout.expert_check_names())
-        actorder = "static" if self.options.quant == "gptq" else None
-        qc = gpu_config.quantization_config(self.options.bits, self.options.group_size, ignore, actorder,
-                                            linear_fp8=self.layout.linear_fp8)
+        gptq = self.options.quant == "gptq"
+        qc = gpu_config.quantization_config(self.options.bits, self.options.group_size, ignore,
+                                            "static" if gptq else None, linear_fp8=self.layout.linear_fp8,
+                                            observer=gpu_config.GPTQ_OBSERVER if gptq else "minmax")
         config = gpu_config.output_config(self.source.checkpoint.config, qc)
         return (json.dumps(config, indent=2) + "\n").encode()
 
@@ -133,5 +140,5 @@ class GpuOutput(Output):
         gpu = {"experts": opts.experts, "bits": opts.bits, "group_size": opts.group_size, "linears": opts.linears,
                "linear_fp8": self.layout.linear_fp8, "algo": opts.quant, "include_mtp": opts.include_mtp}
         return {"method": opts.experts.upper(), "numa": 1, "layout": "compressed-tensors", "quant": opts.quant,
-                "kind": "gpu", "flags": {"model": "."},
+                "kind": "gpu", "flags": dict(GPU_FLAGS),
                 "packages": package_versions(BYTE_PACKAGES + ("torch", "compressed-tensors")), "extra": {"gpu": gpu}}

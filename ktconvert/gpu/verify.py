@@ -222,12 +222,29 @@ def _check_experts(out: Path, state: dict, info, layers, tensors: dict, experts,
                     err = _decompress(out, base, shapes[proj], state, tensors, src, layer, e, proj, check)
                     decoded += 1
                     if err is not None:
-                        errors.append(err)
+                        errors.append((layer, e, proj, err))
     if errors:
-        state["errors"] = {"max_rel_l2": max(errors), "mean_rel_l2": float(np.mean(errors)), "matrices": len(errors)}
+        state["errors"] = error_summary(errors, REL_ERR_LIMIT[bits])
+    rel = [err for *_, err in errors]
     check.detail = (f"{len(layers)} MoE layers x {info.n_experts} experts x 3; {decoded} decompressed"
-                    + (f"; rel L2 vs source mean {np.mean(errors):.4f} max {max(errors):.4f}" if errors else ""))
+                    + (f"; rel L2 vs source mean {np.mean(rel):.4f} max {max(rel):.4f}" if rel else ""))
     return check
+
+
+def error_summary(errors: list[tuple[int, int, str, float]], limit: float) -> dict:
+    """The "errors" of a verified GPU checkpoint from (layer, expert, proj, relative L2 vs source) per decompressed
+    matrix: max_rel_l2, mean_rel_l2, matrices, limit (per matrix), layers [{layer, gate, up, down: mean over the
+    layer's decompressed experts}], experts [{layer, expert, rel_l2: its worst matrix}]."""
+    rel = [err for *_, err in errors]
+    by_layer: dict[int, dict[str, list[float]]] = {}
+    by_expert: dict[tuple[int, int], float] = {}
+    for layer, e, proj, err in errors:
+        by_layer.setdefault(layer, {}).setdefault(proj, []).append(err)
+        by_expert[layer, e] = max(err, by_expert.get((layer, e), 0.0))
+    return {"max_rel_l2": max(rel), "mean_rel_l2": float(np.mean(rel)), "matrices": len(rel), "limit": limit,
+            "layers": [{"layer": layer, **{proj: float(np.mean(v)) for proj, v in projs.items()}}
+                       for layer, projs in sorted(by_layer.items())],
+            "experts": [{"layer": layer, "expert": e, "rel_l2": err} for (layer, e), err in sorted(by_expert.items())]}
 
 
 def _expert_structure(base: str, shape, bits: int, gs: int, tensors: dict, check: _Check) -> bool:

@@ -147,6 +147,10 @@ class AmxMethod(CpuMethod):
         return numeric_amx.check_numerics(out, manifest, source, tokens, layers, experts, threshold,
                                           folder=folder, methods=METHODS)
 
+    @classmethod
+    def expert_reader(cls, out, manifest: dict, folder=None):
+        return numeric_amx.expert_reader(out, manifest, folder, methods=METHODS)
+
 
 def _check_native_result(blob, scale, quant_bytes: int, n: int, what: str, where: str) -> None:
     if blob.dtype != np.uint8 or blob.size != quant_bytes or scale.dtype != np.float32 or scale.shape != (n,):

@@ -212,6 +212,12 @@ class CpuMethod:
         """The numeric verification of an output of this method: {"ok", "problems", "summary", ...}."""
         raise NotImplementedError
 
+    @classmethod
+    def expert_reader(cls, out, manifest: dict, folder=None):
+        """A function (layer, expert) -> {"gate", "up": float32 [I, H], "down": float32 [H, I]}: an output's
+        experts as kt-kernel computes with them (``verify --calibration``)."""
+        raise NotImplementedError
+
 
 METHODS: Registry = Registry("CPU method", base=CpuMethod)
 

@@ -89,6 +89,10 @@ class InplaceMethod(CpuMethod):
         return numeric_inplace.check_inplace_numerics(out, manifest, source, tokens, layers, experts, threshold,
                                                       folder=folder, method=cls)
 
+    @classmethod
+    def expert_reader(cls, out, manifest: dict, folder=None):
+        return numeric_inplace.expert_reader(out, manifest, folder)
+
 
 class Bf16Inplace(InplaceMethod):
     """BF16 experts as the hub stores them (per-expert ``weight``)."""
@@ -139,9 +143,15 @@ class RawInt4(InplaceMethod):
     def _reads_experts(cls, source) -> str | None:
         group = source.expert_quantization()
         if group is not None and group.fmt == "pack-quantized" and group.num_bits == 4 and group.symmetric \
-                and group.strategy == "group":
+                and group.strategy == "group" and not _has_group_index(source):
             return "compressed-tensors pack-quantized symmetric int4 (group) experts"
         return None
+
+
+def _has_group_index(source) -> bool:
+    """Whether the checkpoint stores ``weight_g_idx`` (activation order "group"): kt-kernel's RAWINT4 loader reads
+    weight_packed / weight_scale in column order only, so such experts must be converted."""
+    return any(name.endswith(".weight_g_idx") for name in source.checkpoint.tensors)
 
 
 class Fp8Inplace(InplaceMethod):

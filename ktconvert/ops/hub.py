@@ -20,6 +20,7 @@ from ktconvert.errors import InputError, RemoteError, VerifyError
 from ktconvert.ops.hub_clients import HUBS, HubClient, RemoteFile, client_for, remote_call  # noqa: F401  (API)
 from ktconvert.ops.remote_names import check_remote_names, check_repo_id
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, parse_json
+from ktconvert.verification.launch import check_launch
 
 MANIFEST_NAME = "ktconvert.json"
 CARD_NAME = "README.md"
@@ -148,7 +149,8 @@ def model_card(manifest: dict, repo: str) -> str:
 
 def publish(out, repo: str, hub: str = "hf", revision: str | None = None, private: bool = False,
             endpoint: str | None = None, progress=None, token: str | None = None) -> dict:
-    """Verify folder `out` against its ktconvert.json, create `repo` if needed, upload (resumable: rerunning uploads
+    """Verify folder `out` against its ktconvert.json (every hash, and the launch flags it records:
+    verification.launch), create `repo` if needed, upload (resumable: rerunning uploads
     only what the hub lacks), add a model card, then verify the remote. Returns verify_remote's dict + "bytes",
     "files". VerifyError if the local folder or the remote does not match; RemoteError on hub failures."""
     from ktconvert.formats.out_manifest import load_manifest
@@ -160,6 +162,10 @@ def publish(out, repo: str, hub: str = "hf", revision: str | None = None, privat
     check_repo_id(repo, HUBS.get(hub).name)
     client = client_for(hub, endpoint, token)      # refuses an unusable token before the long local check
     manifest = load_manifest(out)
+    wrong_flags, _ = check_launch(manifest)
+    if wrong_flags:
+        raise VerifyError(f"refusing to publish: {len(wrong_flags)} problem(s); first: {wrong_flags[0]}",
+                          file=str(out), hint="the model card would carry these flags; re-run the conversion")
     files = manifest["files"]
     total = sum(int(e["bytes"]) for e in files.values())
     progress.message(f"checking {len(files)} local files against {MANIFEST_NAME}")

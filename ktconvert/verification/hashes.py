@@ -14,15 +14,16 @@ def verify_hashes(out_dir, manifest: dict | None = None, folder=None) -> dict:
     """Re-hash every file the manifest lists (and every tensor of its safetensors shards / .kt files).
 
     folder: the verification.folder.OutputFolder already scanned (its parsed shard headers are reused), or None.
-    Returns {"ok", "files_checked", "tensors_checked", "mismatched", "missing", "extra", "tensor_mismatched",
-    "tensor_missing", "tensor_extra", "problems"}: lists of relative paths / tensor names, and one line per problem.
+    Returns {"ok", "files_checked", "tensors_checked", "mismatched", "missing", "extra", "unreadable" (a FIFO or
+    device where a file should be: "path: why"), "tensor_mismatched", "tensor_missing", "tensor_extra", "problems"}:
+    lists of relative paths / tensor names, and one line per problem.
     """
     root = Path(out_dir)
     manifest = load_manifest(root) if manifest is None else manifest
     headers = folder.shards if folder is not None else {}
     listed, on_disk = manifest["files"], set(output_files(root))
     report = {"mismatched": [], "missing": [], "extra": sorted(on_disk - set(listed)), "tensor_mismatched": [],
-              "tensor_extra": [], "files_checked": 0, "tensors_checked": 0, "problems": []}
+              "tensor_extra": [], "unreadable": [], "files_checked": 0, "tensors_checked": 0, "problems": []}
     seen_tensors: dict[str, str] = {}
     for rel in sorted(listed):
         if rel not in on_disk:
@@ -36,21 +37,28 @@ def verify_hashes(out_dir, manifest: dict | None = None, folder=None) -> dict:
 
 
 def _check_file(root: Path, rel: str, entry: dict, header, report: dict, seen_tensors: dict) -> None:
-    tensor_hashes = {}
-    if rel.endswith(".safetensors"):
-        try:
-            size, sha256, git_sha1, tensor_hashes = hash_safetensors(root / rel, header)
-        except InputError:
-            size, sha256, git_sha1 = hash_file(root / rel)
-    else:
-        size, sha256, git_sha1 = hash_file(root / rel)
-        key = key_for_kt_path(rel)
-        if key is not None:
-            tensor_hashes = {key: sha256}
+    try:
+        size, sha256, git_sha1, tensor_hashes = _hashes(root, rel, header)
+    except InputError as exc:           # not a regular file, or changed while hashing
+        report["unreadable"].append(f"{rel}: {exc.detail}")
+        return
     report["files_checked"] += 1
     if (size, sha256, git_sha1) != (entry.get("bytes"), entry.get("sha256"), entry.get("git_sha1")):
         report["mismatched"].append(rel)
     seen_tensors.update(tensor_hashes)
+
+
+def _hashes(root: Path, rel: str, header) -> tuple[int, str, str, dict[str, str]]:
+    """(size, sha256, git_sha1, {tensor: sha256}) of one output file: a shard's tensors from its header, a .kt
+    file is one tensor; InputError when it is not a regular file."""
+    if rel.endswith(".safetensors"):
+        try:
+            return hash_safetensors(root / rel, header)
+        except InputError:
+            return (*hash_file(root / rel), {})
+    size, sha256, git_sha1 = hash_file(root / rel)
+    key = key_for_kt_path(rel)
+    return size, sha256, git_sha1, ({key: sha256} if key is not None else {})
 
 
 def _compare_tensors(expected: dict, seen: dict, report: dict) -> None:
@@ -63,6 +71,7 @@ def _compare_tensors(expected: dict, seen: dict, report: dict) -> None:
 def _hash_problems(report: dict) -> list[str]:
     lines = [f"{p}: content differs from ktconvert.json (sha256/git_sha1/bytes)" for p in report["mismatched"]]
     lines += [f"{p}: listed in ktconvert.json but missing" for p in report["missing"]]
+    lines += report["unreadable"]
     lines += [f"{p}: extra file not listed in ktconvert.json" for p in report["extra"]]
     lines += [f"{n}: tensor bytes differ from ktconvert.json" for n in report["tensor_mismatched"]]
     lines += [f"{n}: tensor not listed in ktconvert.json" for n in report["tensor_extra"]]

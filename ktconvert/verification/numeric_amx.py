@@ -17,11 +17,12 @@ Memory: one expert's blobs, dequantized and source weights at a time.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 
-from ktconvert.errors import InputError, KtConvertError, VerifyError
+from ktconvert.errors import InputError, KtConvertError, UsageError, VerifyError
 from ktconvert.formats.sources import open_recorded_source
 from ktconvert.native import forward as native_rt
 from ktconvert.quant.bf16 import bf16_bits_to_f32
@@ -34,6 +35,7 @@ KERNEL_TOL = 1e-5
 # 0.03 / 0.9996. Garbage (tile layout misread as row-major, experts swapped) lands at 1.3-2.1 / cosine <= 0.15 for
 # both. The limits sit between the two.
 MAX_PROBLEMS = 20
+PROBE = "random"     # what the activations are: seeded Gaussian probe vectors (the report's "probe" key)
 
 
 def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=None, experts="4", threshold=None,
@@ -47,19 +49,28 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
     threshold: None (the method's thresholds) or the MoE relative L2 limit
     methods:   the CPU method registry (ktconvert.methods.METHODS): the manifest's method and its thresholds
     folder:    the folder's verification.folder.OutputFolder when already walked
-    returns:   {"ok", "problems": [str], "summary", "thresholds", "variant", "layers": [row per layer],
+    returns:   {"ok", "problems": [str], "summary", "probe": "random", "thresholds", "variant", "layers": [row per
+                layer; with a source also "expert_errors": [{expert, rel_l2}] of every sampled expert's output],
                 "verification": compact dict for the manifest}
     """
-    report = {"ok": False, "problems": [], "layers": [], "summary": ""}
+    tokens, layers, experts, threshold = numeric_options(tokens, layers, experts, threshold)
+    report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run", "probe": PROBE}
     try:
         rt = KtOutput.open(out, manifest, folder, methods=methods)
         variant = native_rt.variant(impl)
         thresholds = _thresholds(rt.method, threshold)
-        src = open_recorded_source(source, manifest)
-        chosen = choose_layers(rt.layers, layers)
     except KtConvertError as exc:
         report["problems"].append(str(exc))
-        report["summary"] = "numerics not run"
+        return report
+    try:
+        chosen = choose_layers(rt.layers, layers)
+    except InputError as exc:
+        report["problems"].append(str(exc))
+        return report
+    src = open_checked_source(source, manifest, rt.layers)
+    mismatch = source_mismatch(src, rt.hidden, rt.intermediate, rt.experts, rt.layers)
+    if mismatch:
+        report["problems"].append(mismatch)
         return report
     report.update(variant=variant, thresholds=thresholds, method=rt.kt_method, tokens=int(tokens), seed=seed)
     threads = threads or min(4, os.cpu_count() or 1)
@@ -83,30 +94,93 @@ def _thresholds(method, threshold) -> dict:
     return limits
 
 
+def open_checked_source(source, manifest: dict, layers):
+    """The opened source (None without one) with every expert tensor header of its MoE layers, and of the `layers`
+    among its MTP layers, checked as the conversion's plan checks them (dtype, shape, partners, data inside the
+    file): the numerics sample experts, so a broken source must not pass unseen. Raises InputError (exit 3, bad
+    input) instead of reporting a verification problem."""
+    if source is None:
+        return None
+    src = open_recorded_source(source, manifest)
+    src.validate(include_mtp=bool(set(layers) & set(src.info.mtp_layers)))
+    return src
+
+
+def source_mismatch(src, hidden: int, intermediate: int, experts: int, layers) -> str | None:
+    """Why `src` is not the model the output was converted from (dims, experts, layers), or None."""
+    if src is None:
+        return None
+    info = src.info
+    theirs, ours = (info.hidden, info.intermediate, info.n_experts), (hidden, intermediate, experts)
+    if theirs != ours:
+        return (f"--source is another model: hidden, intermediate, experts {list(theirs)}, the output's "
+                f"ktconvert.json says {list(ours)}")
+    missing = sorted(set(layers) - set(src.all_layers(include_mtp=True)))
+    if missing:
+        return f"--source has no routed experts in layer(s) {missing}, which the output holds"
+    return None
+
+
+def numeric_options(tokens, layers, experts, threshold) -> tuple[int, object, object, float | None]:
+    """The numeric check's options, checked before anything is read: (tokens, an int >= 1; layers, None | "all" |
+    sorted layer numbers; experts, "all" | an int >= 1; threshold, None | a finite float >= 0). UsageError (exit 2)
+    naming the option otherwise (a NaN threshold would pass everything, --tokens 0 was a traceback)."""
+    tokens = _positive_int(tokens, "--tokens", "an integer >= 1")
+    if not (isinstance(experts, str) and experts.strip().lower() == "all"):
+        experts = _positive_int(experts, "--experts", "'all' or an integer >= 1")
+    else:
+        experts = "all"
+    if isinstance(layers, str) and layers.strip().lower() == "all":
+        layers = "all"
+    elif layers is not None:
+        items = layers.replace(" ", "").split(",") if isinstance(layers, str) else list(layers)
+        try:
+            layers = sorted({int(x) for x in items if x != ""})
+        except (TypeError, ValueError):
+            layers = []
+        if not layers:
+            raise UsageError("--layers is not usable", expected="'all' or layer numbers such as 1,3",
+                             found=repr(items))
+    if threshold is not None:
+        try:
+            threshold = float(threshold)
+        except (TypeError, ValueError):
+            threshold = float("nan")
+        if not math.isfinite(threshold) or threshold < 0:
+            raise UsageError("--threshold is not usable", expected="a finite number >= 0", found=repr(threshold))
+    return tokens, layers, experts, threshold
+
+
+def _positive_int(value, option: str, expected: str) -> int:
+    try:
+        number = int(value) if not isinstance(value, (bool, float)) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number < 1:
+        raise UsageError(f"{option} is not usable", expected=expected, found=repr(value))
+    return number
+
+
 def choose_layers(all_layers: list[int], layers) -> list[int]:
-    """None: first, middle and last; "all"; "1,3" / [1, 3]: those (InputError if not converted layers)."""
+    """layers as numeric_options returns it: None: first, middle and last; "all"; a list: those (InputError, a
+    verification problem, naming the converted layers when one is not)."""
     if not all_layers:
         raise InputError("the manifest lists no converted MoE layers", file="ktconvert.json")
     if layers is None:
         return sorted({all_layers[0], all_layers[len(all_layers) // 2], all_layers[-1]})
-    if isinstance(layers, str):
-        if layers.strip().lower() == "all":
-            return list(all_layers)
-        layers = [int(x) for x in layers.replace(" ", "").split(",") if x]
-    chosen = sorted({int(x) for x in layers})
-    bad = [x for x in chosen if x not in all_layers]
+    if layers == "all":
+        return list(all_layers)
+    bad = [x for x in layers if x not in all_layers]
     if bad:
         raise InputError("layers not converted", tensor=f"layers {bad}", expected=f"some of {all_layers}")
-    return chosen
+    return list(layers)
 
 
 def choose_experts(rng: np.random.Generator, n_experts: int, experts) -> list[int]:
-    if isinstance(experts, str) and experts.strip().lower() == "all":
+    """experts as numeric_options returns it: "all" or how many to draw (at most n_experts), sorted."""
+    if experts == "all":
         return list(range(n_experts))
-    count = int(experts)
-    if count < 1:
-        raise InputError("experts per layer must be >= 1 or 'all'", found=str(experts))
-    return sorted(int(e) for e in rng.choice(n_experts, size=min(count, n_experts), replace=False))
+    return sorted(int(e) for e in rng.choice(n_experts, size=min(int(experts), n_experts), replace=False))
 
 
 def _routing(rng: np.random.Generator, sample: list[int], tokens: int, top_k: int):
@@ -199,13 +273,36 @@ def _check_expert(rt, src, layer: int, e: int, x: np.ndarray, ids: np.ndarray, w
     _weight_errors(rt, deq, parts, full, acc)
 
 
+def expert_reader(out, manifest: dict, folder=None, *, methods):
+    """A function (layer, expert) -> {"gate", "up": float32 [I, H], "down": float32 [H, I]}: the expert as the
+    folder's files hold it (numpy dequantization from the layout spec, NUMA parts joined). Every tensor read must
+    hash as ``ktconvert.json`` records it (VerifyError otherwise)."""
+    rt = KtOutput.open(out, manifest, folder, methods=methods)
+
+    def read(layer: int, e: int) -> dict:
+        blobs = rt.read_expert(layer, e)
+        problems = hash_problems(rt.manifest, blobs.sha256)
+        if problems:
+            raise VerifyError(problems[0], tensor=f"layer {layer} expert {e}")
+        parts = [_dequantize_part(rt, part) for part in blobs.parts]
+        return {"gate": np.concatenate([p[0] for p in parts]), "up": np.concatenate([p[1] for p in parts]),
+                "down": np.concatenate([p[2] for p in parts], axis=1)}
+
+    return read
+
+
 def _check_hashes(manifest: dict, sha256: dict, acc: _Layer) -> None:
+    problems = hash_problems(manifest, sha256)
+    acc.hash_mismatches += len(problems)
+    acc.problems.extend(problems)
+
+
+def hash_problems(manifest: dict, sha256: dict) -> list[str]:
+    """One line per tensor whose sha256 (``sha256[key]``) is not what ktconvert.json's ``tensors`` records."""
     recorded = manifest.get("tensors", {})
-    for key, digest in sorted(sha256.items()):
-        if recorded.get(key) != digest:
-            acc.hash_mismatches += 1
-            acc.problems.append(f"{key}: sha256 differs from ktconvert.json (file changed after conversion)"
-                                if key in recorded else f"{key}: not listed in ktconvert.json tensors")
+    return [f"{key}: sha256 differs from ktconvert.json (file changed after conversion)" if key in recorded
+            else f"{key}: not listed in ktconvert.json tensors"
+            for key, digest in sorted(sha256.items()) if recorded.get(key) != digest]
 
 
 def _dequantize_part(rt, part) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -280,6 +377,7 @@ def _layer_metrics(acc: _Layer, with_source: bool, kt_method: str) -> dict:
         q2 = d2 + 2 * dw - w2            # |wq|^2 from |wq - w|^2 = |wq|^2 - 2 wq.w + |w|^2
         row[f"{proj}_cosine"] = float(dw / np.sqrt(max(q2, 1e-300) * w2)) if w2 > 0 else 1.0
     row["rtn_bound_violations"] = acc.bound_violations
+    row["expert_errors"] = [{"expert": e, "rel_l2": r} for e, r in sorted(acc.expert_rel.items())]
     worst = sorted(acc.expert_rel.items(), key=lambda kv: -kv[1])[:3]
     row["worst_experts"] = [{"expert": e, "rel_l2": r} for e, r in worst]
     return row

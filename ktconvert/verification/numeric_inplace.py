@@ -12,34 +12,51 @@ import hashlib
 
 import numpy as np
 
-from ktconvert.errors import KtConvertError
-from ktconvert.formats.sources import open_recorded_source
+from ktconvert.errors import InputError, KtConvertError, VerifyError
 from ktconvert.formats.inplace_sink import EXPERT_PREFIX, PROJ_NAMES
-from ktconvert.formats.decoders import decode_matrix, detect_scheme
+from ktconvert.formats.decoders import decode_matrix, detect_scheme, validate_matrix
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verification.folder import OutputFolder
-from ktconvert.verification.numeric_amx import choose_experts, choose_layers, rel_l2, silu_mul
+from ktconvert.verification.numeric_amx import (PROBE, choose_experts, choose_layers, numeric_options, open_checked_source, rel_l2,
+                                          silu_mul, source_mismatch)
 
 
 
 def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=None, experts="4",
                            threshold=None, seed: int = 0, folder: OutputFolder | None = None, *, method) -> dict:
-    """{"ok", "problems", "summary", "layers": [...]} for an in-place output folder (see module doc).
+    """{"ok", "problems", "summary", "probe": "random", "layers": [{layer, experts, weight_rel_l2 (the worst
+    matrix), with a source also moe_rel_l2, gate_rel_l2 / up_rel_l2 / down_rel_l2 (over the sampled experts) and
+    expert_errors [{expert, rel_l2 of its output}]}]} for an in-place output folder (see module doc).
     folder: the folder's verification.folder.OutputFolder when already walked (its shard headers are reused);
     method: the manifest's CPU method (its thresholds["moe_rel_l2"] is the default MoE-output limit)."""
-    report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run"}
+    tokens, layers, experts, threshold = numeric_options(tokens, layers, experts, threshold)
+    report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run", "probe": PROBE}
     try:
         ck = (folder or OutputFolder.scan(out)).checkpoint()
         scheme = detect_scheme(ck.config)
-        src = open_recorded_source(source, manifest)
-        chosen = choose_layers([int(x) for x in manifest["model"]["layers"]], layers)
+        model = manifest["model"]
+        all_layers = [int(x) for x in model["layers"]]
+        dims = (int(model["hidden"]), int(model["intermediate"]), int(model["experts"]))
     except KtConvertError as exc:
         report["problems"].append(str(exc))
+        return report
+    except (KeyError, TypeError, ValueError) as exc:
+        report["problems"].append(f"ktconvert.json: model lacks what the numerics need ({exc!r})")
+        return report
+    try:
+        chosen = choose_layers(all_layers, layers)
+    except InputError as exc:
+        report["problems"].append(str(exc))
+        return report
+    src = open_checked_source(source, manifest, all_layers)
+    mismatch = source_mismatch(src, *dims, all_layers)
+    if mismatch:
+        report["problems"].append(mismatch)
         return report
     limit = method.thresholds["moe_rel_l2"] if threshold is None else float(threshold)
     rng = np.random.default_rng(seed)
     for layer in chosen:
-        sample = choose_experts(rng, int(manifest["model"]["experts"]), experts)
+        sample = choose_experts(rng, dims[2], experts)
         row = _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng)
         if src is not None and row["moe_rel_l2"] > limit:
             row["problems"].append(f"MoE output rel L2 {row['moe_rel_l2']:.4g} above the limit {limit:g}")
@@ -52,30 +69,73 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     return report
 
 
+def expert_reader(out, manifest: dict, folder: OutputFolder | None = None):
+    """A function (layer, expert) -> {"gate", "up": float32 [I, H], "down": float32 [H, I]}: the expert as the
+    folder's tensors hold it, decoded with the input decoders; every tensor read must hash as ``ktconvert.json``
+    records it (VerifyError otherwise)."""
+    ck = (folder or OutputFolder.scan(out)).checkpoint()
+    scheme = detect_scheme(ck.config)
+
+    def read(layer: int, e: int) -> dict:
+        mats, problems = {}, []
+        for proj, name in PROJ_NAMES.items():
+            base = EXPERT_PREFIX.format(L=layer, E=e, proj=name)
+            _check_hashes(ck, base, manifest, problems)
+            mats[proj] = _f32(decode_matrix(ck, base, scheme))
+        if problems:
+            raise VerifyError(problems[0], tensor=f"layer {layer} expert {e}")
+        return mats
+
+    return read
+
+
 def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng) -> dict:
-    hidden = int(manifest["model"]["hidden"])
+    hidden, inter = int(manifest["model"]["hidden"]), int(manifest["model"]["intermediate"])
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     got_y = np.zeros((tokens, hidden), np.float64)
     ref_y = np.zeros((tokens, hidden), np.float64)
     row = {"layer": layer, "experts": list(sample), "problems": [], "weight_rel_l2": 0.0}
+    energy = {p: [0.0, 0.0] for p in PROJ_NAMES}      # sum |w_out - w_src|^2, sum |w_src|^2 per projection
+    experts = []
     for e in sample:
-        mats = {}
-        for proj, name in PROJ_NAMES.items():
-            base = EXPERT_PREFIX.format(L=layer, E=e, proj=name)
-            _check_hashes(ck, base, manifest, row["problems"])
-            mats[proj] = _f32(decode_matrix(ck, base, scheme))
-            if not np.isfinite(mats[proj]).all():
-                row["problems"].append(f"{base}: non-finite values after decoding")
-        got_y += _expert(mats, x)
+        try:
+            mats = _decoded_expert(ck, scheme, manifest, layer, e, (hidden, inter), row["problems"])
+        except KtConvertError as exc:      # a tensor of the output missing, misshapen or undecodable
+            row["problems"].append(str(exc))
+            continue
+        got_e = _expert(mats, x)
+        got_y += got_e
         if src is not None:
             ew = src.read_expert(layer, e)
             ref = {p: _f32(getattr(ew, p)) for p in PROJ_NAMES}
-            ref_y += _expert(ref, x)
+            ref_e = _expert(ref, x)
+            ref_y += ref_e
+            experts.append({"expert": e, "rel_l2": rel_l2(got_e, ref_e)})
             err = max(rel_l2(mats[p], ref[p]) for p in PROJ_NAMES)
             row["weight_rel_l2"] = max(row["weight_rel_l2"], err)
+            for p in PROJ_NAMES:
+                energy[p][0] += float(((mats[p].astype(np.float64) - ref[p]) ** 2).sum())
+                energy[p][1] += float((ref[p].astype(np.float64) ** 2).sum())
     if src is not None:
         row["moe_rel_l2"] = rel_l2(got_y, ref_y)
+        row.update({f"{p}_rel_l2": float(np.sqrt(d2 / w2)) if w2 > 0 else 0.0 for p, (d2, w2) in energy.items()})
+        row["expert_errors"] = experts
     return row
+
+
+def _decoded_expert(ck, scheme, manifest, layer: int, e: int, dims: tuple[int, int], problems: list) -> dict:
+    """{proj: float32 matrix} of one output expert, each checked to be gate/up [I, H], down [H, I] (dims = (H, I))
+    before decoding; hash and finiteness problems are appended to `problems`."""
+    hidden, inter = dims
+    mats = {}
+    for proj, name in PROJ_NAMES.items():
+        base = EXPERT_PREFIX.format(L=layer, E=e, proj=name)
+        validate_matrix(ck, base, scheme, (hidden, inter) if proj == "down" else (inter, hidden))
+        _check_hashes(ck, base, manifest, problems)
+        mats[proj] = _f32(decode_matrix(ck, base, scheme))
+        if not np.isfinite(mats[proj]).all():
+            problems.append(f"{base}: non-finite values after decoding")
+    return mats
 
 
 def _check_hashes(ck, base: str, manifest: dict, problems: list) -> None:

@@ -15,6 +15,7 @@ silently garbage). Here every blob is checked against the byte formulas of the m
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 from ktconvert.errors import InputError, UnknownNameError, VerifyError
 from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.layouts.naming import PROJS, kt_relpath, merged_key, parse_kt_relpath, part_shape
+from ktconvert.safe_read import check_regular, open_regular
 from ktconvert.verification.folder import OutputFolder
 
 _NUMA_DIR = re.compile(r"^_numa_(\d+)$")
@@ -139,9 +141,9 @@ class KtOutput:
         want = self.shapes[proj][2] if kind == "weight" else self.shapes[proj][3]
         rel = kt_relpath(layer, t, self.method.file_prefix, proj, expert, want, part)
         path = self.root / rel
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise self._kt_missing(layer, t, proj, expert, part, rel, kind)
-        size = path.stat().st_size
+        size = check_regular(path, rel, error=VerifyError).st_size
         if size != want:
             raise VerifyError("file size differs from the byte count in its name (truncated?)", file=rel,
                               expected=f"{want} bytes", found=f"{size} bytes")
@@ -215,9 +217,10 @@ class KtOutput:
 
 
 def _pread(path: Path, offset: int, nbytes: int, what: str) -> np.ndarray:
-    """uint8 [nbytes] read from path at offset; VerifyError if the file ends early."""
+    """uint8 [nbytes] read from regular file `path` at offset; VerifyError if the file ends early or is not a regular
+    file (a FIFO would block)."""
     out = np.empty(nbytes, np.uint8)
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, what, error=VerifyError), "rb") as f:
         f.seek(offset)
         got = f.readinto(memoryview(out))
     if got != nbytes:

@@ -2,7 +2,8 @@
 
 Checks, in order: manifest (``ktconvert.json`` present and parseable), structure (CPU outputs: every expected
 expert tensor or .kt file present with the byte count that the recorded method, NUMA count and model dims give,
-probed the way kt-kernel's loader probes, nothing extra; GPU outputs: ``gpu.verify``), hashes (``--hashes``: every
+probed the way kt-kernel's loader probes, nothing extra; GPU outputs: ``gpu.verify``), flags (the recorded
+kt-kernel / SGLang flags are the ones the method, NUMA count and files need: ``verification.launch``), hashes (``--hashes``: every
 file and tensor re-hashed against the manifest), numerics (the method's own numeric check, against ``--source``
 when given) and remote (``--remote``: ``ops.hub.verify_remote``). The folder is walked once
 (``verification.folder.OutputFolder``) and every check reads that walk. Returns a dict; ``render`` makes the table.
@@ -15,15 +16,19 @@ from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.gpu import verify as gpu_verify
 from ktconvert.methods import METHODS, CpuMethod
 from ktconvert.ops import bundle as ops_bundle, hub as ops_hub
+from ktconvert.verification import calibrated
 from ktconvert.verification.folder import OutputFolder
 from ktconvert.verification.hashes import verify_hashes
+from ktconvert.verification.launch import check_launch
 
 
 def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None, experts="4", threshold=None,
-           remote=None, hub: str = "hf", revision=None, endpoint=None) -> dict:
+           remote=None, hub: str = "hf", revision=None, endpoint=None, calibration=None, compare=None) -> dict:
     """Verify output folder `out`. Returns {"ok": bool, "out", "problems": [one-line str], "checks": [{name,
     status ("ok" | "failed" | "skipped"), detail}], plus "hashes" / "numerics" / "remote" reports
-    when those ran}."""
+    when those ran}. calibration: numerics on the hidden states these calibration tokens produce in `source`
+    (verification.calibrated; `compare`: a second output side by side) instead of random probes; the numerics report's
+    "probe" says which ("calibration" or "random")."""
     result = {"ok": True, "out": str(out), "problems": [], "checks": []}
     if str(out).endswith(".tar.zst"):
         report = ops_bundle.verify_bundle(out)
@@ -51,6 +56,7 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
             _add_check(result, check["name"], check["problems"], check["detail"])
     else:
         _skip(result, "structure", "skipped", f"no structure rules for kind {kind!r}")
+    _add_check(result, "flags", *check_launch(manifest))
     if hashes:
         report = verify_hashes(out, manifest, folder)
         result["hashes"] = report
@@ -58,15 +64,31 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
                    f"{report['files_checked']} files, {report['tensors_checked']} tensors re-hashed")
     else:
         _skip(result, "hashes", "skipped", "use --hashes")
-    if kind == "cpu" and manifest.get("method", "") in METHODS:
+    if calibration is not None or compare is not None:
+        _add_report(result, "numerics", _calibrated(out, manifest, kind, source, calibration, compare, layers,
+                                                    threshold, folder))
+    elif kind == "cpu" and manifest.get("method", "") in METHODS:
         method = CpuMethod.from_manifest(manifest)
-        _add_report(result, "numerics", method.check_numerics(out, manifest, source, tokens, layers, experts,
-                                                              threshold, folder=folder))
+        report = method.check_numerics(out, manifest, source, tokens, layers, experts, threshold, folder=folder)
+        report.setdefault("probe", "random")
+        report["summary"] = f"on random probes: {report.get('summary', '')}"
+        _add_report(result, "numerics", report)
     if remote is not None:
         _add_report(result, "remote", ops_hub.verify_remote(manifest, remote, hub, revision, endpoint))
     else:
         _skip(result, "remote", "skipped", "use --remote REPO")
     return result
+
+
+def _calibrated(out, manifest: dict, kind: str, source, calibration, compare, layers, threshold, folder) -> dict:
+    """verification.calibrated's report, or one naming what is missing (--compare without --calibration, a GPU
+    output)."""
+    if calibration is None:
+        return {"ok": False, "problems": ["--compare needs --calibration (side by side on calibration tokens)"]}
+    if kind != "cpu" or manifest.get("method", "") not in METHODS:
+        return {"ok": False, "problems": [f"--calibration checks CPU expert outputs, not kind {kind!r}"]}
+    return calibrated.check_calibrated(out, manifest, source, calibration, compare=compare, layers=layers,
+                                       threshold=threshold, folder=folder)
 
 
 def check_structure(folder: OutputFolder, manifest: dict) -> tuple[list[str], str]:
@@ -109,6 +131,10 @@ def render(result: dict) -> str:
     width = [max(len(str(r[i])) for r in rows) for i in range(2)]
     lines = [f"verify {result.get('out', '')}"]
     lines += [f"  {r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}".rstrip() for r in rows]
+    numerics = result.get("numerics") or {}
+    if numerics.get("probe") == "calibration" and numerics.get("layers"):
+        lines.append("MoE output vs source on the calibration tokens:")
+        lines += calibrated.render_rows(numerics)
     problems = result.get("problems", [])
     lines.append("result: OK" if result.get("ok") else f"result: FAILED ({len(problems)} problem line(s))")
     lines += [f"  - {p}" for p in problems]

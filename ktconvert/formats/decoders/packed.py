@@ -1,5 +1,12 @@
 """compressed-tensors ``pack-quantized`` integer weights (Kimi-K2 INT4, W4A16, W8A16): ``W.weight_packed`` I32 +
-``W.weight_scale`` + ``W.weight_shape`` [+ ``W.weight_zero_point`` when asymmetric]; group / channel / tensor."""
+``W.weight_scale`` + ``W.weight_shape`` [+ ``W.weight_zero_point`` when asymmetric]; group / channel / tensor.
+
+Activation order "group" (GPTQ ``actorder: group``, compressed-tensors up to 0.18) stores ``W.weight_g_idx`` int32
+[k]: column j belongs to group g_idx[j] (scale and zero point column g_idx[j]) instead of j // group_size.
+compressed-tensors' decompression sorts the columns by g_idx, dequantizes consecutive groups and puts the columns
+back; that is defined when every group holds exactly group_size columns, which is checked (a g_idx of all -1 is
+"unset": column order, as compressed-tensors reads it). Channel and tensor strategies have one group per row, so
+g_idx does not change them and is ignored, as compressed-tensors ignores it."""
 from __future__ import annotations
 
 import numpy as np
@@ -61,6 +68,9 @@ class PackQuantizedDecoder(Decoder):
                               str(list(want or [1])), str(list(s_shape)))
         if not group.symmetric:
             partners["zero_point"] = tensor_ref(checkpoint, f"{base}.weight_zero_point").name
+        g_idx = checkpoint.tensors.get(f"{base}.weight_g_idx")
+        if g_idx is not None and group.strategy == "group":
+            partners["g_idx"] = _checked_g_idx(g_idx, expert, k).name
         return MatrixRefs(cls.scheme, p.name, partners, expert, (n, k), group)
 
     @classmethod
@@ -79,8 +89,19 @@ class PackQuantizedDecoder(Decoder):
             zp_packed = read_partner(checkpoint, refs.partners["zero_point"], refs.index0)
             zp = ct_int4.unpack_int32(np.ascontiguousarray(zp_packed.T), n, group.num_bits, where).T
         product = np.float16 if s_dtype == "F16" else np.float32
-        return ct_int4.dequant_packed(data, k, group.num_bits, scale, group.group_size, zp, product_dtype=product,
-                                      where=where)
+        order = None
+        if "g_idx" in refs.partners:
+            g_ref = checkpoint.tensors[refs.partners["g_idx"]]
+            order = group_order(read_partner(checkpoint, g_ref.name, refs.index0), k, group.group_size, g_ref)
+        if order is None:
+            return ct_int4.dequant_packed(data, k, group.num_bits, scale, group.group_size, zp,
+                                          product_dtype=product, where=where)
+        q = ct_int4.unpack_int32(np.ascontiguousarray(data), k, group.num_bits, where)
+        grouped = ct_int4.dequant(np.ascontiguousarray(q[:, order]), scale, group.group_size, zp,
+                                  product_dtype=product, where=where)
+        bits = np.empty_like(grouped)
+        bits[:, order] = grouped
+        return bits
 
 
 def _packed_k(checkpoint, base, group, n, words, s_shape, partners, expert=None) -> int:
@@ -98,3 +119,38 @@ def _packed_k(checkpoint, base, group, n, words, s_shape, partners, expert=None)
     if group.strategy == "group" and len(s_shape) == 2:
         return s_shape[1] * group.group_size
     return words * 32 // group.num_bits
+
+
+def _checked_g_idx(ref, expert: int | None, k: int):
+    """weight_g_idx's header: an integer vector of k group indices ([E, k] for a fused tensor)."""
+    if ref.dtype not in ("I32", "I64"):
+        raise shape_error(ref, "weight_g_idx has the wrong dtype", "I32 or I64", ref.dtype)
+    shape = per_expert_shape(ref, expert) if expert is not None and len(ref.shape) == 2 else tuple(ref.shape)
+    if tuple(shape) != (k,):
+        raise shape_error(ref, f"weight_g_idx does not give a group to each of the {k} input columns", f"[{k}]",
+                          str(list(ref.shape)))
+    return ref
+
+
+def group_order(g_idx: np.ndarray, k: int, group_size: int, ref) -> np.ndarray | None:
+    """int64 [k]: the column order that makes each group's columns consecutive (stable sort of g_idx), or None when
+    the columns already are in group order (identity g_idx, or all -1 = unset). InputError naming `ref` (the g_idx
+    tensor) unless g_idx maps exactly group_size columns to each of the k / group_size groups."""
+    g_idx = np.asarray(g_idx).reshape(-1).astype(np.int64)
+    unset = g_idx == -1
+    if unset.all():
+        return None
+    groups = k // group_size
+    if unset.any():
+        raise shape_error(ref, "weight_g_idx mixes -1 (unset) with group indices", "all -1 or all in "
+                          f"[0, {groups})", f"{int(unset.sum())} of {k} columns -1")
+    if g_idx.min() < 0 or g_idx.max() >= groups:
+        raise shape_error(ref, "weight_g_idx names a group that does not exist", f"group indices in [0, {groups})",
+                          f"[{int(g_idx.min())}, {int(g_idx.max())}]")
+    sizes = np.bincount(g_idx, minlength=groups)
+    if (sizes != group_size).any():
+        bad = int(np.flatnonzero(sizes != group_size)[0])
+        raise shape_error(ref, "weight_g_idx does not give every group group_size columns",
+                          f"{group_size} columns per group", f"group {bad} has {int(sizes[bad])}")
+    order = np.argsort(g_idx, kind="stable")
+    return None if np.array_equal(order, np.arange(k)) else order
