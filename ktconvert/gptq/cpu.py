@@ -23,7 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from ktconvert.activation.stats import write_gptq_activation
-from ktconvert.errors import InputError, ShapeError, UsageError
+from ktconvert.errors import InputError, ShapeError
 from ktconvert.formats.fileio import hash_file
 from ktconvert.formats.hf_source import HFSource
 from ktconvert.gptq import grid
@@ -31,6 +31,7 @@ from ktconvert.gptq.calibration import load_samples
 from ktconvert.gptq.hessians import single_thread_on_cpu
 from ktconvert.gptq.holdout import REASONS, SelectionOptions
 from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream
+from ktconvert.gptq.resume import StreamState, samples_digest
 from ktconvert.layouts.naming import PROJS
 from ktconvert.layouts.numa import numa_slices
 from ktconvert.methods import METHODS
@@ -142,27 +143,41 @@ def _bf16_bits(weight) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------- entry points
 
-def gptq_amx_codes(src, calibration, method_bits: int, numa: int, *, max_length: int = 2048,
-                   num_samples: int | None = None, options: GptqOptions = GptqOptions(),
-                   fallback_quant: str | None = None,
-                   selection: SelectionOptions | None = SelectionOptions()) -> Iterator[LayerResult]:
-    """GPTQ codes for every MoE layer of checkpoint `src`, in layer order, one layer in memory at a time.
-
-    calibration: a jsonl path (ktconvert.gptq.calibration) or a list of 1-D int64 token tensors (file order).
-    Yields LayerResult with payloads[(expert, proj)] = [(codes int8 [n_t, k_t], d float32 [n_t]) per NUMA part]
-    (tile with ktconvert.layouts.tiles.pack_int4 / pack_int8, or write_layer()), tokens (routed calibration
-    tokens per expert), fallback / reasons (experts written data-free and why; quantizer name in
-    ``result.fallback_quant``) and the held-out errors (``errors``)."""
+def amx_stream(src, calibration, method_bits: int, numa: int, *, max_length: int = 2048,
+               num_samples: int | None = None, options: GptqOptions = GptqOptions(),
+               fallback_quant: str | None = None, selection: SelectionOptions | None = SelectionOptions(),
+               mtp_layers=()) -> LayerStream:
+    """The GPTQ stream over checkpoint `src` (path or HFSource) with an AmxQuantizer (``stream.quantizer``) and
+    the calibration samples (``stream.samples_digest``: resume.samples_digest of them). calibration: a jsonl
+    path (ktconvert.gptq.calibration) or a list of 1-D int64 token tensors (file order). mtp_layers: MTP layers
+    quantized after the decoder layers (gptq.stream)."""
     source = src if isinstance(src, HFSource) else HFSource.open(src)
     samples = calibration
     if isinstance(calibration, (str, Path)):
         samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
     quantizer = AmxQuantizer(method_bits, numa, fallback_quant, selection)
-    stream = LayerStream(source, samples, quantizer, options)
+    stream = LayerStream(source, samples, quantizer, options, mtp_layers=mtp_layers)
+    stream.samples_digest = samples_digest(samples)
+    return stream
+
+
+def stream_results(stream: LayerStream) -> Iterator[LayerResult]:
+    """The stream's remaining MoE (and MTP) layers' LayerResults, in layer order (fallback_quant set)."""
     for result in stream.layers_results():
-        result.fallback_quant = quantizer.fallback_quant
+        result.fallback_quant = stream.quantizer.fallback_quant
         yield result
+
+
+def gptq_amx_codes(src, calibration, method_bits: int, numa: int, **stream_options) -> Iterator[LayerResult]:
+    """GPTQ codes for every MoE layer of checkpoint `src`, in layer order, one layer in memory at a time
+    (stream_options: amx_stream's keywords).
+
+    Yields LayerResult with payloads[(expert, proj)] = [(codes int8 [n_t, k_t], d float32 [n_t]) per NUMA part]
+    (tile with ktconvert.layouts.tiles.pack_int4 / pack_int8, or write_layer()), tokens (routed calibration
+    tokens per expert), fallback / reasons (experts written data-free and why; quantizer name in
+    ``result.fallback_quant``) and the held-out errors (``errors``)."""
+    yield from stream_results(amx_stream(src, calibration, method_bits, numa, **stream_options))
 
 
 def selection_counts(result: LayerResult) -> dict:
@@ -185,35 +200,45 @@ def write_gptq_layers(output, progress=None, *, max_length: int = 2048, num_samp
                       options: GptqOptions = GptqOptions(),
                       selection: SelectionOptions | None = SelectionOptions()) -> dict:
     """Write every layer of an opened CPU output (cpu.output.CpuOutput, quant "gptq": its options hold method,
-    numa and calibration) from gptq_amx_codes, then record the source files' digests in its journal. Returns
-    {"tokens" {layer: [per expert]}, "fallback" {layer: [experts]}, "fallback_quant",
-    "selection" {layer: selection_counts}}."""
+    numa and calibration; its layers may include MTP layers) from the GPTQ stream, then record the source files'
+    digests in its journal. A resumed output (``output.resume``) restores the stream saved with its journal
+    (gptq.resume) and writes only the layers the journal does not record. Returns {"tokens" {layer: [per
+    expert]}, "fallback" {layer: [experts]}, "fallback_quant", "selection" {layer: selection_counts}}."""
     method, source = output.method, output.source
     if not hasattr(method, "bits"):
         tiled = [name for name, m in METHODS.items() if hasattr(m, "bits")]
         raise InputError("--quant gptq needs a method with per-row tiles", expected=" or ".join(tiled),
                          found=method.name)
-    summary = {"tokens": {}, "fallback": {}, "fallback_quant": None, "selection": {}}
-    for result in gptq_amx_codes(source, output.options.calibration, method.bits, output.options.numa,
-                                 max_length=max_length, num_samples=num_samples, options=options,
-                                 selection=selection):
-        consumer = output.begin_layer(result.layer)
-        try:
-            write_layer(consumer.writer, method, result)
-            output.layer_finished(result.layer, consumer.finish())
-        except BaseException:
-            consumer.abort()
-            raise
-        summary["tokens"][result.layer] = result.tokens
-        summary["fallback"][result.layer] = result.fallback
-        summary["fallback_quant"] = result.fallback_quant
-        summary["selection"][result.layer] = selection_counts(result)
+    mtp = [layer for layer in output.layers if layer in source.info.mtp_layers]
+    stream = amx_stream(source, output.options.calibration, method.bits, output.options.numa,
+                        max_length=max_length, num_samples=num_samples, options=options, selection=selection,
+                        mtp_layers=mtp)
+    saved = StreamState(output.out_dir, stream.samples_digest)
+    unfinished = [layer for layer in output.layers if not output.journal.layer_done(layer)]
+    layers = saved.restore(stream, unfinished) if output.resume else {}
+    for result in stream_results(stream):
+        if not output.journal.layer_done(result.layer):
+            _write_journalled(output, method, result)
+        layers[result.layer] = {"tokens": result.tokens, "fallback": result.fallback,
+                                "selection": selection_counts(result)}
+        saved.save(stream, layers)
         if progress is not None:
             progress.advance(0, items=1, detail=f"layer {result.layer}")
     for path in source.files():
         size, sha256, _ = hash_file(path)
         output.journal.finish_source(source.relative_name(path), {"bytes": size, "sha256": sha256})
-    return summary
+    summary = {key: {L: layers[L][key] for L in sorted(layers)} for key in ("tokens", "fallback", "selection")}
+    return {**summary, "fallback_quant": stream.quantizer.fallback_quant}
+
+
+def _write_journalled(output, method, result: LayerResult) -> None:
+    consumer = output.begin_layer(result.layer)
+    try:
+        write_layer(consumer.writer, method, result)
+        output.layer_finished(result.layer, consumer.finish())
+    except BaseException:
+        consumer.abort()
+        raise
 
 
 def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, options: GptqOptions | None = None,
@@ -222,12 +247,12 @@ def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, opti
     """``ktconvert cpu SRC OUT --method amxint4|amxint8 --quant gptq --calibration FILE`` for an unopened CPU
     output (cpu.output.CpuOutput of a validated plan): open OUT, write every layer, finalize (ktconvert.json with
     quant "gptq" and a "gptq" record: the options and, per layer, how many experts took GPTQ / the data-free
-    quantizer and why). options / selection: None = from the output's CpuOptions (dampening, min_tokens). No
-    resume of a partial run. Returns the ConvertResult (details: tokens per expert, fallback experts,
-    fallback_quant, selection counts). OUT also gets expert_activation.pt, the routed-token counts of the
-    calibration (activation.stats.write_gptq_activation), recorded in the manifest and its SGLang flags."""
-    if output.resume:
-        raise UsageError("not available with --quant gptq", found="--resume")
+    quantizer and why). options / selection: None = from the output's CpuOptions (dampening, min_tokens). A
+    resumed output goes on after its last finished layer (write_gptq_layers). Returns the ConvertResult
+    (details: tokens per expert, fallback experts, fallback_quant, selection counts). OUT also gets
+    expert_activation.pt, the routed-token counts of the calibration (activation.stats.write_gptq_activation),
+    recorded in the manifest and its SGLang flags (decoder layers only: the MTP layers' counts are not the main
+    model's)."""
     opts = output.options
     options = options or GptqOptions(dampening=opts.dampening)
     selection = selection or SelectionOptions(min_tokens=opts.min_tokens)
@@ -235,7 +260,8 @@ def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, opti
     def write(output) -> None:
         summary = write_gptq_layers(output, progress, max_length=max_length, num_samples=num_samples,
                                     options=options, selection=selection)
-        output.expert_activation = write_gptq_activation(output.out_dir, output.source, summary["tokens"],
+        decoder = {L: t for L, t in summary["tokens"].items() if L < output.source.info.n_layers}
+        output.expert_activation = write_gptq_activation(output.out_dir, output.source, decoder,
                                                          output.options.calibration, max_length=max_length,
                                                          num_samples=num_samples)
         counts = summary["selection"]
