@@ -78,7 +78,8 @@ def _quantizer(kind: str):
     return AmxQuantizer(4, 1, selection=None) if kind == "amx" else GpuQuantizer(4, 128, "static", "mse")
 
 
-@pytest.mark.parametrize("arch,kind", [("deepseek_v3", "amx"), ("deepseek_v3", "gpu"),
+@pytest.mark.parametrize("arch,kind", [("deepseek_v3", "amx"),
+                                       pytest.param("deepseek_v3", "gpu", marks=pytest.mark.slow),
                                        pytest.param("qwen3_next", "amx", marks=pytest.mark.slow)])
 def test_mtp_layer_is_calibrated_as_one_more_decoder_layer(tiny_model, tmp_path, arch, kind):
     from ktconvert.formats.hf_source import HFSource
