@@ -4,7 +4,7 @@ It records the options the run was started with, each finished layer's output fi
 digest of each source file read to its end. `--resume` skips finished layers (after checking their files are
 still there with the recorded size) and fully hashed source files, so a resumed run writes the same bytes, the
 manifest included, as an uninterrupted one. The journal is rewritten atomically after every layer and removed
-when the output is complete.
+when the output is complete, with the calibration stream's state a ``--quant gptq`` run keeps beside it.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from ktconvert.errors import OutputError, ResumeMismatchError
-from ktconvert.formats.out_manifest import JOURNAL_NAME
+from ktconvert.formats.out_manifest import JOURNAL_NAME, STREAM_STATE_NAME
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
 
 
@@ -65,6 +65,7 @@ class Journal:
         """A fresh journal, or with resume=True the existing one (its options must equal `options`)."""
         path = Path(out_dir) / JOURNAL_NAME
         if not resume or not path.exists():
+            (Path(out_dir) / STREAM_STATE_NAME).unlink(missing_ok=True)
             journal = cls(out_dir, options)
             journal.save()
             return journal
@@ -119,4 +120,6 @@ class Journal:
         os.replace(tmp, self.path)
 
     def remove(self) -> None:
+        """Remove the journal and the calibration stream's state saved with it (gptq/resume.py)."""
         self.path.unlink(missing_ok=True)
+        (self.out_dir / STREAM_STATE_NAME).unlink(missing_ok=True)

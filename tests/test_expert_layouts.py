@@ -180,6 +180,31 @@ def test_gpu_checkpoint_identical_across_layouts_every_family(layouts, tmp_path,
     _check_gpu_identity(layouts, tmp_path, model_type, [v for m, v in OTHER_LAYOUTS if m == model_type])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["cpu", "gpu"])
+def test_gptq_output_identical_across_layouts(layouts, tmp_path, kind):
+    """--quant gptq reads the experts through the same source: fused input-major Qwen3-MoE gives the bytes of
+    the per-expert checkpoint (CPU AMXINT4 and the GPU checkpoint)."""
+    pytest.importorskip("llmcompressor")
+    from ktconvert.cpu.convert import convert_cpu
+    from ktconvert.gpu.convert import convert_gpu
+    from ktconvert.inputs import open_input
+
+    calibration = tmp_path / "calib.jsonl"
+    calibration.write_text("".join(json.dumps({"input_ids": list(range(5 + i, 37 + 2 * i))}) + "\n" for i in range(3)))
+    digests = []
+    for i, variant in enumerate([None, VARIANTS[1]]):
+        source, out = open_input(layouts("qwen3_moe", variant)), tmp_path / f"v{i}"
+        if kind == "cpu":
+            convert_cpu(source, out, method="amxint4", numa=2, quant="gptq", calibration=calibration)
+        else:
+            convert_gpu(source, out, experts="w4a16", linears="keep", quant="gptq", calibration=calibration)
+        digest = _digest(out)
+        digest["files"].pop("expert_activation.pt")    # its metadata names the source files, which differ
+        digests.append(digest)
+    assert digests[0]["tensors"] and digests[1] == digests[0]
+
+
 # ---------------------------------------------------------------- deciding the orientation
 
 def test_square_separate_tensors_need_the_flag(layouts):
@@ -228,6 +253,10 @@ def test_cli_flag_reaches_the_conversion_and_verify(layouts, tmp_path):
     assert verified.exit_code == 0, verified.output
     report = json.loads(verified.output)
     assert report["ok"] and report["checks"]
+    planned = CliRunner().invoke(cli, ["plan", str(path), "--method", "amxint4", "--gpu-experts-ratio", "0.25",
+                                       "--expert-orientation", "in", "--json"])
+    assert planned.exit_code == 0, planned.output
+    assert json.loads(planned.output)["placement"]["gpu_experts_total"] > 0
 
 
 def test_two_layouts_in_one_layer_are_refused(layouts, tmp_path):

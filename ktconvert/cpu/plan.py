@@ -76,10 +76,8 @@ class CpuOptions(Options):
             raise UsageError("--quant gptq needs calibration data", expected="--calibration FILE (JSON lines)")
         if self.quant != "gptq" and self.calibration is not None:
             raise UsageError("--calibration is only used with --quant gptq", found=f"--quant {self.quant}")
-        unsupported = [flag for flag, on in (("--include-dense", self.include_dense),
-                                             ("--include-mtp", self.include_mtp)) if on]
-        if self.quant == "gptq" and unsupported:
-            raise UsageError("not available with --quant gptq", found=", ".join(unsupported))
+        if self.quant == "gptq" and self.include_dense:
+            raise UsageError("not available with --quant gptq", found="--include-dense")
         if not (0 <= self.dampening < float("inf")) or self.min_tokens < 0:
             raise UsageError("GPTQ options out of range", expected="dampening >= 0, min_tokens >= 0",
                              found=f"dampening {self.dampening}, min_tokens {self.min_tokens}")

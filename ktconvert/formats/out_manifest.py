@@ -28,6 +28,7 @@ from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
 
 MANIFEST_NAME = "ktconvert.json"
 JOURNAL_NAME = ".ktconvert-journal.json"
+STREAM_STATE_NAME = ".ktconvert-journal.stream.pt"   # a calibrated run's stream state (gptq/resume.py)
 LOCK_NAME = ".ktconvert.lock"
 FORMAT = "ktconvert-manifest"
 FORMAT_VERSION = 2
@@ -220,6 +221,6 @@ def output_files(out_dir) -> list[str]:
         dirnames.sort()
         for name in filenames:
             rel = (Path(dirpath) / name).relative_to(root).as_posix()
-            if rel not in (MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME):
+            if rel not in (MANIFEST_NAME, JOURNAL_NAME, STREAM_STATE_NAME, LOCK_NAME):
                 found.append(rel)
     return sorted(found)

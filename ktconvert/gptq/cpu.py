@@ -31,6 +31,7 @@ from ktconvert.gptq.calibration import load_samples
 from ktconvert.gptq.hessians import single_thread_on_cpu
 from ktconvert.gptq.holdout import REASONS, SelectionOptions
 from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream
+from ktconvert.gptq.resume import StreamState, samples_digest
 from ktconvert.layouts.naming import PROJS
 from ktconvert.layouts.numa import numa_slices
 from ktconvert.methods import METHODS
@@ -143,27 +144,41 @@ def _bf16_bits(weight) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------- entry points
 
-def gptq_amx_codes(src, calibration, method_bits: int, numa: int, *, max_length: int = 2048,
-                   num_samples: int | None = None, options: GptqOptions = GptqOptions(),
-                   fallback_quant: str | None = None,
-                   selection: SelectionOptions | None = SelectionOptions()) -> Iterator[LayerResult]:
-    """GPTQ codes for every MoE layer of checkpoint `src`, in layer order, one layer in memory at a time.
-
-    calibration: a jsonl path (ktconvert.gptq.calibration) or a list of 1-D int64 token tensors (file order).
-    Yields LayerResult with payloads[(expert, proj)] = [(codes int8 [n_t, k_t], d float32 [n_t]) per NUMA part]
-    (tile with ktconvert.layouts.tiles.pack_int4 / pack_int8, or write_layer()), tokens (routed calibration
-    tokens per expert), fallback / reasons (experts written data-free and why; quantizer name in
-    ``result.fallback_quant``) and the held-out errors (``errors``)."""
+def amx_stream(src, calibration, method_bits: int, numa: int, *, max_length: int = 2048,
+               num_samples: int | None = None, options: GptqOptions = GptqOptions(),
+               fallback_quant: str | None = None, selection: SelectionOptions | None = SelectionOptions(),
+               mtp_layers=()) -> LayerStream:
+    """The GPTQ stream over checkpoint `src` (path or HFSource) with an AmxQuantizer (``stream.quantizer``) and
+    the calibration samples (``stream.samples_digest``: resume.samples_digest of them). calibration: a jsonl
+    path (ktconvert.gptq.calibration) or a list of 1-D int64 token tensors (file order). mtp_layers: MTP layers
+    quantized after the decoder layers (gptq.stream)."""
     source = src if isinstance(src, HFSource) else HFSource.open(src)
     samples = calibration
     if isinstance(calibration, (str, Path)):
         samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
     quantizer = AmxQuantizer(method_bits, numa, fallback_quant, selection)
-    stream = LayerStream(source, samples, quantizer, options)
+    stream = LayerStream(source, samples, quantizer, options, mtp_layers=mtp_layers)
+    stream.samples_digest = samples_digest(samples)
+    return stream
+
+
+def stream_results(stream: LayerStream) -> Iterator[LayerResult]:
+    """The stream's remaining MoE (and MTP) layers' LayerResults, in layer order (fallback_quant set)."""
     for result in stream.layers_results():
-        result.fallback_quant = quantizer.fallback_quant
+        result.fallback_quant = stream.quantizer.fallback_quant
         yield result
+
+
+def gptq_amx_codes(src, calibration, method_bits: int, numa: int, **stream_options) -> Iterator[LayerResult]:
+    """GPTQ codes for every MoE layer of checkpoint `src`, in layer order, one layer in memory at a time
+    (stream_options: amx_stream's keywords).
+
+    Yields LayerResult with payloads[(expert, proj)] = [(codes int8 [n_t, k_t], d float32 [n_t]) per NUMA part]
+    (tile with ktconvert.layouts.tiles.pack_int4 / pack_int8, or write_layer()), tokens (routed calibration
+    tokens per expert), fallback / reasons (experts written data-free and why; quantizer name in
+    ``result.fallback_quant``) and the held-out errors (``errors``)."""
+    yield from stream_results(amx_stream(src, calibration, method_bits, numa, **stream_options))
 
 
 def selection_counts(result: LayerResult) -> dict:
@@ -185,11 +200,11 @@ def write_layer(writer, method, result: LayerResult) -> None:
 def write_gptq_layers(output, samples: list, progress=None, *, options: GptqOptions = GptqOptions(),
                       selection: SelectionOptions | None = SelectionOptions()) -> dict:
     """Write every layer of an opened CPU output (cpu.output.CpuOutput, quant "gptq": its options hold method and
-    numa) from gptq_amx_codes on `samples` (1-D int64 token tensors), then record the source files' digests in its
-    journal. Layers the journal holds (--resume) are computed (the next layer's inputs need them) but not written
-    again: the bytes are the same. progress: one phase over the layers' source bytes, advanced per layer.
-    Returns {"tokens" {layer: [per expert]}, "fallback" {layer: [experts]}, "fallback_quant",
-    "selection" {layer: selection_counts}}."""
+    numa; its layers may include MTP layers) from the GPTQ stream on `samples` (1-D int64 token tensors), then
+    record the source files' digests in its journal. A resumed output (``output.resume``) restores the stream
+    saved with its journal (gptq.resume) and writes only the layers the journal does not record. progress: one
+    phase over the layers' source bytes, advanced per layer. Returns {"tokens" {layer: [per expert]}, "fallback"
+    {layer: [experts]}, "fallback_quant", "selection" {layer: selection_counts}}."""
     method, source = output.method, output.source
     if not hasattr(method, "bits"):
         tiled = [name for name, m in METHODS.items() if hasattr(m, "bits")]
@@ -197,21 +212,27 @@ def write_gptq_layers(output, samples: list, progress=None, *, options: GptqOpti
                          found=method.name)
     sizes = layer_source_bytes(source, output.layers)
     progress = progress or Progress()
-    progress.start(sum(sizes.values()), len(sizes), f"cpu {method.name.upper()} gptq")
-    summary = {"tokens": {}, "fallback": {}, "fallback_quant": None, "selection": {}}
-    for result in gptq_amx_codes(source, samples, method.bits, output.options.numa, options=options,
-                                 selection=selection):
+    progress.start(sum(sizes.values()), len(output.layers), f"cpu {method.name.upper()} gptq")
+    mtp = [layer for layer in output.layers if layer in source.info.mtp_layers]
+    stream = amx_stream(source, samples, method.bits, output.options.numa, options=options, selection=selection,
+                        mtp_layers=mtp)
+    saved = StreamState(output.out_dir, stream.samples_digest)
+    unfinished = [layer for layer in output.layers if not output.journal.layer_done(layer)]
+    layers = saved.restore(stream, unfinished) if output.resume else {}
+    for layer in sorted(layers):
+        progress.advance(sizes.get(layer, 0), items=1, detail=f"layer {layer} (saved)")
+    for result in stream_results(stream):
         if not output.journal.layer_done(result.layer):
             _write_journalled(output, method, result)
-        summary["tokens"][result.layer] = result.tokens
-        summary["fallback"][result.layer] = result.fallback
-        summary["fallback_quant"] = result.fallback_quant
-        summary["selection"][result.layer] = selection_counts(result)
-        progress.advance(sizes[result.layer], items=1, detail=f"layer {result.layer}")
+        layers[result.layer] = {"tokens": result.tokens, "fallback": result.fallback,
+                                "selection": selection_counts(result)}
+        saved.save(stream, layers)
+        progress.advance(sizes.get(result.layer, 0), items=1, detail=f"layer {result.layer}")
     for path in source.files():
         size, sha256, _ = hash_file(path)
         output.journal.finish_source(source.relative_name(path), {"bytes": size, "sha256": sha256})
-    return summary
+    summary = {key: {L: layers[L][key] for L in sorted(layers)} for key in ("tokens", "fallback", "selection")}
+    return {**summary, "fallback_quant": stream.quantizer.fallback_quant}
 
 
 def _write_journalled(output, method, result: LayerResult) -> None:
@@ -233,10 +254,11 @@ def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, opti
     touched), open OUT, write every layer, finalize (ktconvert.json with quant "gptq" and a "gptq" record: the
     options and, per layer, how many experts took GPTQ / the data-free quantizer and why). options / selection:
     None = from the output's CpuOptions (dampening, min_tokens). An interrupted or failed run continues with
-    --resume (every layer is computed again, the journalled ones are not rewritten) or starts over with --force.
-    Returns the ConvertResult (details: tokens per expert, fallback experts, fallback_quant, selection counts).
-    OUT also gets expert_activation.pt, the routed-token counts of the calibration
-    (activation.stats.write_gptq_activation), recorded in the manifest and its SGLang flags."""
+    --resume after its last finished layer (write_gptq_layers) or starts over with --force. Returns the
+    ConvertResult (details: tokens per expert, fallback experts, fallback_quant, selection counts). OUT also gets
+    expert_activation.pt, the routed-token counts of the calibration (activation.stats.write_gptq_activation),
+    recorded in the manifest and its SGLang flags (decoder layers only: the MTP layers' counts are not the main
+    model's)."""
     opts = output.options
     options = options or GptqOptions(dampening=opts.dampening)
     selection = selection or SelectionOptions(min_tokens=opts.min_tokens)
@@ -246,7 +268,8 @@ def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, opti
 
     def write(output) -> None:
         summary = write_gptq_layers(output, samples, progress, options=options, selection=selection)
-        output.expert_activation = write_gptq_activation(output.out_dir, output.source, summary["tokens"],
+        decoder = {L: t for L, t in summary["tokens"].items() if L < output.source.info.n_layers}
+        output.expert_activation = write_gptq_activation(output.out_dir, output.source, decoder,
                                                          output.options.calibration, max_length=max_length,
                                                          num_samples=num_samples)
         counts = summary["selection"]

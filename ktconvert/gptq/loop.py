@@ -76,16 +76,18 @@ class LayerStream(DecoderStream):
     """GPTQ over checkpoint `src`'s decoder layers in order, with calibration `samples` (list of 1-D int64
     token tensors in file order; calibrated in ``oneshot_order``), quantizer `quantizer` (see GpuQuantizer for
     the interface) and GptqOptions. A quantizer with a ``selection`` (holdout.SelectionOptions) and
-    ``dequantized`` gets the held-out selection of ``holdout.py``: its Hessians come from the fit tokens only."""
+    ``dequantized`` gets the held-out selection of ``holdout.py``: its Hessians come from the fit tokens only.
+    mtp_layers: MTP layers quantized after the decoder layers (DecoderStream)."""
 
-    def __init__(self, src, samples: list, quantizer, options: GptqOptions = GptqOptions()):
+    def __init__(self, src, samples: list, quantizer, options: GptqOptions = GptqOptions(), mtp_layers=()):
         self.quantizer, self.options = quantizer, options
         self.selection = getattr(quantizer, "selection", None)
         every = self.selection.holdout_every if self.selection is not None else 0
         order = oneshot_permutation(samples) if samples else []
         masks = holdout_masks([len(s) for s in samples], every)
         self.held_masks = [masks[i] for i in order] if every else None
-        super().__init__(src, [samples[i] for i in order], device=options.device, causal_mask=options.causal_mask)
+        super().__init__(src, [samples[i] for i in order], device=options.device, causal_mask=options.causal_mask,
+                         mtp_layers=mtp_layers)
 
     def layers_results(self) -> Iterator[LayerResult]:
         """Run every decoder layer in order; yields a LayerResult after each MoE layer is quantized."""
@@ -95,7 +97,7 @@ class LayerStream(DecoderStream):
 
     def process_layer(self, L: int, layer) -> LayerResult | None:
         """GPTQ of layer L's experts (MoE layers), then propagation with the quantized weights."""
-        experts = experts_module(layer) if L in self.info.moe_layers else None
+        experts = experts_module(layer) if L in self.info.moe_layers or L in self.mtp else None
         result = self._quantize_experts(L, layer, experts) if experts is not None else None
         self.propagate(L, layer, lambda: self._propagation_context(layer))
         return result

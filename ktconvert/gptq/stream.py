@@ -11,11 +11,20 @@
              counts: ktconvert.activation)
     free     the layer is replaced by Identity and the heap trimmed
 
+MTP (next-n) layers, when asked for (``mtp_layers``), run after the last decoder layer, in order, each on the
+hidden states the layer before it produced (the last decoder layer's output for the first one), with that decoder
+layer's keyword arguments (mask, rotary embeddings). Their module is a copy of the last decoder layer whose tensor
+names the MTP layer's checkpoint tensors match (an MTP layer is a decoder layer: DeepSeek / GLM's
+``model.layers.{num_hidden_layers}``, Qwen3-Next / Qwen3.5's full-attention ``mtp.layers.{k}``). The MTP head's own
+input projection (``eh_proj`` / ``mtp.fc`` over the next token's embedding and the hidden states) is not run: the
+layer is calibrated on the decoder's hidden states themselves.
+
 Memory: one layer's weights + the calibration activations (T x H per sample, x2 while a layer runs).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 
 from ktconvert.errors import InputError
@@ -33,9 +42,11 @@ class DecoderStream:
     the order given) one decoder layer at a time.
 
     dtype: torch dtype of the layers (None: what from_pretrained gives, config.json's dtype); device: "cpu" /
-    "cuda" / None (CUDA when torch sees one); causal_mask False: attention_mask=None (tests only)."""
+    "cuda" / None (CUDA when torch sees one); causal_mask False: attention_mask=None (tests only); mtp_layers: MTP
+    layers (numbered n_layers + k, from ``info.mtp_layers``) run after the decoder layers (see the module doc)."""
 
-    def __init__(self, src, samples: list, *, dtype=None, device: str | None = None, causal_mask: bool = True):
+    def __init__(self, src, samples: list, *, dtype=None, device: str | None = None, causal_mask: bool = True,
+                 mtp_layers=()):
         if not samples:
             raise InputError("no calibration samples", hint="--calibration FILE must hold at least one sample")
         self.source = src if isinstance(src, HFSource) else HFSource.open(src)
@@ -48,7 +59,29 @@ class DecoderStream:
         self.prefix = self.info.name_prefix
         embed = self._tensor(self.prefix + "embed_tokens.weight", self.model.model.embed_tokens.weight)
         self.hidden, self.kwargs = record_inputs(self.model, embed, samples, causal_mask)
+        mtp_layers = sorted(mtp_layers)
+        if mtp_layers != list(range(len(self.layers), len(self.layers) + len(mtp_layers))) or \
+                not set(mtp_layers) <= set(self.info.mtp_layers):
+            raise ValueError(f"MTP layers are numbered from {len(self.layers)} on, in order: got {mtp_layers}")
+        self.mtp = {L: self._mtp_module(L) for L in mtp_layers}   # MTP layer -> (module, the layer it copies)
+        self.n_total = len(self.layers) + len(self.mtp)
         self.done = -1
+
+    def _mtp_module(self, L: int) -> tuple:
+        """(meta module, decoder layer it copies) for MTP layer L: the last decoder layer whose tensor names, under
+        MTP layer L's prefix, are all in the checkpoint (experts: in the source)."""
+        present = set(self.checkpoint.tensors)
+        for t in reversed(self.info.moe_layers):
+            keys = [k for k in self.layers[t].state_dict(keep_vars=True) if not EXPERT_KEY.match(k)]
+            if all(self._checkpoint_name(self._layer_tensor_name(L, k)) in present for k in keys):
+                return copy.deepcopy(self.layers[t]), t
+        raise InputError(f"MTP layer {L}: no decoder layer of the model has its tensors", file=self._index_name(),
+                         tensor=self._layer_tensor_name(L, ""),
+                         hint="convert without --include-mtp (the MTP layer is left out)")
+
+    def _layer_tensor_name(self, L: int, key: str) -> str:
+        """Checkpoint name of layer L's tensor `key` (MTP layers under the family's MTP prefix)."""
+        return self.info.layer_name("layers.{L}." + key.replace("{", "{{").replace("}", "}}"), L)
 
     # -- weights
 
@@ -104,17 +137,17 @@ class DecoderStream:
     def load_layer(self, L: int):
         """Assign layer L's weights into the skeleton (experts via HFSource); returns the layer module on the
         stream's device."""
-        layer = self.layers[L]
+        layer = self.mtp[L][0] if L in self.mtp else self.layers[L]
         state, experts = {}, {}
         for key, like in layer.state_dict(keep_vars=True).items():
             m = EXPERT_KEY.match(key)
-            if m and L in self.info.moe_layers:
+            if m and (L in self.info.moe_layers or L in self.mtp):
                 e = int(m.group(1))
                 if e not in experts:
                     experts[e] = self.source.read_expert(L, e)
                 state[key] = self._expert_tensor(experts[e], m.group(2), m.group(3), like, L, e)
             else:
-                state[key] = self._tensor(f"{self.prefix}layers.{L}.{key}", like)
+                state[key] = self._tensor(self._layer_tensor_name(L, key), like)
             if len(experts) > 1:
                 experts.pop(min(experts))
         layer.load_state_dict(state, assign=True, strict=True)
@@ -144,15 +177,34 @@ class DecoderStream:
         layer = self.load_layer(L)
         with torch.no_grad():
             result = self.process_layer(L, layer)
-        self.layers[L] = torch.nn.Identity()
+        self._free(L)
         del layer
         self.done = L
         malloc_trim()
         return result
 
+    def _free(self, L: int) -> None:
+        import torch
+
+        if L in self.mtp:
+            self.mtp[L] = (torch.nn.Identity(), self.mtp[L][1])
+        else:
+            self.layers[L] = torch.nn.Identity()
+
+    def skip_to(self, L: int, hidden: list) -> None:
+        """Continue after layer L (a resumed run): layers up to L are dropped unrun, `hidden` (per sample [1, S, H],
+        what layer L produced in an earlier run) becomes the next layer's input."""
+        if len(hidden) != len(self.hidden):
+            raise ValueError(f"{len(hidden)} hidden states for {len(self.hidden)} calibration samples")
+        for done in range(self.done + 1, L + 1):
+            self._free(done)
+        self.hidden, self.done = list(hidden), L
+        malloc_trim()
+
     def run_all(self):
-        """Every remaining decoder layer in order; yields (L, process_layer's result)."""
-        while self.done + 1 < len(self.layers):
+        """Every remaining decoder layer, then the MTP layers asked for, in order; yields (L, process_layer's
+        result)."""
+        while self.done + 1 < self.n_total:
             L = self.done + 1
             yield L, self.run_layer(L)
 
@@ -162,7 +214,8 @@ class DecoderStream:
 
     def forward(self, layer, i: int, L: int):
         """Layer L's forward on sample i's hidden states [1, S, H]; returns the output hidden states."""
-        out = layer(self.hidden[i].to(self.device), **to_device(self.kwargs[i][L], self.device))
+        template = self.mtp[L][1] if L in self.mtp else L
+        out = layer(self.hidden[i].to(self.device), **to_device(self.kwargs[i][template], self.device))
         return out[0] if isinstance(out, tuple) else out
 
     def propagate(self, L: int, layer, context=contextlib.nullcontext) -> None:

@@ -7,8 +7,9 @@
 
 GPTQ hook: ``ktconvert.gpu.gptq.quantize_layer_gptq(source, layer, state, bits=, group_size=, emit=,
 calibration=)`` with ``state`` None for the first layer; it calls ``emit(expert, proj, tensors)`` once per routed
-expert matrix (tensors as ``experts.quantize_expert_rtn`` returns them) and returns the state for the next layer.
-config.json then says ``actorder: "static"``.
+expert matrix (tensors as ``experts.quantize_expert_rtn`` returns them) and returns the state for the next layer;
+``ktconvert.gpu.gptq.write_gptq_layers`` runs it over the output's layers (resumable). config.json then says
+``actorder: "static"``.
 """
 from __future__ import annotations
 
@@ -57,39 +58,30 @@ def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | N
 
 
 def gptq_hook():
-    """ktconvert.gpu.gptq.quantize_layer_gptq (imported on use: it brings torch and llmcompressor), or a clear
+    """ktconvert.gpu.gptq.write_gptq_layers (imported on use: it brings torch and llmcompressor), or a clear
     error where it cannot be imported."""
     try:
-        from ktconvert.gpu.gptq import quantize_layer_gptq
+        from ktconvert.gpu.gptq import write_gptq_layers
     except ImportError:
         raise KtConvertError("--quant gptq is not available in this installation of ktconvert",
-                             expected="ktconvert.gpu.gptq.quantize_layer_gptq", found="not importable",
+                             expected="ktconvert.gpu.gptq.write_gptq_layers", found="not importable",
                              hint="use --quant rtn") from None
-    return quantize_layer_gptq
+    return write_gptq_layers
 
 
 def _run_gptq(output: GpuOutput, samples: list, progress) -> None:
-    """Layers in order through the GPTQ hook on `samples` (1-D int64 token tensors; not file order: each layer
-    needs the previous layer's outputs); then OUT/expert_activation.pt from the hook's routed-token counts (set
-    as the output's expert_activation)."""
-    quantize_layer_gptq = gptq_hook()
+    """Layers in order through the GPTQ hook's loop on `samples` (1-D int64 token tensors; not file order: each
+    layer needs the previous layer's outputs; ``ktconvert.gpu.gptq.write_gptq_layers``, resumable); then
+    OUT/expert_activation.pt from its routed-token counts of the decoder layers (set as the output's
+    expert_activation)."""
+    write_gptq_layers = gptq_hook()
     opts, source = output.options, output.source
     sizes = layer_source_bytes(source, output.layers)
-    progress.start(sum(sizes.values()), len(sizes), f"gpu {opts.experts.upper()} gptq")
-    state = None
-    for layer in output.layers:
-        writer = output.begin_layer(layer)
-        try:
-            state = quantize_layer_gptq(source, layer, state, bits=opts.bits, group_size=opts.group_size,
-                                        emit=lambda e, proj, tensors: writer.put_tensors(e, proj, tensors),
-                                        calibration=samples)
-            output.layer_finished(layer, writer.finish())
-        except BaseException:
-            writer.abort()
-            raise
-        progress.advance(sizes[layer], items=1, detail=f"layer {layer}")
+    progress.start(sum(sizes.values()), len(output.layers), f"gpu {opts.experts.upper()} gptq")
+    state = write_gptq_layers(output, samples, progress, sizes)
     fingerprint = source_fingerprint(source.root, source.files())
     for name, entry in fingerprint["files"].items():
         output.journal.finish_source(name, entry)
-    if state is not None and state.tokens:
-        output.expert_activation = write_gptq_activation(output.out_dir, source, state.tokens, opts.calibration)
+    decoder = {L: tokens for L, tokens in state.tokens.items() if L < source.info.n_layers}
+    if decoder:
+        output.expert_activation = write_gptq_activation(output.out_dir, source, decoder, opts.calibration)
