@@ -188,7 +188,7 @@ def _finish(report: dict) -> dict:
     for row in rows:
         rel = row["outputs"]["out"]["moe_rel_l2"]
         if limit is not None and rel > limit:
-            report["problems"].append(f"layer {row['layer']}: MoE output on the calibration tokens vs source: "
+            report["problems"].append(f"layer {row['layer']}: MoE output on the tokens of --calibration vs source: "
                                       f"relative L2 {rel:.4g} > {limit:g}")
     report["ok"] = not report["problems"] and bool(rows)
     report["summary"] = _summary(report) if rows else "no layers checked"

@@ -145,7 +145,7 @@ def render(result: dict) -> str:
     lines += [f"  {r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}".rstrip() for r in rows]
     numerics = result.get("numerics") or {}
     if numerics.get("probe") == "calibration" and numerics.get("layers"):
-        lines.append("MoE output vs source on the calibration tokens:")
+        lines.append("MoE output vs source on the tokens of --calibration FILE:")
         lines += calibrated.render_rows(numerics)
     problems = result.get("problems", [])
     lines.append("result: OK" if result.get("ok") else f"result: FAILED ({len(problems)} problem line(s))")
