@@ -67,7 +67,8 @@ def given_targets(ctx: click.Context, targets_file: str | None) -> list:
 def _tables(kinds: list[tuple[str, str]], events: list, ctx: click.Context) -> list[dict]:
     """One table per target, in command-line order, from the options read (see the module's rules)."""
     tables = [{kind: out} for kind, out in kinds]
-    moved = []
+    moved, narrowed = [], []
+    old_spelling = sorted(k for k, _ in kinds) == ["cpu", "gpu"]
     for number, key, value, flag in events:
         if number is None:
             takers = [t for (kind, _), t in zip(kinds, tables) if key in FIELDS[kind]]
@@ -80,6 +81,8 @@ def _tables(kinds: list[tuple[str, str]], events: list, ctx: click.Context) -> l
         kind = kinds[number - 1][0]
         if key in FIELDS[kind]:
             tables[number - 1][key] = value
+            if old_spelling and all(key in FIELDS[k] for k, _ in kinds):
+                narrowed.append(f"{flag} after --{kind} {kinds[number - 1][1]}")
             continue
         owner = _old_spelling_owner(kinds, key)
         if owner is None:
@@ -90,6 +93,9 @@ def _tables(kinds: list[tuple[str, str]], events: list, ctx: click.Context) -> l
     if moved:
         click.echo(f"warning: {', '.join(moved)} is deprecated: give each output's options after its own "
                    f"--cpu / --gpu", err=True)
+    if narrowed:
+        click.echo(f"warning: {', '.join(narrowed)} applies to that output only (before this release it applied to "
+                   f"both); give it before the first --cpu / --gpu for both", err=True)
     return tables
 
 

@@ -258,3 +258,24 @@ def test_a_targets_file_comes_before_the_command_line_targets(singles, tmp_path)
     res = run("convert", src, "--cpu", tmp_path / "b", "--method", "amxint4", "--gpu", code=EXIT_USAGE)
     assert "Option '--gpu' requires an argument" in res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.toml"]
+
+
+def test_old_spelling_warns_when_an_option_both_sides_take_now_goes_to_one(capsys):
+    """`--cpu A --method rawint4 --gpu B --group-size 64`: before repeatable targets --group-size went to both
+    outputs; now it is B's only. That change is said on stderr, not made silently."""
+    import click
+
+    from ktconvert.cli_targets import _tables
+
+    ctx = click.Context(click.Command("convert"))
+    kinds = [("cpu", "A"), ("gpu", "B")]
+    events = [(1, "method", "rawint4", "--method"), (2, "group_size", 64, "--group-size")]
+    tables = _tables(kinds, events, ctx)
+    assert tables == [{"cpu": "A", "method": "rawint4"}, {"gpu": "B", "group_size": 64}]
+    assert capsys.readouterr().err.strip() == (
+        "warning: --group-size after --gpu B applies to that output only (before this release it applied to both); "
+        "give it before the first --cpu / --gpu for both")
+    # several outputs (the new spelling) or an option only one kind takes: nothing to say
+    _tables(kinds + [("cpu", "C")], events, ctx)
+    _tables(kinds, [(1, "method", "amxint4", "--method"), (1, "numa", 2, "--numa")], ctx)
+    assert capsys.readouterr().err == ""
