@@ -91,11 +91,12 @@ def plan_outputs(src, targets, *, threads: int | None = None, resume: bool = Fal
                  layers=None) -> list:
     """The output.Output of each target (as convert() takes them), planned on one opening of `src` and not yet
     opened; UsageError for GPTQ, two targets in one folder or too little free disk for all of them,
-    MissingExtraError (exit 2) for a GPU target without the [gpu] extra."""
+    MissingExtraError (exit 2) for a GPU target without the [gpu] extra. With `layers` (a part) a hub source is
+    opened in part: only the shards the part reads are downloaded (ops.hub_shards)."""
     wanted = _targets(targets)
     if any(target.kind == "gpu" for target in wanted):
         require("gpu", "ktconvert convert")
-    input = open_input(src)
+    input = open_input(src, in_part=layers is not None)
     built = [_target_output(input, target, threads, resume, force, layers) for target in wanted]
     check_disk([(o.out_dir, o.plan["total_bytes"]) for o in built if not (resume and o.out_dir.exists())], free_at)
     return built
@@ -157,7 +158,7 @@ def plan(src, cpu=None, gpu=None, *, out=None, threads: int | None = None, place
     if cpu is None and gpu is None and placement is None:
         raise UsageError("nothing to plan", expected="CPU options (method=...), GPU options (gpu=...) and / or "
                                                      "a GPU expert placement (placement=...)")
-    input = open_input(src)
+    input = open_input(src, in_part=layers is not None)
     return PlanResult(source=input.spec, cpu=None if cpu is None else plan_cpu(input, cpu, out=out, threads=threads),
                       gpu=None if gpu is None else plan_gpu(input, gpu),
                       placement=None if placement is None else _plan_placement(src, gpu, placement))
