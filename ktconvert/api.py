@@ -158,7 +158,7 @@ def plan(src, cpu=None, gpu=None, *, out=None, threads: int | None = None, place
     if cpu is None and gpu is None and placement is None:
         raise UsageError("nothing to plan", expected="CPU options (method=...), GPU options (gpu=...) and / or "
                                                      "a GPU expert placement (placement=...)")
-    input = open_input(src, in_part=layers is not None)
+    input = open_input(src)
     return PlanResult(source=input.spec, cpu=None if cpu is None else plan_cpu(input, cpu, out=out, threads=threads),
                       gpu=None if gpu is None else plan_gpu(input, gpu),
                       placement=None if placement is None else _plan_placement(src, gpu, placement))
