@@ -91,11 +91,12 @@ def plan_outputs(src, targets, *, threads: int | None = None, resume: bool = Fal
                  layers=None) -> list:
     """The output.Output of each target (as convert() takes them), planned on one opening of `src` and not yet
     opened; UsageError for GPTQ, two targets in one folder or too little free disk for all of them,
-    MissingExtraError (exit 2) for a GPU target without the [gpu] extra."""
+    MissingExtraError (exit 2) for a GPU target without the [gpu] extra. With `layers` (a part) a hub source is
+    opened in part: only the shards the part reads are downloaded (ops.hub_shards)."""
     wanted = _targets(targets)
     if any(target.kind == "gpu" for target in wanted):
         require("gpu", "ktconvert convert")
-    input = open_input(src)
+    input = open_input(src, in_part=layers is not None)
     built = [_target_output(input, target, threads, resume, force, layers) for target in wanted]
     check_disk([(o.out_dir, o.plan["total_bytes"]) for o in built if not (resume and o.out_dir.exists())], free_at)
     return built

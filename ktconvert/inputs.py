@@ -11,6 +11,7 @@ from ktconvert.errors import InputError
 from ktconvert.formats.base import Source
 from ktconvert.formats.sources import open_source
 from ktconvert.ops import hub
+from ktconvert.ops.hub_shards import resolve_in_part
 
 
 @dataclass
@@ -25,13 +26,18 @@ class Input:
     hub: dict = field(default_factory=dict)
 
 
-def open_input(src, expert_orientation: str | None = None) -> Input:
+def open_input(src, expert_orientation: str | None = None, in_part: bool = False) -> Input:
     """Resolve and open `src` (an Input passes through). InputError when a local path does not exist.
-    expert_orientation: ``--expert-orientation`` ("out" / "in") for square fused expert tensors, or None."""
+    expert_orientation: ``--expert-orientation`` ("out" / "in") for square fused expert tensors, or None.
+    in_part: a hub source's shards stay on the hub until read (ops.hub_shards; a plan, or a part of some layers,
+    downloads only what it reads)."""
     if isinstance(src, Input):
         return src
     spec = str(src)
-    if spec.startswith(("hf://", "ms://")):
+    remote = None
+    if spec.startswith(("hf://", "ms://")) and in_part:
+        path, extra, remote = resolve_in_part(spec)
+    elif spec.startswith(("hf://", "ms://")):
         path, extra = hub.resolve_source(spec)
         path = Path(path)
     else:
@@ -40,4 +46,4 @@ def open_input(src, expert_orientation: str | None = None) -> Input:
             raise InputError("source does not exist", file=path)
     if expert_orientation is not None:
         extra = {**extra, "expert_orientation": expert_orientation}
-    return Input(spec, path, open_source(path, expert_orientation), extra)
+    return Input(spec, path, open_source(path, expert_orientation, remote), extra)

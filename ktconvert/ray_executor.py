@@ -7,8 +7,9 @@
 
 What runs where: the driver plans, shows progress and merges (hard links: no byte copied when PARTS_DIR and OUT
 share a filesystem); each task reads only the source files holding its layers and writes its part. SRC and
-PARTS_DIR must be the same path on every node (a shared filesystem), or SRC a hub source each node resolves
-itself. A task whose worker dies is retried by Ray (``max_retries``) and resumes from its part's journal, so the
+PARTS_DIR must be the same path on every node (a shared filesystem), or SRC a hub source: then the driver plans
+from its small files and shard headers, and each task downloads only the shards it reads into its node's cache
+(ops.hub_shards), all at the commit the driver planned from. A task whose worker dies is retried by Ray (``max_retries``) and resumes from its part's journal, so the
 bytes are the same. Progress: every task reports its bytes to a small actor the driver reads twice a second.
 
 ``import ray`` happens only here, inside the functions: ``ktconvert --help`` never loads it.
@@ -55,7 +56,9 @@ def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str
     progress = progress or Progress()
     cpus = max(1, threads or 1)
     spec, orientation = _source_spec(src)
-    outputs = api.plan_outputs(open_input(spec, orientation), targets, threads=cpus)
+    input = open_input(spec, orientation, in_part=True)
+    spec = _pinned(spec, input.hub)
+    outputs = api.plan_outputs(input, targets, threads=cpus)
     layers = outputs[0].layers
     if resume and all((o.out_dir / MANIFEST_NAME).is_file() for o in outputs):
         return [result_of(o, None, {}) for o in outputs]
@@ -86,6 +89,14 @@ def _source_spec(src) -> tuple[str, str | None]:
     if not spec.startswith(("hf://", "ms://")):
         spec = str(Path(spec).resolve())
     return spec, orientation
+
+
+def _pinned(spec: str, hub: dict) -> str:
+    """A hub `spec` at the commit the driver planned from (every task reads the same revision); else `spec`."""
+    if not hub.get("revision"):
+        return spec
+    scheme, rest = spec.split("://", 1)
+    return f"{scheme}://{rest.split('@', 1)[0]}@{hub['revision']}"
 
 
 def _check_outs(outputs: list, force: bool) -> None:
@@ -222,7 +233,7 @@ def run_part(spec: str, orientation, targets: list, layer_range: tuple[int, int]
     progress = BoardProgress(board, index)
     try:
         with progress:
-            api.convert(open_input(spec, orientation), targets, threads=threads, resume=True,
+            api.convert(open_input(spec, orientation, in_part=True), targets, threads=threads, resume=True,
                         layers=layer_range, progress=progress)
     except KtConvertError as exc:
         return {"error": str(exc), "exit_code": exc.exit_code}

@@ -62,6 +62,7 @@ def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int
     its sha256, and refuse it when they differ (stream.known_sha256)."""
     one_pass = _Pass(jobs, source, outputs, journal, workers, progress)
     files = [p for p in source.files() if (files is None or p in files) and not one_pass.file_done(p)]
+    source.ensure_local(files)
     readers = max(1, min(MAX_READERS, workers, len(files)))
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool, \

@@ -17,7 +17,8 @@ from ktconvert import api  # noqa: E402
 from ktconvert.cli import cli  # noqa: E402
 from ktconvert.progress import Progress  # noqa: E402
 from ktconvert.ray_executor import convert_on_ray  # noqa: E402
-from test_parts import CPU, source, single, tree  # noqa: E402,F401  (fixtures: a tiny deepseek_v3, its single run)
+from test_parts import CPU, MODEL, source, single, tree  # noqa: E402,F401  (fixtures: a tiny deepseek_v3, its single run)
+from test_hub import hub_env, server  # noqa: E402,F401  (fixtures: the stand-in hub on 127.0.0.1)
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +107,22 @@ def test_part_no_node_can_run_is_refused_before_any_task(cluster, source, tmp_pa
                                       "--executor", "ray", "--threads", "2", "--quiet"])
     assert result.exit_code == 2 and "no Ray node can run a part" in result.output and "2 CPUs" in result.output
     assert not (tmp_path / "out.parts").exists()
+
+
+def test_hub_source_on_ray_equals_single_run_and_driver_downloads_no_shard(cluster, server, hub_env, monkeypatch):
+    from ktconvert.testing.tiny import make_tiny_model
+    from test_hub_parts import cached_shards
+
+    local = make_tiny_model(hub_env / "ds", "deepseek_v3", **MODEL)
+    spec = "hf://org/ds"
+    server.store.seed("hf", "org/ds", local)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "single-cache"))
+    api.convert(spec, [(hub_env / "single", CPU)])
+    env = {"HF_ENDPOINT": server.url, "HF_HOME": str(hub_env / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1",
+           "KTCONVERT_HUB_CACHE": str(hub_env / "task-cache")}
+    monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "driver-cache"))
+    convert_on_ray(spec, [(hub_env / "out", CPU)], parts=3, runtime_env={"env_vars": env})
+    assert tree(hub_env / "out") == tree(hub_env / "single")
+    assert cached_shards(hub_env / "driver-cache") == set()       # the driver planned from config, index, headers
+    assert cached_shards(hub_env / "task-cache") == {p.name for p in local.glob("*.safetensors")}

@@ -98,6 +98,9 @@ class Source:
         """The weight files, in the order they are read."""
         raise NotImplementedError
 
+    def ensure_local(self, files) -> None:
+        """Make `files` (of files()) readable on disk: a source opened in part downloads them here."""
+
     def relative_name(self, path: Path) -> str:
         """`path` relative to root (posix): the key of its fingerprint in manifests and journals."""
         return Path(path).relative_to(self.root).as_posix()

@@ -27,6 +27,7 @@ from ktconvert.formats.base import ExpertWeights, Source
 from ktconvert.formats.expert_layout import FusedTensor, LayerLayout, Orientation
 from ktconvert.formats.safetensors_reader import Checkpoint
 from ktconvert.formats.stream import MatrixJob
+from ktconvert.layouts.naming import INDEX_NAME
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 
 PROJS = ("gate", "up", "down")
@@ -54,12 +55,15 @@ class HFSource(Source):
     @classmethod
     def sniff(cls, path) -> bool:
         p = Path(path)
-        return p.suffix == ".safetensors" if p.is_file() else any(p.glob("*.safetensors"))
+        if p.is_file():
+            return p.suffix == ".safetensors"
+        return any(p.glob("*.safetensors")) or (p / INDEX_NAME).is_file()
 
     @classmethod
-    def open(cls, path, expert_orientation: str | None = None) -> "HFSource":
-        """Open directory/file `path`: parse every header, resolve config.json against the manifests."""
-        return cls.open_checkpoint(Checkpoint.open(path), expert_orientation)
+    def open(cls, path, expert_orientation: str | None = None, remote=None) -> "HFSource":
+        """Open directory/file `path`: parse every header, resolve config.json against the manifests. remote: the
+        shards not downloaded yet (Checkpoint.open)."""
+        return cls.open_checkpoint(Checkpoint.open(path, remote), expert_orientation)
 
     @classmethod
     def open_checkpoint(cls, checkpoint: Checkpoint, expert_orientation: str | None = None) -> "HFSource":
@@ -82,6 +86,9 @@ class HFSource(Source):
 
     def files(self) -> list[Path]:
         return self.checkpoint.files()
+
+    def ensure_local(self, files) -> None:
+        self.checkpoint.ensure_local(files)
 
     def config_sha256(self) -> str | None:
         cf = self.checkpoint.config_file

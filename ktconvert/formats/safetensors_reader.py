@@ -61,16 +61,16 @@ def _bad(path: Path, msg: str, tensor: str | None = None, **kw) -> InputError:
     return InputError(msg, file=path.name, tensor=tensor, **kw)
 
 
-def _read_header_json(path: Path, fd: int, size: int) -> tuple[dict, int]:
-    """Return (parsed JSON header, header length n) of an open shard of `size` bytes."""
+def _read_header_json(path: Path, read, size: int) -> tuple[dict, int]:
+    """Return (parsed JSON header, header length n) of a shard of `size` bytes; read(offset, count) -> bytes."""
     if size < 8:
         raise _bad(path, "not a safetensors file: shorter than the 8-byte header length", found=f"{size} bytes")
-    head = os.pread(fd, min(size, 1 << 16), 0)
+    head = read(0, min(size, 1 << 16))
     (n,) = struct.unpack("<Q", head[:8])
     if n > MAX_HEADER_BYTES or 8 + n > size:
         raise _bad(path, "safetensors header truncated or unreadable",
                    expected=f"8 + {n} header bytes within the file", found=f"file of {size} bytes")
-    raw = head[8:8 + n] if 8 + n <= len(head) else os.pread(fd, n, 8)
+    raw = head[8:8 + n] if 8 + n <= len(head) else read(8, n)
     header = parse_json(raw, what="safetensors header", file=path.name, max_bytes=MAX_HEADER_BYTES,
                         object_pairs_hook=_unique_keys)
     if not isinstance(header, dict):
@@ -147,9 +147,28 @@ def parse_header(path: str | os.PathLike) -> ShardHeader:
     fd = open_regular(path, f"shard {path.name}")
     try:
         size = os.fstat(fd).st_size
-        header, n = _read_header_json(path, fd, size)
+        header, n = _read_header_json(path, lambda offset, count: os.pread(fd, count, offset), size)
     finally:
         os.close(fd)
+    return _shard_header(path, header, n, size)
+
+
+def parse_remote_header(path: str | os.PathLike, head: bytes, size: int) -> ShardHeader:
+    """The ShardHeader of a shard not on disk (yet) at `path`, as strictly as parse_header: `head` its first bytes
+    (the 8-byte length and the JSON header at least), `size` the whole file's bytes."""
+    path = Path(path)
+
+    def read(offset: int, count: int) -> bytes:
+        if offset + count > len(head):
+            raise _bad(path, "remote safetensors header shorter than its length field",
+                       expected=f"{offset + count} bytes", found=f"{len(head)}")
+        return head[offset:offset + count]
+
+    header, n = _read_header_json(path, read, size)
+    return _shard_header(path, header, n, size)
+
+
+def _shard_header(path: Path, header: dict, n: int, size: int) -> ShardHeader:
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise _bad(path, "__metadata__ is not a JSON object", found=type(metadata).__name__)
@@ -187,8 +206,9 @@ def _exists(path: Path) -> bool:
     return os.path.lexists(path)
 
 
-def _shard_files(root: Path) -> tuple[list[Path], Path | None, dict[str, str] | None]:
-    """(shard paths in order, index path or None, weight_map or None) for a directory or a single file."""
+def _shard_files(root: Path, remote=None) -> tuple[list[Path], Path | None, dict[str, str] | None]:
+    """(shard paths in order, index path or None, weight_map or None) for a directory or a single file; a shard
+    missing on disk is allowed where `remote` (see Checkpoint.open) has its header."""
     if not root.is_dir():
         check_regular(root, "checkpoint file")
         return [root], None, None
@@ -196,7 +216,7 @@ def _shard_files(root: Path) -> tuple[list[Path], Path | None, dict[str, str] | 
     if _exists(index_path):
         weight_map = _index_weight_map(index_path)
         names = sorted(set(weight_map.values()))
-        missing = [s for s in names if not _exists(root / s)]
+        missing = [s for s in names if not _exists(root / s) and s not in getattr(remote, "headers", {})]
         if missing:
             tensor = min(t for t, s in weight_map.items() if s == missing[0])
             raise _bad(index_path, f"index names a missing shard {missing[0]}", tensor,
@@ -225,15 +245,22 @@ class Checkpoint:
     index_file: Path | None = None
     config_file: Path | None = None
     extra: dict = field(default_factory=dict)
+    remote: object = None     # the shards not on disk yet (see open)
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "Checkpoint":
-        """Open a checkpoint directory (model.safetensors, or shards + index) or one .safetensors file."""
+    def open(cls, path: str | os.PathLike, remote=None) -> "Checkpoint":
+        """Open a checkpoint directory (model.safetensors, or shards + index) or one .safetensors file.
+
+        remote: shards the index names that are not on disk yet (a hub source downloaded in part:
+        ops.hub_shards.RemoteShards): ``remote.headers`` {shard name: (its first bytes, its size)} stands for
+        their headers, and ``remote.fetch(name)`` downloads one into place before a tensor of it is read."""
         path = Path(path)
         if not path.exists():
             raise InputError("checkpoint not found", file=str(path))
-        files, index_path, weight_map = _shard_files(path)
-        shards = [parse_header(f) for f in files]
+        files, index_path, weight_map = _shard_files(path, remote)
+        heads = getattr(remote, "headers", {})
+        shards = [parse_remote_header(f, *heads[_rel(f, path)]) if not _exists(f) and _rel(f, path) in heads
+                  else parse_header(f) for f in files]
         tensors = _merge_shards(shards)
         if weight_map is not None:
             by_name = {s.path.relative_to(path).as_posix(): s for s in shards}
@@ -243,7 +270,7 @@ class Checkpoint:
         has_config = _exists(config_file)
         config = _load_json(config_file, "config.json") if has_config else {}
         return cls(root=root, config=config, tensors=tensors, shards=shards, index_file=index_path,
-                   config_file=config_file if has_config else None)
+                   config_file=config_file if has_config else None, remote=remote)
 
     def files(self) -> list[Path]:
         """Shard paths, index order."""
@@ -255,9 +282,16 @@ class Checkpoint:
         except KeyError:
             raise InputError("tensor not in checkpoint", file=self.root.name, tensor=name) from None
 
+    def ensure_local(self, files) -> None:
+        """Download those of `files` (shard paths) that are remote shards not on disk yet."""
+        for path in files:
+            if self.remote is not None and not _exists(path) and _rel(path, self.root) in self.remote.headers:
+                self.remote.fetch(_rel(path, self.root))
+
     def read(self, name: str) -> np.ndarray:
         """The whole tensor `name` with its shape; raw bits for BF16 (uint16) and F8 (uint8) types."""
         ref = self.ref(name)
+        self.ensure_local([ref.file])
         return _pread_array(ref, ref.offset, ref.nbytes, ref.shape)
 
     def read_slice(self, name: str, index0: int) -> np.ndarray:
@@ -268,12 +302,18 @@ class Checkpoint:
                              expected=f"index in [0, {ref.shape[0] if ref.shape else 0}) of a >= 2-D tensor",
                              found=f"index {index0} of shape {list(ref.shape)}")
         step = ref.nbytes // ref.shape[0]
+        self.ensure_local([ref.file])
         return _pread_array(ref, ref.offset + index0 * step, step, ref.shape[1:])
 
     read_rows = read_slice  # the name architecture.md uses
 
     def total_bytes(self) -> int:
         return sum(s.file_bytes for s in self.shards)
+
+
+def _rel(path: Path, root: Path) -> str:
+    """`path` as the index names it: relative to the checkpoint folder `root`, posix."""
+    return Path(path).relative_to(root).as_posix() if Path(root).is_dir() else Path(path).name
 
 
 def _merge_shards(shards: list[ShardHeader]) -> dict[str, TensorRef]:

@@ -25,10 +25,13 @@ def source_class(path) -> type[Source]:
                      hint="known input formats: " + ", ".join(SOURCES.names()))
 
 
-def open_source(path, expert_orientation: str | None = None) -> Source:
+def open_source(path, expert_orientation: str | None = None, remote=None) -> Source:
     """Open checkpoint `path` with the source format that recognises it (headers and config only).
-    expert_orientation: ``--expert-orientation`` ("out" / "in") for square fused expert tensors, or None."""
+    expert_orientation: ``--expert-orientation`` ("out" / "in") for square fused expert tensors, or None.
+    remote: shards of a hub source not downloaded yet (safetensors_reader.Checkpoint.open), or None."""
     cls = source_class(path)
+    if remote is not None:
+        return cls.open(path, expert_orientation, remote=remote)
     return cls.open(path) if expert_orientation is None else cls.open(path, expert_orientation)
 
 

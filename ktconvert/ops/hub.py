@@ -243,10 +243,22 @@ def resolve_source(src: str, revision: str | None = None, endpoint: str | None =
     The repo's listing is read first and every name in it checked (remote_names.check_remote_names): a repo naming
     a file outside the download folder is refused (RemoteError) before any file is requested; then exactly the
     listed *.json / *.safetensors / *.gguf files are downloaded."""
-    from ktconvert.formats.fileio import hash_file
     from ktconvert.progress import Progress
 
     progress = progress or Progress()
+    client, repo, pinned, remote, cache_dir = list_source(src, revision, endpoint, cache_dir)
+    wanted = source_files(remote)
+    return download_checked(client, src, pinned, cache_dir, wanted, progress), source_record(client, repo, pinned)
+
+
+def source_files(remote: dict[str, RemoteFile]) -> dict[str, RemoteFile]:
+    """The files of a repo listing a conversion reads: *.json, *.safetensors, *.gguf."""
+    return {p: f for p, f in remote.items() if any(_match(p, pat) for pat in SOURCE_PATTERNS)}
+
+
+def list_source(src: str, revision: str | None, endpoint: str | None, cache_dir) -> tuple:
+    """(client, repo, pinned revision, {path: RemoteFile} with every name checked, cache folder or None) of hub
+    source `src`."""
     hub, repo, rev_in_src = parse_source(src)
     client = client_for(hub, endpoint)
     revision = revision or rev_in_src or client.default_revision
@@ -255,11 +267,25 @@ def resolve_source(src: str, revision: str | None = None, endpoint: str | None =
         pinned = client.pin(repo, revision)
         remote = client.list_remote(repo, pinned)
     check_remote_names(remote, src)
-    wanted = {p: f for p, f in remote.items() if any(_match(p, pat) for pat in SOURCE_PATTERNS)}
+    return client, repo, pinned, remote, cache_dir
+
+
+def source_record(client: HubClient, repo: str, pinned: str) -> dict:
+    """What the output manifests record of a hub source: {"hub", "repo", "revision"}."""
+    return {"hub": client.name, "repo": repo, "revision": pinned}
+
+
+def download_checked(client: HubClient, src: str, pinned: str, cache_dir, wanted: dict[str, RemoteFile],
+                     progress) -> Path:
+    """Download `wanted` ({path: RemoteFile}) of `src` at commit `pinned` into the hub's cache (resumable) and check
+    each against the hub's hash; the local snapshot folder. RemoteError when a file did not arrive, VerifyError
+    when one differs."""
+    from ktconvert.formats.fileio import hash_file
+
+    repo = parse_source(src)[1]
     with remote_call(client, "download", repo):
         root = client.snapshot(repo, pinned, cache_dir, wanted, progress)
-    local = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-    missing = sorted(set(wanted) - set(local))
+    missing = sorted(rel for rel in wanted if not (root / rel).is_file())
     if missing:
         raise RemoteError(f"download incomplete: {len(missing)} file(s) missing, first {missing[0]}", file=src,
                           hint="run the same command again to resume the download")
@@ -267,12 +293,12 @@ def resolve_source(src: str, revision: str | None = None, endpoint: str | None =
     for rel in sorted(wanted):
         size, sha256, git_sha1 = hash_file(root / rel)
         entry = {"bytes": size, "sha256": sha256, "git_sha1": git_sha1}
-        if compare_file(entry, remote[rel]) == "mismatch":
+        if compare_file(entry, wanted[rel]) == "mismatch":
             raise VerifyError("downloaded file differs from the hub's hash", file=f"{src}/{rel}",
-                              expected=remote[rel].sha256 or remote[rel].git_sha1, found=sha256)
+                              expected=wanted[rel].sha256 or wanted[rel].git_sha1, found=sha256)
         progress.advance(size, 1, rel)
     progress.close()
-    return root, {"hub": client.name, "repo": repo, "revision": pinned}
+    return root
 
 
 def _match(path: str, pattern: str) -> bool:

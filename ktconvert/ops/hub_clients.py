@@ -71,6 +71,12 @@ class HubClient:
         """The revision to download from: the commit id where the hub has one (HF), else `revision`."""
         return revision
 
+    reads_ranges = False      # read_range is implemented (a source can then be downloaded in part)
+
+    def read_range(self, repo: str, revision: str, path: str, start: int, count: int) -> bytes:
+        """`count` bytes of file `path` from byte `start` (an HTTP range request): exactly that many."""
+        raise NotImplementedError
+
     def snapshot(self, repo: str, revision: str, cache_dir, files: dict[str, RemoteFile], progress) -> Path:
         """Download (resumably, into the hub's cache) exactly `files` (names already checked); the local root."""
         raise NotImplementedError
@@ -125,6 +131,22 @@ class HFHub(HubClient):
 
     def pin(self, repo, revision):
         return self.api.repo_info(repo, revision=revision).sha
+
+    reads_ranges = True
+
+    def read_range(self, repo, revision, path, start, count):
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        url = hf_hub_url(repo, path, revision=revision, endpoint=self.endpoint)
+        headers = {**build_hf_headers(token=self.token), "Range": f"bytes={start}-{start + count - 1}"}
+        response = get_session().get(url, headers=headers, follow_redirects=True)
+        hf_raise_for_status(response)
+        if response.status_code != 206 or len(response.content) != count:
+            raise RemoteError(f"hf: the hub did not answer a range request for {path}",
+                              expected=f"{count} bytes from {start}", found=f"HTTP {response.status_code}, "
+                              f"{len(response.content)} bytes")
+        return response.content
 
     def snapshot(self, repo, revision, cache_dir, files, progress):
         # exact names (glob characters escaped): a listing that changed since ours cannot add a file
