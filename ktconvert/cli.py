@@ -19,9 +19,9 @@ import click
 
 from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
 from ktconvert.cli_options import (GPU_GROUP_SIZES, InputPath, RegistryChoice, batch_executor_options, choice,
-                                   cpu_options, distribution_options, emit, gpu_options, json_option, load_api,
+                                   conversion_options, cpu_options, emit, gpu_options, json_option, load_api,
                                    orientation_option, pop_distribution, prefer, profiling, progress_options,
-                                   run_batch, run_on_ray, run_options, source_arg, source_hash_option)
+                                   run_batch, run_on_ray, source_arg)
 from ktconvert.cli_targets import TargetCommand, given_targets, target_options
 from ktconvert.progress import make_progress
 
@@ -130,12 +130,7 @@ def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, g
 @click.option("--include-dense", is_flag=True, help="Also write non-expert tensors (blk.-renamed) into OUT.")
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers' experts.")
 @click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
-@run_options
-@distribution_options
-@source_hash_option
-@progress_options
-@json_option
-@orientation_option
+@conversion_options
 def cpu(src, out, threads, resume, force, profile, verify_source_hash, quiet, json_progress, as_json,
         expert_orientation, **options) -> None:
     """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable).
@@ -170,13 +165,8 @@ def cpu(src, out, threads, resume, force, profile, verify_source_hash, quiet, js
 @click.option("--calibration", type=InputPath(dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers (else they are left out).")
-@run_options
-@distribution_options
-@source_hash_option
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes per component, VRAM per expert) only.")
-@progress_options
-@json_option
-@orientation_option
+@conversion_options
 def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibration, include_mtp, threads, resume,
         force, profile, verify_source_hash, dry_run, quiet, json_progress, as_json, expert_orientation,
         **distribution) -> None:
@@ -207,12 +197,7 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
 @click.option("--targets", "targets_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A TOML file of [[targets]] tables ({cpu = OUT, method = ...} / {gpu = OUT, experts = ...}), "
                    "written with (before) the command line's targets.")
-@run_options
-@source_hash_option
-@distribution_options
-@progress_options
-@json_option
-@orientation_option
+@conversion_options
 def convert(src, targets_file, threads, resume, force, profile, verify_source_hash, quiet, json_progress, as_json,
             expert_orientation, **given) -> None:
     """Write every output of SRC from one read of the source: each --cpu OUT / --gpu OUT starts an output, and

@@ -197,6 +197,16 @@ def distribution_options(fn):
     return fn
 
 
+def conversion_options(fn):
+    """The options cpu, gpu and convert share, in this order: run options (--threads, --resume, --force,
+    --profile), --verify-source-hash, the distribution options (--layers, --executor ...), progress, --json,
+    --expert-orientation."""
+    for option in (orientation_option, json_option, progress_options, distribution_options, source_hash_option,
+                   run_options):
+        fn = option(fn)
+    return fn
+
+
 def pop_distribution(options: dict) -> dict:
     """The distribution options taken out of a command's keyword arguments; UsageError for ones that clash."""
     chosen = {key: options.pop(key) for key in DISTRIBUTION}

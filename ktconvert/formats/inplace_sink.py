@@ -102,8 +102,7 @@ class InplaceLayerWriter:
 
     def finish(self) -> LayerResult:
         self.writer.close()
-        w = self.writer
-        return LayerResult([FileRecord(w.path.name, w.size, w.sha256, w.git_sha1)], dict(w.tensor_sha256))
+        return self.writer.layer_result()
 
     def abort(self) -> None:
         self.writer.abort()

@@ -115,8 +115,7 @@ class KtSink:
         with StreamingSafetensorsWriter(self.out_dir / self.dense_shard(), renamed) as writer:
             for (name, _, _), (key, _, _) in zip(specs, renamed):
                 writer.write(key, read(name))
-        record = FileRecord(self.dense_shard(), writer.size, writer.sha256, writer.git_sha1)
-        return LayerResult([record], dict(writer.tensor_sha256))
+        return writer.layer_result(self.dense_shard())
 
     def missing_layers(self) -> list[int]:
         return [layer for layer in self.moe_layers if not self.layer_done(layer)]
@@ -224,9 +223,7 @@ class MergedLayerWriter(LayerWriter):
 
     def finish(self) -> LayerResult:
         self.writer.close()
-        w = self.writer
-        return LayerResult([FileRecord(self.sink.shard_for(self.layer), w.size, w.sha256, w.git_sha1)],
-                           dict(sorted(self.tensors.items())))
+        return LayerResult([self.writer.record(self.sink.shard_for(self.layer))], dict(sorted(self.tensors.items())))
 
     def abort(self) -> None:
         self.writer.abort()

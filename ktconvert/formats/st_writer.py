@@ -32,7 +32,7 @@ import numpy as np
 
 from ktconvert import profile
 from ktconvert.errors import OutputError
-from ktconvert.formats.fileio import fsync_dir, temp_path_for
+from ktconvert.formats.fileio import FileRecord, LayerResult, fsync_dir, temp_path_for
 from ktconvert.formats.ordered_hash import OrderedFileHash
 
 # safetensors Dtype enum order (increasing alignment). Data are sorted by this rank, descending.
@@ -214,6 +214,15 @@ class StreamingSafetensorsWriter:
             raise OutputError(f"cannot finish output file ({exc.strerror})", file=str(self.path)) from None
         if self.fsync_and_hash:
             fsync_dir(self.path.parent)
+
+    def record(self, name: str | None = None) -> FileRecord:
+        """The closed file's FileRecord, listed as `name` (its path relative to the output folder; default: the
+        file's own name)."""
+        return FileRecord(name or self.path.name, self.size, self.sha256, self.git_sha1)
+
+    def layer_result(self, name: str | None = None) -> LayerResult:
+        """LayerResult of a layer written as this one closed file: its record and the sha256 of every tensor."""
+        return LayerResult([self.record(name)], dict(self.tensor_sha256))
 
     def abort(self) -> None:
         """Close and delete the temporary file (the final name is never touched)."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from ktconvert import profile
 from ktconvert.errors import OutputError
-from ktconvert.formats.fileio import FileRecord, LayerResult, record_for, write_atomic
+from ktconvert.formats.fileio import LayerResult, record_for, write_atomic
 from ktconvert.formats.out_manifest import BYTE_PACKAGES, GPU_FLAGS, MANIFEST_NAME, package_versions
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter, tensor_nbytes
 from ktconvert.gpu import config as gpu_config
@@ -69,8 +69,7 @@ class GpuLayerWriter:
 
     def finish(self) -> LayerResult:
         self.writer.close()
-        w = self.writer
-        return LayerResult([FileRecord(self.shard.name, w.size, w.sha256, w.git_sha1)], dict(w.tensor_sha256))
+        return self.writer.layer_result(self.shard.name)
 
     def abort(self) -> None:
         self.writer.abort()
@@ -116,8 +115,7 @@ class GpuOutput(Output):
         for rel, src in self._copies():
             write_atomic(self.out_dir / rel, src.read_bytes())
             extra.append(rel)
-        records = [FileRecord(shard.name, w.size, w.sha256, w.git_sha1)]
-        return LayerResult(records + [record_for(self.out_dir, rel) for rel in extra], dict(w.tensor_sha256))
+        return LayerResult([w.record(shard.name)] + [record_for(self.out_dir, rel) for rel in extra], dict(w.tensor_sha256))
 
     def _index_bytes(self) -> bytes:
         weight_map, total = {}, 0

@@ -74,7 +74,6 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
     elif kind == "cpu" and manifest.get("method", "") in METHODS:
         method = CpuMethod.from_manifest(manifest)
         report = method.check_numerics(out, manifest, source, tokens, layers, experts, threshold, folder=folder)
-        report.setdefault("probe", "random")
         report["summary"] = f"on random probes: {report.get('summary', '')}"
         _add_report(result, "numerics", report)
     if remote is not None:
