@@ -21,33 +21,24 @@ not writable, disk full), VerifyError, RemoteError (hub), NativeError. ``KtConve
 """
 from __future__ import annotations
 
-import dataclasses
-import os
-import time
-from pathlib import Path
-
 from ktconvert import inspection as inspect_module
 from ktconvert.activation import stats as activation_stats
 from ktconvert.activation.placement import plan_placement, render_placement
 from ktconvert.architecture import families as _families
-from ktconvert.cpu.convert import convert_cpu
-from ktconvert.cpu.output import CpuOutput
+from ktconvert import ray_executor
+from ktconvert.conversion import convert_here, plan_outputs  # noqa: F401  (plan_outputs: the API's)
+from ktconvert.cpu import convert as cpu_convert
 from ktconvert.cpu.plan import CpuOptions, plan_cpu, render as render_cpu_plan
-from ktconvert.cpu.sizes import free_at
 from ktconvert.envinfo import env_info
-from ktconvert.errors import KtConvertError, UsageError
+from ktconvert.errors import UsageError
 from ktconvert.extras import require
-from ktconvert.gpu.convert import convert_gpu
-from ktconvert.gpu.output import GpuOutput
+from ktconvert.gpu import convert as gpu_convert
 from ktconvert.gpu.plan import GpuOptions, plan_gpu, render_gpu
 from ktconvert.inputs import open_input
 from ktconvert.merge import merge
 from ktconvert.methods import all_methods
-from ktconvert.onepass import write_outputs
-from ktconvert.ops import batch as ops_batch, bundle as ops_bundle, hub as ops_hub
-from ktconvert.parts import select_layers
+from ktconvert.ops import batch as ops_batch, batch_ray, bundle as ops_bundle, hub as ops_hub
 from ktconvert.results import ConvertResult, InspectResult, PlanResult, VerifyResult
-from ktconvert.targets import Target, check_disk, load_targets, parse_target, parse_targets, refuse_shared_folders
 from ktconvert.testing.tiny import make_tiny_model
 from ktconvert.verification import report_html, run as verify_run
 from ktconvert.vocabulary import choices, choose  # noqa: F401  (the API's vocabulary, asked by the CLI)
@@ -55,6 +46,8 @@ from ktconvert.vocabulary import choices, choose  # noqa: F401  (the API's vocab
 __all__ = ["ConvertResult", "CpuOptions", "GpuOptions", "InspectResult", "PlanResult", "VerifyResult", "batch",
            "bundle", "convert", "convert_cpu", "convert_gpu", "env_info", "expert_stats", "families", "inspect",
            "load_jobs", "make_tiny_model", "merge", "methods", "plan", "publish", "unbundle", "verify"]
+
+EXECUTORS = ("local", "ray")            # where a conversion runs: this process, or Ray tasks (ray_executor)
 
 
 def _options(value, cls):
@@ -67,7 +60,8 @@ def _options(value, cls):
 
 
 def convert(src, targets, *, threads: int | None = None, resume: bool = False, force: bool = False,
-            progress=None, layers=None, verify_source_hash: bool = False) -> list[ConvertResult]:
+            progress=None, layers=None, verify_source_hash: bool = False, executor: str = "local",
+            ray_address: str | None = None, parts: int | None = None, parts_dir=None) -> list[ConvertResult]:
     """Write several outputs of `src` reading it once, each from every decoded layer as it goes by.
 
     targets: a list of tables, one per output: {"cpu": OUT, "method": ..., "numa": ..., ...} or {"gpu": OUT,
@@ -79,69 +73,87 @@ def convert(src, targets, *, threads: int | None = None, resume: bool = False, f
     checked (also the free disk the outputs need together) before any OUT is created; two targets may not share
     a folder. resume continues each output from its own journal (a complete one is left as is). layers: a MoE
     layer range ("A-B"): every output becomes that part (as convert_cpu's `layers`). verify_source_hash: as
-    convert_cpu's. Returns one ConvertResult per output, in order.
+    convert_cpu's. executor, ray_address, parts, parts_dir: where it runs, as convert_cpu's. Returns one
+    ConvertResult per output, in order.
     """
-    t0 = time.monotonic()
-    built = plan_outputs(src, targets, threads=threads, resume=resume, force=force, layers=layers)
-    return write_outputs(built, threads=threads, progress=progress, timings={"plan": time.monotonic() - t0},
-                         verify_source_hash=verify_source_hash)
+    if _on_ray(executor, layers, ray_address, parts, parts_dir):
+        return ray_executor.convert_on_ray(src, targets, parts=parts, address=ray_address, parts_dir=parts_dir,
+                                           threads=threads, resume=resume, force=force, progress=progress,
+                                           verify_source_hash=verify_source_hash)
+    return convert_here(src, targets, threads=threads, resume=resume, force=force, progress=progress,
+                        layers=layers, verify_source_hash=verify_source_hash)
 
 
-def plan_outputs(src, targets, *, threads: int | None = None, resume: bool = False, force: bool = False,
-                 layers=None) -> list:
-    """The output.Output of each target (as convert() takes them), planned on one opening of `src` and not yet
-    opened; UsageError for GPTQ, two targets in one folder or too little free disk for all of them,
-    MissingExtraError (exit 2) for a GPU target without the [gpu] extra. With `layers` (a part) a hub source is
-    opened in part: only the shards the part reads are downloaded (ops.hub_shards)."""
-    wanted = _targets(targets)
-    if any(target.kind == "gpu" for target in wanted):
-        require("gpu", "ktconvert convert")
-    input = open_input(src, in_part=layers is not None)
-    built = [_target_output(input, target, threads, resume, force, layers) for target in wanted]
-    check_disk([(o.out_dir, o.plan["total_bytes"]) for o in built if not (resume and o.out_dir.exists())], free_at)
-    return built
+def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
+                force: bool = False, progress=None, layers=None, verify_source_hash: bool = False,
+                executor: str = "local", ray_address: str | None = None, parts: int | None = None, parts_dir=None,
+                **option_values) -> ConvertResult:
+    """Convert the routed experts of checkpoint `src` (a folder, a .safetensors / .gguf file, hf://ORG/NAME[@REV]
+    or ms://ORG/NAME) for kt-kernel into the folder `out`.
+
+    options: a CpuOptions, or its fields as keywords (method, numa, layout, quant, group_size, include_dense,
+    include_mtp, allow_drop_bias, calibration; see CpuOptions). threads: worker threads (default: all cores; bytes
+    never depend on it). resume: continue an interrupted run in `out` (a complete one is left as is); force:
+    empty `out` first. progress: a ktconvert.progress.Progress (start / advance / message are called).
+    layers: a MoE layer range ("A-B" or (A, B), inclusive): `out` becomes a part holding those layers' files and
+    ktconvert-part.json (ktconvert.parts; `ktconvert merge` joins the parts).
+    verify_source_hash: hash also the source files whose sha256 a Hugging Face cache blob name gives (else taken
+    from the name) and raise InputError where they differ.
+    executor: "local" (this process) or "ray": the MoE layers split into `parts` ranges of about equal bytes
+    (None: the cluster's CPUs / threads), each a Ray task with `threads` CPUs on the cluster at `ray_address`
+    (None: RAY_ADDRESS or a local instance) writing into `parts_dir` (None: OUT.parts next to `out`; a folder
+    every node sees), merged into `out` here: the same bytes (ktconvert.ray_executor; needs the [ray] extra).
+    Not with `layers` nor quant "gptq"; ray_address / parts / parts_dir only with "ray" (UsageError).
+    Raises UsageError (exit 2), MissingExtraError (2: quant "gptq" without the [gpu] extra, "ray" without the
+    [ray] extra), InputError (3), OutputError (1, e.g. `out` not empty or locked by another process); nothing is
+    written before every check passed. Returns the ConvertResult.
+    """
+    if not _on_ray(executor, layers, ray_address, parts, parts_dir):
+        return cpu_convert.convert_cpu(src, out, options, threads=threads, resume=resume, force=force,
+                                       progress=progress, layers=layers, verify_source_hash=verify_source_hash,
+                                       **option_values)
+    return convert(src, [(out, options or CpuOptions.make(**option_values))], threads=threads, resume=resume,
+                   force=force, progress=progress, verify_source_hash=verify_source_hash, executor=executor,
+                   ray_address=ray_address, parts=parts, parts_dir=parts_dir)[0]
 
 
-def _targets(value) -> list[Target]:
-    """targets.Target list from what convert() accepts (a targets file, or a list of tables, pairs, Targets)."""
-    if isinstance(value, (str, os.PathLike)):
-        return load_targets(value)
-    if not isinstance(value, (list, tuple)) or not value:
-        return parse_targets(value)             # the error saying what targets must be
-    targets = [item if isinstance(item, Target) else _pair_target(item, index) if isinstance(item, tuple)
-               else parse_target(item, index) for index, item in enumerate(value, 1)]
-    refuse_shared_folders(targets)
-    return targets
+def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
+                force: bool = False, progress=None, layers=None, verify_source_hash: bool = False,
+                executor: str = "local", ray_address: str | None = None, parts: int | None = None, parts_dir=None,
+                **option_values) -> ConvertResult:
+    """Write the SGLang-KT GPU checkpoint (SGLang's --model) of HF safetensors checkpoint `src` (a folder, or
+    hf://ORG/NAME[@REV] / ms://ORG/NAME) into the folder `out`.
+
+    options: a GpuOptions, or its fields as keywords (experts, group_size, quant, linears, include_mtp,
+    calibration; see GpuOptions). threads / resume / force / progress / layers / verify_source_hash / executor /
+    ray_address / parts / parts_dir as for convert_cpu. Raises UsageError (exit 2), MissingExtraError (2: the
+    [gpu] extra, or [ray] for executor "ray", is not installed), InputError (3), OutputError (1); nothing is
+    written before every check passed. Returns the ConvertResult.
+    """
+    if not _on_ray(executor, layers, ray_address, parts, parts_dir):
+        return gpu_convert.convert_gpu(src, out, options, threads=threads, resume=resume, force=force,
+                                       progress=progress, layers=layers, verify_source_hash=verify_source_hash,
+                                       **option_values)
+    return convert(src, [(out, options or GpuOptions.make(**option_values))], threads=threads, resume=resume,
+                   force=force, progress=progress, verify_source_hash=verify_source_hash, executor=executor,
+                   ray_address=ray_address, parts=parts, parts_dir=parts_dir)[0]
 
 
-def _pair_target(pair: tuple, index: int) -> Target:
-    """Target number `index` from an (out, CpuOptions | GpuOptions | dict of either's fields: one with "experts"
-    is a GPU checkpoint) pair."""
-    out, options = pair
-    if isinstance(options, (CpuOptions, GpuOptions)):
-        kind, values = ("cpu" if isinstance(options, CpuOptions) else "gpu"), dataclasses.asdict(options)
-    elif isinstance(options, dict):
-        kind, values = ("gpu" if "experts" in options else "cpu"), dict(options)
-    else:
-        raise UsageError(f"target {index}: expected CpuOptions, GpuOptions or a dict of their fields",
-                         found=type(options).__name__)
-    return Target(kind, Path(out), values, f"target {index} ({kind} {out})")
-
-
-def _target_output(input, target: Target, threads, resume: bool, force: bool, layers=None):
-    """The CpuOutput / GpuOutput of `target`, planned (errors name the target); with `layers` ("A-B") the part of
-    those MoE layers."""
-    try:
-        if str(target.values.get("quant", "")).strip().lower() == "gptq":
-            raise UsageError("--quant gptq writes one output at a time", hint="convert each output on its own")
-        if target.kind == "cpu":
-            plan = plan_cpu(input, CpuOptions.make(**target.values), out=target.out, threads=threads)
-            plan.refuse_dropped_biases()
-            return CpuOutput(target.out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
-        plan = plan_gpu(input, GpuOptions.make(**target.values))
-        return GpuOutput(target.out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
-    except KtConvertError as exc:
-        raise exc.within(target.name) from None
+def _on_ray(executor: str, layers, ray_address, parts, parts_dir) -> bool:
+    """True for executor "ray" (its extra checked), False for "local"; UsageError for another executor, for
+    Ray's options without it and for one part (`layers`) with it."""
+    name = str(executor).strip().lower()
+    if name not in EXECUTORS:
+        raise UsageError(f"unknown executor {executor!r}", expected=" or ".join(EXECUTORS))
+    ray_only = [flag for flag, value in (("--ray-address", ray_address), ("--parts", parts),
+                                         ("--parts-dir", parts_dir)) if value is not None]
+    if name == "local" and ray_only:
+        raise UsageError(f"{ray_only[0]} needs --executor ray")
+    if name == "ray" and layers is not None:
+        raise UsageError("--layers writes one part by itself; --executor ray splits the layers (--parts)")
+    if name == "ray":
+        require("ray", "--executor ray")
+    return name == "ray"
 
 
 def plan(src, cpu=None, gpu=None, *, out=None, threads: int | None = None, placement: dict | None = None,
@@ -251,16 +263,19 @@ def load_jobs(path) -> list[dict]:
     return ops_batch.load_jobs(path)
 
 
-def batch(jobs, *, keep_going: bool = False, dry_run: bool = False, progress=None):
+def batch(jobs, *, keep_going: bool = False, dry_run: bool = False, progress=None, executor: str = "local",
+          ray_address: str | None = None):
     """Run `jobs` (load_jobs' list, or the path of a job file) in order: convert (resumably), bundle, publish; a
-    failed job is recorded, not raised, and stops the run unless keep_going (on Ray: ops.batch_ray).
-    Returns {"ok", "exit_code" (the first failed job's), "jobs": [{"name", "status" ok | failed | skipped,
-    "source", "bytes", "outputs", "wall_s", "error"?}]}; with dry_run (reads no weights) each output's CPU plan
-    instead: [{"job", "source", "out", "publish", "bundle", "plan" (the plan report; None for hub sources),
-    "note"?}]."""
+    failed job is recorded, not raised, and stops the run unless keep_going. executor "ray": every job a Ray task
+    on the cluster at `ray_address` (ops.batch_ray), the same summary. Returns {"ok", "exit_code" (the first
+    failed job's), "jobs": [{"name", "status" ok | failed | skipped, "source", "bytes", "outputs", "wall_s",
+    "error"?}]}; with dry_run (reads no weights) each output's CPU plan instead: [{"job", "source", "out",
+    "publish", "bundle", "plan" (the plan report; None for hub sources), "note"?}]."""
     job_list = jobs if isinstance(jobs, list) else ops_batch.load_jobs(jobs)
     if dry_run:
         return ops_batch.plan_jobs(job_list)
+    if _on_ray(executor, None, ray_address, None, None):
+        return batch_ray.run_jobs_on_ray(job_list, keep_going=keep_going, progress=progress, address=ray_address)
     return ops_batch.run_jobs(job_list, keep_going=keep_going, progress=progress)
 
 

@@ -21,7 +21,7 @@ from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
 from ktconvert.cli_options import (GPU_GROUP_SIZES, InputPath, RegistryChoice, batch_executor_options, choice,
                                    conversion_options, cpu_options, emit, gpu_options, json_option, load_api,
                                    orientation_option, pop_distribution, prefer, profiling, progress_options,
-                                   run_batch, run_on_ray, source_arg)
+                                   source_arg)
 from ktconvert.cli_targets import TargetCommand, given_targets, target_options
 from ktconvert.progress import make_progress
 
@@ -143,13 +143,8 @@ def cpu(src, out, threads, resume, force, profile, verify_source_hash, quiet, js
     options = {k: v for k, v in options.items() if v is not None or k not in ("dampening", "min_tokens")}
     src = source_arg(src, expert_orientation)
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        if distribution["executor"] == "ray":
-            result = run_on_ray(src, [(out, options)], distribution, threads=threads, resume=resume, force=force,
-                                progress=progress)[0]
-        else:
-            result = load_api().convert_cpu(src, out, threads=threads, resume=resume, force=force,
-                                            progress=progress, layers=distribution["layers"],
-                                            verify_source_hash=verify_source_hash, **options)
+        result = load_api().convert_cpu(src, out, threads=threads, resume=resume, force=force, progress=progress,
+                                        verify_source_hash=verify_source_hash, **distribution, **options)
     emit(result, as_json, profile=prof.get("report"))
 
 
@@ -179,15 +174,9 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
     if dry_run:
         emit(api.plan(src, gpu=options), as_json)
         return
-    distribution = pop_distribution(distribution)
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        if distribution["executor"] == "ray":
-            result = run_on_ray(src, [(out, options)], distribution, threads=threads, resume=resume, force=force,
-                                progress=progress)[0]
-        else:
-            result = api.convert_gpu(src, out, threads=threads, resume=resume, force=force, progress=progress,
-                                     layers=distribution["layers"], verify_source_hash=verify_source_hash,
-                                     **options)
+        result = api.convert_gpu(src, out, threads=threads, resume=resume, force=force, progress=progress,
+                                 verify_source_hash=verify_source_hash, **distribution, **options)
     emit(result, as_json, profile=prof.get("report"))
 
 
@@ -214,13 +203,8 @@ def convert(src, targets_file, threads, resume, force, profile, verify_source_ha
     targets = given_targets(click.get_current_context(), targets_file)
     src = source_arg(src, expert_orientation)
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        if distribution["executor"] == "ray":
-            results = run_on_ray(src, targets, distribution, threads=threads, resume=resume, force=force,
-                                 progress=progress)
-        else:
-            results = load_api().convert(src, targets, threads=threads, resume=resume, force=force,
-                                         progress=progress, layers=distribution["layers"],
-                                         verify_source_hash=verify_source_hash)
+        results = load_api().convert(src, targets, threads=threads, resume=resume, force=force, progress=progress,
+                                     verify_source_hash=verify_source_hash, **distribution)
     emit({"outputs": [r.to_dict() for r in results]}, as_json, "\n".join(r.summary() for r in results),
          profile=prof.get("report"))
 
@@ -411,7 +395,8 @@ def batch(jobs, keep_going, dry_run, summary_path, executor, ray_address, as_jso
         emit(plans, as_json, api.render(plans, "batch-plan"))
         return
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        summary = run_batch(job_list, keep_going, progress, executor, ray_address)
+        summary = api.batch(job_list, keep_going=keep_going, progress=progress, executor=executor,
+                            ray_address=ray_address)
     if summary_path:
         with open(summary_path, "w", encoding="utf-8") as fh:
             fh.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 import click
 
 from ktconvert.errors import InputError, KtConvertError
-from ktconvert.extras import require
 
 LAYOUTS = ["safetensors", "kt"]
 GPU_GROUP_SIZES = ["32", "64", "128"]
@@ -208,24 +207,9 @@ def conversion_options(fn):
 
 
 def pop_distribution(options: dict) -> dict:
-    """The distribution options taken out of a command's keyword arguments; UsageError for ones that clash."""
-    chosen = {key: options.pop(key) for key in DISTRIBUTION}
-    ray_only = [f"--{k.replace('_', '-')}" for k in ("ray_address", "parts", "parts_dir") if chosen[k] is not None]
-    if chosen["executor"] != "ray" and ray_only:
-        raise click.UsageError(f"{ray_only[0]} needs --executor ray")
-    if chosen["executor"] == "ray" and chosen["layers"] is not None:
-        raise click.UsageError("--layers writes one part by itself; --executor ray splits the layers (--parts)")
-    return chosen
-
-
-def run_on_ray(src, targets: list, distribution: dict, *, threads, resume, force, progress) -> list:
-    """A conversion of `targets` ([(OUT, options)]) as Ray tasks, merged into each OUT (ktconvert.ray_executor)."""
-    require("ray", "--executor ray")
-    from ktconvert import ray_executor
-
-    return ray_executor.convert_on_ray(src, targets, parts=distribution["parts"], address=distribution["ray_address"],
-                                       parts_dir=distribution["parts_dir"], threads=threads, resume=resume,
-                                       force=force, progress=progress)
+    """The distribution options (--layers, --executor, --ray-address, --parts, --parts-dir) taken out of a
+    command's keyword arguments, as the API's keywords (which check how they combine)."""
+    return {key: options.pop(key) for key in DISTRIBUTION}
 
 
 def batch_executor_options(fn):
@@ -233,15 +217,3 @@ def batch_executor_options(fn):
     fn = click.option("--ray-address", default=None, help="Ray cluster to join (default: a local Ray instance).")(fn)
     return click.option("--executor", type=choice(["local", "ray"]), default="local", show_default=True,
                         help="ray: every job a Ray task, run at once; the same summary.")(fn)
-
-
-def run_batch(jobs: list, keep_going: bool, progress, executor: str, ray_address: str | None) -> dict:
-    """The summary of a batch run here in order (api.batch) or as Ray tasks (ops.batch_ray, the same summary)."""
-    if executor != "ray":
-        if ray_address is not None:
-            raise click.UsageError("--ray-address needs --executor ray")
-        return load_api().batch(jobs, keep_going=keep_going, progress=progress)
-    require("ray", "--executor ray")
-    from ktconvert.ops import batch_ray
-
-    return batch_ray.run_jobs_on_ray(jobs, keep_going=keep_going, progress=progress, address=ray_address)

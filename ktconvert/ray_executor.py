@@ -1,26 +1,30 @@
 """``--executor ray``: one conversion (one or several outputs of one source) as Ray tasks, one per layer range.
 
     plan every output on the driver (all checks, no weight read) -> N ranges of MoE layers of about equal source
-    bytes (parts.balanced_ranges) -> one Ray task per range: ``api.convert(..., layers=range, resume=True)`` into
-    PARTS_DIR/<OUT name>/layers-A-B (CPUs: --threads; memory: the plan's peak RAM estimate) -> on the driver,
+    bytes (parts.balanced_ranges) -> one Ray task per range: ``conversion.convert_here(..., layers=range, resume=True)`` into
+    PARTS_DIR/<OUT name>/layers-A-B (CPUs: --threads; memory: the plan's peak RAM estimate; the options of a
+    local run, --verify-source-hash included) -> on the driver,
     ``merge`` of each output's parts into its OUT (byte-identical to a single run)
 
 What runs where: the driver plans, shows progress and merges (hard links: no byte copied when PARTS_DIR and OUT
 share a filesystem); each task reads only the source files holding its layers and writes its part. SRC and
 PARTS_DIR must be the same path on every node (a shared filesystem), or SRC a hub source: then the driver plans
 from its small files and shard headers, and each task downloads only the shards it reads into its node's cache
-(ops.hub_shards), all at the commit the driver planned from. A task whose worker dies is retried by Ray (``max_retries``) and resumes from its part's journal, so the
-bytes are the same. Progress: every task reports its bytes to a small actor the driver reads twice a second.
+(ops.hub_shards), all at the commit the driver planned from. The hub endpoint and token variables and
+KTCONVERT_MANIFEST_PATH set on the driver reach the tasks (``TASK_ENV``, through Ray's runtime_env). A task whose
+worker dies is retried by Ray (``max_retries``) and resumes from its part's journal, so the bytes are the same.
+Progress: every task reports its bytes to a small actor the driver reads twice a second.
 
 ``import ray`` happens only here, inside the functions: ``ktconvert --help`` never loads it.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
 
-from ktconvert import api
+from ktconvert.conversion import convert_here, plan_outputs, target_list
 from ktconvert.cpu import sizes
 from ktconvert.errors import KtConvertError, OutputError, UsageError
 from ktconvert.formats.out_manifest import MANIFEST_NAME, load_manifest
@@ -32,6 +36,9 @@ from ktconvert.progress import Progress
 
 MAX_RETRIES = 3               # Ray re-runs a task whose worker died this many times (each resumes its part)
 POLL_SECONDS = 0.5
+# what a task reads from the environment as the driver does: hub endpoints and tokens, extra family manifests
+TASK_ENV = ("HF_ENDPOINT", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MODELSCOPE_ENDPOINT", "MODELSCOPE_API_TOKEN",
+            "KTCONVERT_MANIFEST_PATH")
 
 
 class PartFailed(KtConvertError):
@@ -44,21 +51,24 @@ class PartFailed(KtConvertError):
 
 def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str | None = None, parts_dir=None,
                    threads: int | None = None, resume: bool = False, force: bool = False, progress=None,
-                   runtime_env: dict | None = None) -> list:
+                   verify_source_hash: bool = False, runtime_env: dict | None = None) -> list:
     """Convert `targets` ([(OUT, CpuOptions | GpuOptions | dict of their fields)], as ktconvert.api.convert) of
     `src` on a Ray cluster (`address`; None: the one this process is connected to, else a local instance) in
     `parts` layer ranges (None: the cluster's CPUs / threads per task). threads: CPUs per task (default 1).
     resume: an OUT already complete is left alone. Part folders are always resumed (a rerun after a failure
     continues where the tasks stopped; parts of other options are refused); force: OUTs and their parts emptied
-    first. runtime_env: Ray's runtime_env of the tasks (e.g. {"env_vars": {...}}). Returns one
-    ConvertResult per OUT."""
+    first. verify_source_hash: as api.convert's, in every task. runtime_env: Ray's runtime_env of the tasks
+    (e.g. {"env_vars": {...}}; TASK_ENV's variables set here are added). UsageError for a --quant gptq target
+    (each layer needs the previous one's outputs). Returns one ConvertResult per OUT."""
     t0 = time.monotonic()
     progress = progress or Progress()
     cpus = max(1, threads or 1)
+    wanted = target_list(targets)
+    refuse_gptq(wanted)
     spec, orientation = _source_spec(src)
     input = open_input(spec, orientation, in_part=True)
     spec = _pinned(spec, input.hub)
-    outputs = api.plan_outputs(input, targets, threads=cpus)
+    outputs = plan_outputs(input, wanted, threads=cpus)
     layers = outputs[0].layers
     if resume and all((o.out_dir / MANIFEST_NAME).is_file() for o in outputs):
         return [result_of(o, None, {}) for o in outputs]
@@ -69,9 +79,9 @@ def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str
     folders = _part_folders(outputs, ranges, parts_dir, force)
     timings = {"plan": time.monotonic() - t0}
     resources = {"num_cpus": cpus, "memory": _memory(outputs, cpus), "max_retries": MAX_RETRIES,
-                 **({"runtime_env": runtime_env} if runtime_env else {})}
+                 **task_runtime_env(runtime_env)}
     _check_feasible(ray, resources)
-    _run_tasks(ray, spec, orientation, outputs, ranges, folders, resources, progress)
+    _run_tasks(ray, (spec, orientation, verify_source_hash), outputs, ranges, folders, resources, progress)
     timings["convert"] = time.monotonic() - t0 - timings["plan"]
     t1 = time.monotonic()
     for k, output in enumerate(outputs):
@@ -79,6 +89,24 @@ def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str
     timings["merge"] = time.monotonic() - t1
     timings["total"] = time.monotonic() - t0
     return [result_of(o, load_manifest(o.out_dir), timings) for o in outputs]
+
+
+def refuse_gptq(targets: list) -> None:
+    """UsageError for a --quant gptq target: its layers cannot run as independent parts."""
+    for target in targets:
+        if str(target.values.get("quant", "")).strip().lower() == "gptq":
+            raise UsageError(f"{target.name}: --executor ray is not available with --quant gptq",
+                             hint="GPTQ needs every layer in order: convert it with --executor local")
+
+
+def task_runtime_env(runtime_env: dict | None) -> dict:
+    """The task option {"runtime_env": ...}: `runtime_env` with TASK_ENV's variables set on the driver added to
+    its env_vars (its own values win); {} when there is nothing to set."""
+    env = dict(runtime_env or {})
+    env_vars = {**{k: os.environ[k] for k in TASK_ENV if os.environ.get(k)}, **env.get("env_vars", {})}
+    if env_vars:
+        env["env_vars"] = env_vars
+    return {"runtime_env": env} if env else {}
 
 
 def _source_spec(src) -> tuple[str, str | None]:
@@ -162,16 +190,17 @@ def _memory(outputs: list, cpus: int) -> int:
     return int(max(estimates))
 
 
-def _run_tasks(ray, spec, orientation, outputs, ranges, folders, resources: dict, progress) -> None:
-    """One task per range with `resources` (Ray task options); the driver's progress sums what the tasks report.
-    PartFailed names a failed part."""
+def _run_tasks(ray, source: tuple, outputs, ranges, folders, resources: dict, progress) -> None:
+    """One task per range with `resources` (Ray task options) on `source` ((spec, orientation,
+    verify_source_hash) as run_part takes them); the driver's progress sums what the tasks report. PartFailed
+    names a failed part."""
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     task = ray.remote(run_part).options(**resources)
     cpus = resources["num_cpus"]
     refs = {}
     for index, r in enumerate(ranges):
         targets = [(str(folders[(k, r)]), o.plan.options) for k, o in enumerate(outputs)]
-        refs[task.remote(spec, orientation, targets, r, cpus, board, index)] = r
+        refs[task.remote(*source, targets, r, cpus, board, index)] = r
     total = sum(job.nbytes for job in outputs[0].source.matrix_jobs(outputs[0].layers))
     progress.start(total, len(outputs[0].layers), f"{len(ranges)} parts on Ray: "
                    + " + ".join(o.label() for o in outputs))
@@ -226,15 +255,15 @@ class BoardProgress(Progress):
         self.board.report.remote(self.part, self.bytes_done, self.items_done)
 
 
-def run_part(spec: str, orientation, targets: list, layer_range: tuple[int, int], threads: int, board,
-             index: int) -> dict:
+def run_part(spec: str, orientation, verify_source_hash: bool, targets: list, layer_range: tuple[int, int],
+             threads: int, board, index: int) -> dict:
     """A Ray task: the part `layer_range` of every target (resumed from its journal when a previous attempt of
     this task died). Returns {} or {"error": one line, "exit_code": n} for a ktconvert error."""
     progress = BoardProgress(board, index)
     try:
         with progress:
-            api.convert(open_input(spec, orientation, in_part=True), targets, threads=threads, resume=True,
-                        layers=layer_range, progress=progress)
+            convert_here(open_input(spec, orientation, in_part=True), targets, threads=threads, resume=True,
+                         layers=layer_range, progress=progress, verify_source_hash=verify_source_hash)
     except KtConvertError as exc:
         return {"error": str(exc), "exit_code": exc.exit_code}
     return {}

@@ -146,3 +146,20 @@ def test_parse_range_and_balanced_ranges():
     assert balanced_ranges({5: 7}, 1) == [(5, 5)]
     with pytest.raises(Exception, match="--parts"):
         balanced_ranges({1: 1, 2: 1}, 3)
+
+
+def test_executor_options_checked_by_the_api(source, tmp_path):
+    from ktconvert.errors import UsageError
+
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match="unknown executor 'dask'"):
+        api.convert_cpu(source, out, executor="dask", **CPU)
+    with pytest.raises(UsageError, match="--parts needs --executor ray"):
+        api.convert_cpu(source, out, parts=2, **CPU)
+    with pytest.raises(UsageError, match="--ray-address needs --executor ray"):
+        api.batch([], ray_address="127.0.0.1:6379")
+    with pytest.raises(UsageError, match="--layers writes one part by itself"):
+        api.convert(source, [(out, CPU)], executor="ray", layers="1-2")
+    code, text = run_cli("cpu", source, out, "--method", "amxint4", "--parts-dir", tmp_path / "p")
+    assert code == 2 and text.strip().splitlines()[-1] == "error: --parts-dir needs --executor ray"
+    assert not out.exists()

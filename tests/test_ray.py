@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray", reason="the [ray] extra is not installed (pip i
 
 from ktconvert import api  # noqa: E402
 from ktconvert.cli import cli  # noqa: E402
+from ktconvert.errors import KtConvertError  # noqa: E402
 from ktconvert.progress import Progress  # noqa: E402
 from ktconvert.ray_executor import convert_on_ray  # noqa: E402
 from test_parts import CPU, MODEL, source, single, tree  # noqa: E402,F401  (fixtures: a tiny deepseek_v3, its single run)
@@ -119,10 +120,50 @@ def test_hub_source_on_ray_equals_single_run_and_driver_downloads_no_shard(clust
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "single-cache"))
     api.convert(spec, [(hub_env / "single", CPU)])
-    env = {"HF_ENDPOINT": server.url, "HF_HOME": str(hub_env / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1",
+    # HF_ENDPOINT reaches the tasks from the driver's environment (ray_executor.TASK_ENV), not from runtime_env
+    env = {"HF_HOME": str(hub_env / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1",
            "KTCONVERT_HUB_CACHE": str(hub_env / "task-cache")}
     monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "driver-cache"))
     convert_on_ray(spec, [(hub_env / "out", CPU)], parts=3, runtime_env={"env_vars": env})
     assert tree(hub_env / "out") == tree(hub_env / "single")
     assert cached_shards(hub_env / "driver-cache") == set()       # the driver planned from config, index, headers
     assert cached_shards(hub_env / "task-cache") == {p.name for p in local.glob("*.safetensors")}
+
+
+def test_api_executor_ray_equals_local(cluster, source, single, tmp_path):
+    result = api.convert_cpu(source, tmp_path / "cpu", executor="ray", parts=2, **CPU)
+    assert tree(tmp_path / "cpu") == tree(single) and result.files == len(tree(single)) - 1
+    api.convert(source, [(tmp_path / "multi", CPU)], executor="ray", parts=3, parts_dir=tmp_path / "parts")
+    assert tree(tmp_path / "multi") == tree(single)
+    assert sorted(p.name for p in (tmp_path / "parts" / "multi").iterdir()) == ["layers-1-1", "layers-2-2",
+                                                                              "layers-3-3"]
+
+
+def test_verify_source_hash_reaches_the_part_tasks(cluster, source, tmp_path):
+    """A Hugging Face cache snapshot whose layer-2 shard is stored under the sha256 of other bytes: trusted (the
+    name taken) without --verify-source-hash, refused by the part reading it with it, as a local run does."""
+    import hashlib
+
+    from test_parallel_read import _hf_cache
+
+    weight_map = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = next(f for name, f in weight_map.items() if ".layers.2.mlp.experts." in name)
+    snapshot = _hf_cache(source, tmp_path / "cache", wrong=shard)
+    base = ["cpu", str(snapshot), "--method", "amxint4", "--numa", "2", "--executor", "ray", "--parts", "3", "--quiet"]
+    result = CliRunner().invoke(cli, base[:2] + [str(tmp_path / "trusting")] + base[2:])
+    assert result.exit_code == 0, result.output
+    recorded = json.loads((tmp_path / "trusting" / "ktconvert.json").read_text())["source"]["files"][shard]
+    assert recorded["sha256"] == hashlib.sha256(b"not these bytes").hexdigest()
+    result = CliRunner().invoke(cli, base[:2] + [str(tmp_path / "checked")] + base[2:] + ["--verify-source-hash"])
+    line = result.output.strip().splitlines()[-1]
+    assert result.exit_code == 3, result.output
+    assert "layers-2-2" in line and shard in line and "blob name" in line
+    assert not (tmp_path / "checked" / "ktconvert.json").exists()
+
+
+def test_gptq_on_ray_is_refused_before_any_task(source, tmp_path):
+    calibration = tmp_path / "calib.jsonl"
+    calibration.write_text('{"input_ids": [1, 2, 3]}\n')
+    with pytest.raises(KtConvertError, match="--executor ray is not available with --quant gptq") as info:
+        api.convert_cpu(source, tmp_path / "out", executor="ray", quant="gptq", calibration=calibration, **CPU)
+    assert info.value.exit_code == 2 and not (tmp_path / "out").exists()

@@ -158,9 +158,9 @@ def test_every_plan_is_checked_before_any_out_exists(singles, tmp_path, monkeypa
     res = run("convert", src, *bad, "--quiet", code=EXIT_INPUT)
     assert f"target 2 (cpu {outs[1]}): --numa 3 cannot work for --method amxint8" in res.output
     assert not any(o.exists() for o in outs)
-    from ktconvert import api
+    from ktconvert import conversion
 
-    monkeypatch.setattr(api, "free_at", lambda path: (str(tmp_path), 5_000_000))   # each fits, not all three
+    monkeypatch.setattr(conversion, "free_at", lambda path: (str(tmp_path), 5_000_000))   # each fits, not all three
     res = run("convert", src, *args, "--quiet", code=EXIT_ERROR)
     assert "not enough free disk space for these outputs together" in res.output
     assert not any(o.exists() for o in outs)

@@ -24,21 +24,8 @@ from ktconvert.results import ConvertResult
 def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
                 force: bool = False, progress=None, layers=None, verify_source_hash: bool = False,
                 **option_values) -> ConvertResult:
-    """Convert the routed experts of checkpoint `src` (a folder, a .safetensors / .gguf file, hf://ORG/NAME[@REV]
-    or ms://ORG/NAME) for kt-kernel into the folder `out`.
-
-    options: a CpuOptions, or its fields as keywords (method, numa, layout, quant, group_size, include_dense,
-    include_mtp, allow_drop_bias, calibration; see CpuOptions). threads: worker threads (default: all cores; bytes
-    never depend on it). resume: continue an interrupted run in `out` (a complete one is left as is); force:
-    empty `out` first. progress: a ktconvert.progress.Progress (start / advance / message are called).
-    layers: a MoE layer range ("A-B" or (A, B), inclusive): `out` becomes a part holding those layers' files and
-    ktconvert-part.json (ktconvert.parts; `ktconvert merge` joins the parts).
-    verify_source_hash: hash also the source files whose sha256 a Hugging Face cache blob name gives (else taken
-    from the name) and raise InputError where they differ.
-    Raises UsageError (exit 2), MissingExtraError (2: quant "gptq" without the [gpu] extra), InputError (3),
-    OutputError (1, e.g. `out` not empty or locked by another process); nothing is written before every check
-    passed. Returns the ConvertResult.
-    """
+    """``ktconvert.api.convert_cpu`` in this process (executor "local"; its docstring gives the arguments, the
+    errors and the result): plan, open `out`, then one read of the source, or GPTQ's layer loop."""
     t0 = time.monotonic()
     options = options or CpuOptions.make(**option_values)
     if options.quant == "gptq":

@@ -32,14 +32,8 @@ from ktconvert.results import ConvertResult
 def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
                 force: bool = False, progress=None, layers=None, verify_source_hash: bool = False,
                 **option_values) -> ConvertResult:
-    """Write the SGLang-KT GPU checkpoint (SGLang's --model) of HF safetensors checkpoint `src` (a folder, or
-    hf://ORG/NAME[@REV] / ms://ORG/NAME) into the folder `out`.
-
-    options: a GpuOptions, or its fields as keywords (experts, group_size, quant, linears, include_mtp,
-    calibration; see GpuOptions). threads / resume / force / progress / layers / verify_source_hash as for
-    ktconvert.convert_cpu. Raises UsageError (exit 2), MissingExtraError (2: the [gpu] extra is not installed),
-    InputError (3), OutputError (1); nothing is written before every check passed. Returns the ConvertResult.
-    """
+    """``ktconvert.api.convert_gpu`` in this process (executor "local"; its docstring gives the arguments, the
+    errors and the result): plan, open `out`, then one read of the source, or GPTQ's layer loop."""
     t0 = time.monotonic()
     options = options or GpuOptions.make(**option_values)
     require("gpu", "ktconvert gpu")

@@ -6,8 +6,8 @@ then bundled and published, so bundle and publish always follow the conversion t
 the local one: the same keys, jobs in file order, the exit code of the first failed job in file order. Without
 keep_going, the jobs after a failed one (in file order) that have not finished yet are cancelled and reported
 "skipped" (the local batch would not have started them; a cancelled conversion resumes on the next run). A job's
-paths must be the same on every node (a shared filesystem), and hub tokens must reach the workers (Ray's
-runtime_env ``env_vars``).
+paths must be the same on every node (a shared filesystem); the hub endpoint and token variables set on the
+driver reach the tasks (``ray_executor.TASK_ENV``, through Ray's runtime_env ``env_vars``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import os
 from ktconvert.errors import EXIT_ERROR
 from ktconvert.ops.batch import run_job
 from ktconvert.progress import Progress
-from ktconvert.ray_executor import MAX_RETRIES, connect
+from ktconvert.ray_executor import MAX_RETRIES, connect, task_runtime_env
 
 
 def run_jobs_on_ray(jobs: list[dict], keep_going: bool = False, progress=None, address: str | None = None,
@@ -25,7 +25,7 @@ def run_jobs_on_ray(jobs: list[dict], keep_going: bool = False, progress=None, a
     process joined, else a local instance); returns the summary batch.run_jobs returns."""
     progress = progress or Progress()
     ray = connect(address)
-    options = {"num_cpus": 1, "max_retries": MAX_RETRIES, **({"runtime_env": runtime_env} if runtime_env else {})}
+    options = {"num_cpus": 1, "max_retries": MAX_RETRIES, **task_runtime_env(runtime_env)}
     task = ray.remote(run_job_task).options(**options)
     pending = {task.remote(_absolute(job)): i for i, job in enumerate(jobs)}
     results: list[dict | None] = [None] * len(jobs)
