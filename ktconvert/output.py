@@ -262,7 +262,7 @@ class Output:
     def _config_sha256(self) -> str | None:
         """sha256 of the source's config.json as ktconvert.json records it (None without one)."""
         config = self.source.root / "config.json"
-        return hash_file(config)[1] if config.is_file() else None
+        return hash_file(config, kind="read")[1] if config.is_file() else None
 
 
 def lock_folder(out_dir: Path) -> int:

@@ -1,13 +1,15 @@
 """The conversion loop: the one place that walks over a checkpoint's expert matrices.
 
-    for each source file, front to back, several files at once (every byte hashed once, each file on its own
-    sha256 thread; an LFS shard of a Hugging Face cache snapshot not at all: its blob name is its sha256):
+    for each group of source files holding the same layers (read_order), several groups at once, every file of
+    the group front to back (every byte hashed once, each file on its own sha256 thread; an LFS shard of a
+    Hugging Face cache snapshot not at all: its blob name is its sha256), the matrices in name order:
         decode one expert matrix to BF16 -> every output's consumer of that layer writes it
         a layer whose last matrix is written is finished (files renamed into place) and journalled
 
 Memory: at most two jobs per worker in flight (one matrix each), at most READ_BUDGET bytes read ahead by all
-reading threads together, a read chunk per reading thread; independent of layers and experts. Bytes: every output tensor has a fixed place, so neither the file order nor the thread count changes a
-byte. The outputs (``output.Output``) decide what a matrix becomes; this module only schedules.
+reading threads together, at most stream.HASH_BUDGET bytes queued for the sha256 threads; independent of layers
+and experts. Bytes: every output tensor has a fixed place, so neither the reading order nor the thread count
+changes a byte. The outputs (``output.Output``) decide what a matrix becomes; this module only schedules.
 """
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ import os
 import signal
 import threading
 from collections import defaultdict
-from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import ExitStack
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 from ktconvert import profile
 from ktconvert.errors import InputError
-from ktconvert.formats.stream import HashingFileReader, MatrixJob, jobs_by_file, known_sha256
+from ktconvert.formats.stream import ByteBudget, HashingFileReader, MatrixJob, jobs_by_file, known_sha256
+from ktconvert.read_order import merged_jobs, read_groups
 
 
 class JointJournal:
@@ -47,28 +51,33 @@ class JointJournal:
 
 
 READ_BUDGET = 128 << 20   # bytes of source read ahead of the workers, all reading threads together
-MAX_READERS = 4           # source files in flight at once (each with its own sha256 stream)
+MAX_READERS = 4           # groups of source files read at once (each file with its own sha256 stream)
 
 
 def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int, progress,
              files: list | None = None, *, verify_source_hash: bool = False) -> None:
-    """Read every source file (or those in `files`, in the source's order) front to back; each decoded matrix
-    goes to every output in `outputs` that still needs its layer.
+    """Read every source file (or those in `files`) front to back; each decoded matrix goes to every output in
+    `outputs` that still needs its layer.
 
-    Up to min(MAX_READERS, workers) files are read at once, each by its own thread with its own sha256 stream,
-    together at most READ_BUDGET bytes ahead of the workers. `journal` decides what is already done (layers, fully
-    hashed source files); each output that still needs layer L (journal.needing) gets begin_layer(L) -> consumer
-    (put_matrix / finish / abort) and layer_finished(L, result). verify_source_hash: hash a file even when a Hugging Face cache blob name gives
-    its sha256, and refuse it when they differ (stream.known_sha256)."""
+    The files are read in groups (``read_order.read_groups``: the files holding the same layers), up to
+    min(MAX_READERS, workers) groups at once, each by one thread that keeps every file of its group open, each
+    file with its own sha256 stream, and hands the group's matrices out in name order (``read_order.merged_jobs``:
+    the order of the outputs' files); all together at most READ_BUDGET bytes ahead of the workers. `journal`
+    decides what is already done (layers, fully hashed source files); each output that still needs layer L
+    (journal.needing) gets begin_layer(L) -> consumer (put_matrix / finish / abort) and layer_finished(L, result).
+    verify_source_hash: hash a file even when a Hugging Face cache blob name gives its sha256, and refuse it when
+    they differ (stream.known_sha256)."""
     one_pass = _Pass(jobs, source, outputs, journal, workers, progress)
     files = [p for p in source.files() if (files is None or p in files) and not one_pass.file_done(p)]
     source.ensure_local(files)
-    readers = max(1, min(MAX_READERS, workers, len(files)))
+    groups = read_groups(files, one_pass.layers_of(files))
+    one_pass.groups = iter(groups)
+    readers = max(1, min(MAX_READERS, workers, len(groups)))
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool, \
                 ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ktconvert-read") as read_pool:
             one_pass.pool = pool
-            reads = [read_pool.submit(one_pass.read_file, path, verify_source_hash) for path in files]
+            reads = [read_pool.submit(one_pass.read_groups, verify_source_hash) for _ in range(readers)]
             try:
                 with profile.span("wait.readers"):
                     wait(reads, return_when=FIRST_EXCEPTION)
@@ -86,8 +95,8 @@ def run_jobs(jobs: list[MatrixJob], source, outputs: list, journal, workers: int
 
 
 class _Pass:
-    """The state of one run_jobs call shared by its reading threads: layer tracker, consumers, finishing layers,
-    all behind one lock; the read budget."""
+    """The state of one run_jobs call shared by its reading threads and workers: layer tracker, consumers, jobs in
+    flight, finishing layers, the first error, all behind one lock; the read budget."""
 
     def __init__(self, jobs: list[MatrixJob], source, outputs: list, journal, workers: int, progress):
         self.source, self.outputs, self.journal, self.workers, self.progress = source, outputs, journal, workers, progress
@@ -95,11 +104,15 @@ class _Pass:
         self.grouped = jobs_by_file(jobs)
         self.consumers: dict[int, list] = {}
         self.finishing: dict[int, Future] = {}
+        self.active = 0                             # jobs submitted and not finished
+        self.error: BaseException | None = None     # the first failed job's exception
         self.lock = threading.RLock()
-        self.budget = _ByteBudget(READ_BUDGET)
+        self.changed = threading.Condition(self.lock)   # a job finished
+        self.budget = ByteBudget(READ_BUDGET)
         self.failed = threading.Event()
         self.fault = _FaultInjector.from_env()
         self.pool: ThreadPoolExecutor | None = None
+        self.groups = iter(())
 
     def file_done(self, path) -> bool:
         """The file was hashed to its end before and all its layers are done: counted, not read again."""
@@ -108,40 +121,78 @@ class _Pass:
                 and all(self.journal.layer_done(j.layer) for j in file_jobs)):
             return False
         for job in file_jobs:
-            self.tracker.submitted(job.layer, None)
+            self.tracker.settled(job.layer)
         return True
 
-    def read_file(self, path, verify_source_hash: bool) -> None:
-        """One reading thread: the file front to back, each job handed to the workers, the file's digest
-        journalled at its end."""
-        name = self.source.relative_name(path)
-        with HashingFileReader(path, known_sha256(path), verify=verify_source_hash) as reader:
-            for job in self.grouped.get(path, []):
+    def layers_of(self, files: list) -> dict:
+        """{file: the layers still to be written whose matrices it holds}."""
+        return {path: {j.layer for j in self.grouped.get(path, []) if not self.journal.layer_done(j.layer)}
+                for path in files}
+
+    def read_groups(self, verify_source_hash: bool) -> None:
+        """One reading thread: groups of files as they come, until none is left or a reader failed."""
+        while not self.failed.is_set():
+            with self.lock:
+                group = next(self.groups, None)
+            if group is None:
+                return
+            self.read_group(group, verify_source_hash)
+
+    def read_group(self, group: list, verify_source_hash: bool) -> None:
+        """Every file of `group` open, each read front to back, the jobs in name order; a file's digest is
+        journalled as soon as its last job was read."""
+        left = {path: len(self.grouped.get(path, [])) for path in group}
+        with ExitStack() as stack:
+            readers = {path: stack.enter_context(HashingFileReader(path, known_sha256(path),
+                                                                   verify=verify_source_hash)) for path in group}
+            for path in [p for p in group if not left[p]]:
+                self._finish_file(path, readers[path])
+            for job in merged_jobs([self.grouped.get(path, []) for path in group]):
                 if self.failed.is_set():
                     return
-                self._read_job(reader, job)
-            digest = reader.finish()
+                self._read_job(readers[job.file], job)
+                left[job.file] -= 1
+                if not left[job.file]:
+                    self._finish_file(job.file, readers[job.file])
+
+    def _finish_file(self, path, reader: HashingFileReader) -> None:
+        digest = reader.finish()
         with self.lock:
-            self.journal.finish_source(name, {"bytes": digest.bytes, "sha256": digest.sha256})
+            self.journal.finish_source(self.source.relative_name(path),
+                                       {"bytes": digest.bytes, "sha256": digest.sha256})
 
     def _read_job(self, reader: HashingFileReader, job: MatrixJob) -> None:
         if self.journal.layer_done(job.layer):
             reader.skip_to(job.offset + job.nbytes)
             with self.lock:
-                self.tracker.submitted(job.layer, None)
+                self.tracker.settled(job.layer)
             return
         self.budget.acquire(job.nbytes)
         try:
             raw = reader.read_range(job.offset, job.nbytes)
             self._throttle()
-            future = self.pool.submit(self._work, job, raw)
+            with self.lock:
+                self.active += 1
+            self.pool.submit(self._run_job, job, raw)
         except BaseException:
             self.budget.release(job.nbytes)
             raise
-        future.add_done_callback(lambda _: self.budget.release(job.nbytes))
         with self.lock:
-            self.tracker.submitted(job.layer, future)
             self._schedule_ready()
+
+    def _run_job(self, job: MatrixJob, raw) -> None:
+        """(a worker) The job, then its bookkeeping: the first error kept, budget, jobs in flight, the layer's count."""
+        try:
+            self._work(job, raw)
+        except BaseException as exc:
+            with self.lock:
+                self.error = self.error or exc
+        finally:
+            self.budget.release(job.nbytes)
+            with self.lock:
+                self.active -= 1
+                self.tracker.settled(job.layer)
+                self.changed.notify_all()
 
     def _consumers_for(self, layer: int) -> list:
         with self.lock:
@@ -165,7 +216,10 @@ class _Pass:
         return [(out, consumer.finish()) for out, consumer in self.consumers[layer]]
 
     def _schedule_ready(self) -> None:
-        """(lock held) Layers whose jobs all completed start finishing; finished ones are reported."""
+        """(lock held) Layers whose jobs all completed start finishing; finished ones are reported. A failed job
+        is raised here: nothing more is finished."""
+        if self.error is not None:
+            raise self.error
         for layer in self.tracker.ready():
             if not self.journal.layer_done(layer):
                 self.finishing[layer] = self.pool.submit(self._finish, layer)
@@ -181,15 +235,12 @@ class _Pass:
 
     def _throttle(self) -> None:
         """Bound memory: at most 2 jobs per worker in flight. A failed job stops the run here, not at the end."""
-        with self.lock:
-            futures = [f for fs in self.tracker.futures.values() for f in fs]
-        for f in futures:
-            if f.done() and f.exception() is not None:
-                raise f.exception()
-        pending = [f for f in futures if not f.done()]
-        if len(pending) >= 2 * self.workers:
-            with profile.span("wait.workers"):
-                wait(pending, return_when=FIRST_COMPLETED)
+        with self.changed:
+            if self.active >= 2 * self.workers and self.error is None:
+                with profile.span("wait.workers"):
+                    self.changed.wait_for(lambda: self.active < 2 * self.workers or self.error is not None)
+            if self.error is not None:
+                raise self.error
 
     def stop_on_error(self, reads: list[Future]) -> None:
         """Re-raise the first reading thread's error (the others stop at their next job)."""
@@ -202,11 +253,9 @@ class _Pass:
 
     def drain(self) -> None:
         """Wait for the workers, finish the remaining layers, report them."""
-        with self.lock:
-            futures = [f for fs in self.tracker.futures.values() for f in fs]
-        with profile.span("wait.workers"):
-            wait(futures)
-        with self.lock:
+        with self.changed:
+            with profile.span("wait.workers"):
+                self.changed.wait_for(lambda: self.active == 0)
             self._schedule_ready()
             finishing = list(self.finishing.values())
         with profile.span("wait.workers"):
@@ -222,26 +271,6 @@ class _Pass:
                     consumer.abort()
 
 
-class _ByteBudget:
-    """At most `limit` bytes held at once (one request larger than the limit is let through alone)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.held = limit, 0
-        self.cond = threading.Condition()
-
-    def acquire(self, nbytes: int) -> None:
-        with self.cond:
-            if self.held and self.held + nbytes > self.limit:
-                with profile.span("wait.read_budget"):
-                    self.cond.wait_for(lambda: not self.held or self.held + nbytes <= self.limit)
-            self.held += nbytes
-
-    def release(self, nbytes: int) -> None:
-        with self.cond:
-            self.held -= nbytes
-            self.cond.notify_all()
-
-
 def job_tensor(job: MatrixJob) -> str:
     """'file: tensor' (with the expert slice of a fused tensor) for messages."""
     name = job.key[0] if job.key else "?"
@@ -250,31 +279,24 @@ def job_tensor(job: MatrixJob) -> str:
 
 
 class _LayerTracker:
-    """Counts each layer's outstanding jobs; a layer is ready when all its jobs were submitted and are done."""
+    """Counts each layer's jobs not yet settled (completed or skipped); a layer is ready when none is left."""
 
     def __init__(self, jobs: list[MatrixJob]):
         self.remaining: dict[int, int] = defaultdict(int)
         for job in jobs:
             self.remaining[job.layer] += 1
-        self.futures: dict[int, list[Future]] = defaultdict(list)
+        self._ready: list[int] = []
 
-    def submitted(self, layer: int, future: Future | None) -> None:
+    def settled(self, layer: int) -> None:
         self.remaining[layer] -= 1
-        if future is not None:
-            self.futures[layer].append(future)
+        if not self.remaining[layer]:
+            del self.remaining[layer]
+            self._ready.append(layer)
 
     def ready(self) -> list[int]:
-        """Layers whose every job was submitted and has completed (a job's error is re-raised here)."""
-        done = []
-        for layer, left in self.remaining.items():
-            if left == 0 and all(f.done() for f in self.futures[layer]):
-                for f in self.futures[layer]:
-                    f.result()
-                done.append(layer)
-        for layer in done:
-            del self.remaining[layer]
-            self.futures.pop(layer, None)
-        return sorted(done)
+        """The layers whose last job settled since the last call, sorted."""
+        done, self._ready = sorted(self._ready), []
+        return done
 
 
 class _FaultInjector:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ktconvert.formats.kt_sink import copy_sources
 from ktconvert.formats.ordered_hash import PARK_BYTES
-from ktconvert.formats.stream import CHUNK as READ_CHUNK_BYTES, HASH_QUEUE_DEPTH
+from ktconvert.formats.stream import CHUNK as READ_CHUNK_BYTES, HASH_BUDGET
 from ktconvert.formats.st_writer import build_header
 from ktconvert.layouts.naming import INDEX_NAME, PROJS, kt_relpath, merged_key, part_shape, shard_name
 from ktconvert.runner import MAX_READERS
@@ -101,14 +101,15 @@ def _manifest_estimate(files: list[dict], n_tensors: int, n_sources: int, tensor
 
 def peak_ram(source, hidden: int, inter: int, numa: int, threads: int | None) -> dict:
     """A small multiple of one expert matrix per worker (source bytes + BF16 + float32 part work + output), plus
-    per reading thread its read chunks queued for hashing, plus two shards' parked copies (ordered_hash)."""
+    the bytes queued for hashing the source (stream.HASH_BUDGET) and a read chunk per reading thread, plus two
+    shards' parked copies (ordered_hash)."""
     elems = max(len(job.projs) for job in source.matrix_jobs(source.all_layers()[:1])) * inter * hidden
     itemsize = {"bf16": 2, "fp16": 2, "fp32": 4}.get(source.input_format, 2)
     part = elems // max(numa, 1)
     per_job = elems * itemsize + 2 * elems + 13 * part + 2 * elems
     workers = threads or os.cpu_count() or 1
     readers = min(MAX_READERS, workers, len(source.files()))
-    total = PROCESS_BASE_BYTES + readers * (HASH_QUEUE_DEPTH + 1) * READ_CHUNK_BYTES + 2 * PARK_BYTES \
+    total = PROCESS_BASE_BYTES + HASH_BUDGET + readers * READ_CHUNK_BYTES + 2 * PARK_BYTES \
         + JOBS_PER_WORKER * workers * per_job
     return {"peak_ram_bytes": total, "per_job_bytes": per_job, "workers": workers}
 

@@ -98,9 +98,9 @@ def hash_bytes(data, content_git: bool = False) -> tuple[int, str, str]:
     return (len(view), *hasher.hexdigests())
 
 
-def _read_chunks(path: Path, size: int):
-    """Yield the file's bytes in HASH_CHUNK pieces, one sequential pass; InputError if its size changes or it is not
-    a regular file (a FIFO would block the read forever)."""
+def _read_chunks(path: Path, size: int, kind: str = "read.output"):
+    """Yield the file's bytes in HASH_CHUNK pieces, one sequential pass (profiled as `kind`); InputError if its
+    size changes or it is not a regular file (a FIFO would block the read forever)."""
     buf = bytearray(min(HASH_CHUNK, max(size, 1)))
     view = memoryview(buf)
     done = 0
@@ -108,7 +108,7 @@ def _read_chunks(path: Path, size: int):
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         while True:
-            with profile.span("read.output", len(view)):
+            with profile.span(kind, min(len(view), max(size - done, 0))):
                 got = fh.readinto(view)
             if not got:
                 break
@@ -118,13 +118,14 @@ def _read_chunks(path: Path, size: int):
         raise InputError("file changed while hashing", file=str(path), expected=f"{size} bytes", found=str(done))
 
 
-def hash_file(path, content_git: bool = False) -> tuple[int, str, str]:
+def hash_file(path, content_git: bool = False, kind: str = "read.output") -> tuple[int, str, str]:
     """(size, sha256 hex, git blob id hex) of a regular file (InputError otherwise), read once sequentially in
-    8 MiB chunks (content_git: the content's git blob SHA-1 whatever the size)."""
+    8 MiB chunks (content_git: the content's git blob SHA-1 whatever the size; kind: the profile's name for the
+    read, "read" for a source file)."""
     path = Path(path)
     size = check_regular(path, "file").st_size
     hasher = FileHasher(size, content_git)
-    for chunk in _read_chunks(path, size):
+    for chunk in _read_chunks(path, size, kind):
         hasher.update(chunk)
     return (size, *hasher.hexdigests())
 
@@ -161,6 +162,13 @@ def record_for(out_dir, rel_path: str) -> FileRecord:
     """FileRecord of an existing file `rel_path` (posix, relative to out_dir), hashed from disk."""
     size, sha256, git_sha1 = hash_file(Path(out_dir) / rel_path)
     return FileRecord(rel_path, size, sha256, git_sha1)
+
+
+def write_record(out_dir, rel_path: str, data, durable: bool = True) -> FileRecord:
+    """``write_atomic`` of bytes-like `data` to `rel_path` (posix, relative to out_dir); its FileRecord hashed from
+    `data`, not read back."""
+    write_atomic(Path(out_dir) / rel_path, data, durable)
+    return FileRecord(rel_path, *hash_bytes(data))
 
 
 def temp_path_for(path: Path) -> Path:

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from ktconvert.errors import OutputError, ShapeError
-from ktconvert.formats.fileio import FileRecord, LayerResult, record_for, write_atomic
+from ktconvert.formats.fileio import FileRecord, LayerResult, write_record
 from ktconvert.formats.kt_sink import copy_sources
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter
 from ktconvert.layouts.naming import INDEX_NAME, shard_name
@@ -77,9 +77,7 @@ class InplaceSink:
             config = parse_json(files["config.json"], what="config.json") if "config.json" in files \
                 else fallback_config
             files["config.json"] = _json_bytes(output_config(config, self.method))
-        for name, data in sorted(files.items()):
-            write_atomic(self.out_dir / name, data)
-        return [record_for(self.out_dir, name) for name in sorted(files)]
+        return [write_record(self.out_dir, name, data) for name, data in sorted(files.items())]
 
 
 class InplaceLayerWriter:

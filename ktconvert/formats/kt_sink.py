@@ -27,7 +27,7 @@ import numpy as np
 
 from ktconvert import profile
 from ktconvert.errors import OutputError
-from ktconvert.formats.fileio import FileRecord, LayerResult, fsync_dir, hash_bytes, record_for, write_atomic
+from ktconvert.formats.fileio import FileRecord, LayerResult, fsync_dir, hash_bytes, write_atomic, write_record
 from ktconvert.formats.safetensors_reader import parse_header
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter, tensor_nbytes
 from ktconvert.layouts.naming import INDEX_NAME, PROJS, dense_key, kt_relpath, merged_key, part_shape, shard_name
@@ -135,8 +135,7 @@ class KtSink:
         self._remove_stale_partials()
         records = [self._write_index()] if self.layout == "safetensors" else []
         for rel, src in sorted(copy_sources(copy_from).items()):
-            write_atomic(self.out_dir / rel, src.read_bytes())
-            records.append(record_for(self.out_dir, rel))
+            records.append(write_record(self.out_dir, rel, src.read_bytes()))
         return records
 
     def _write_index(self) -> FileRecord:
@@ -152,8 +151,7 @@ class KtSink:
                 weight_map[key] = self.dense_shard()
                 total += ref.nbytes
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        write_atomic(self.out_dir / INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-        return record_for(self.out_dir, INDEX_NAME)
+        return write_record(self.out_dir, INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
 
     def _remove_stale_partials(self) -> None:
         """Delete this sink's leftovers from interrupted runs (``.*.partial`` files, ``_layer_*.partial/``)."""
@@ -207,11 +205,18 @@ class LayerWriter:
 
 
 class MergedLayerWriter(LayerWriter):
-    """One layer's shard, written expert part by expert part at known offsets."""
+    """One layer's shard, written expert part by expert part at known offsets.
+
+    The shard holds every scale first, then the weights projection by projection (kt-kernel's converter writes it
+    so), while the matrices come expert by expert: the first weight byte can be hashed only once the layer's last
+    scale exists, when all its weights exist too. Holding them is the whole layer's output (Qwen3-30B-A3B:
+    302 MB AMXINT4, 604 MB AMXINT8; DeepSeek-V3: 5.6 / 11.3 GB), so the file hash reads the weights back from the
+    page cache instead (``ordered_hash``), and nothing is parked."""
 
     def __init__(self, sink: KtSink, layer: int):
         super().__init__(sink, layer)
-        self.writer = StreamingSafetensorsWriter(sink.out_dir / sink.shard_for(layer), sink.layer_tensors(layer))
+        self.writer = StreamingSafetensorsWriter(sink.out_dir / sink.shard_for(layer), sink.layer_tensors(layer),
+                                                 park_bytes=0)
 
     def put(self, proj: str, expert: int, t: int, blob, scale) -> None:
         """blob: uint8/int8 [quant bytes]; scale: float32 [n] of NUMA part t of expert `expert`'s `proj`."""

@@ -99,14 +99,18 @@ class StreamingSafetensorsWriter:
     fsync_and_hash: False for scratch files in a folder that is renamed into place as a whole when complete (tiny
               models): no fsync and no hashing, same bytes; ``sha256`` / ``git_sha1`` stay None and
               ``tensor_sha256`` maps each written name to "".
+    park_bytes: copies of early tensors the file hash may hold (``OrderedFileHash``; None: its default). 0 for a
+              file whose tensors are known to arrive far out of its order, where copies would only cost memory.
 
     After ``close()``: ``size``, ``sha256``, ``git_sha1`` (of the whole file, fed from the bytes as they were
     written: ``ordered_hash.OrderedFileHash``; ``read_back`` bytes of it re-read) and ``tensor_sha256`` ({name: hex}).
     ``write`` may be called from several threads at once.
     """
 
-    def __init__(self, path, specs, metadata: dict[str, str] | None = None, fsync_and_hash: bool = True):
+    def __init__(self, path, specs, metadata: dict[str, str] | None = None, fsync_and_hash: bool = True,
+                 park_bytes: int | None = None):
         self.path = Path(path)
+        self.park_bytes = park_bytes
         self.fsync_and_hash = fsync_and_hash
         self.temp_path = temp_path_for(self.path)
         specs = [(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in specs]
@@ -133,7 +137,7 @@ class StreamingSafetensorsWriter:
             os.ftruncate(self._fd, self.size)
             _preallocate(self._fd, self.size)
             if self.fsync_and_hash:
-                self._hash = OrderedFileHash(self._fd, self.size)
+                self._hash = OrderedFileHash(self._fd, self.size, self.park_bytes)
                 self._hash.wrote(0, header)
         except OSError as exc:
             self.abort()

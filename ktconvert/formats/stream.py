@@ -22,7 +22,8 @@ from ktconvert.errors import InputError
 from ktconvert.safe_read import open_regular
 
 CHUNK = 8 << 20   # bytes read at a time for data no job needs (non-expert tensors, headers)
-HASH_QUEUE_DEPTH = 4   # buffers a reading thread may queue for its sha256 thread
+HASH_QUEUE_DEPTH = 4   # buffers a file's reader may queue for its sha256 thread
+HASH_BUDGET = 32 << 20   # bytes queued for all sha256 threads of the process together
 _SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 
 
@@ -50,9 +51,34 @@ class FileDigest:
     sha256: str
 
 
+class ByteBudget:
+    """At most `limit` bytes held at once by all callers together (one request larger than the limit is let
+    through alone)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self.cond = threading.Condition()
+
+    def acquire(self, nbytes: int, wait_kind: str = "wait.read_budget") -> None:
+        with self.cond:
+            if self.held and self.held + nbytes > self.limit:
+                with profile.span(wait_kind):
+                    self.cond.wait_for(lambda: not self.held or self.held + nbytes <= self.limit)
+            self.held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self.cond:
+            self.held -= nbytes
+            self.cond.notify_all()
+
+
+_QUEUED_FOR_HASHING = ByteBudget(HASH_BUDGET)
+
+
 class _BackgroundSha256:
     """sha256 fed from a bounded queue on its own thread (hashlib releases the GIL), so hashing the source
-    overlaps reading and converting it. Buffers handed to update() must not be modified afterwards."""
+    overlaps reading and converting it: at most `depth` buffers queued, and at most HASH_BUDGET bytes queued by all
+    files together. Buffers handed to update() must not be modified afterwards."""
 
     def __init__(self, depth: int = HASH_QUEUE_DEPTH):
         self._sha = hashlib.sha256()
@@ -64,8 +90,10 @@ class _BackgroundSha256:
         while (data := self._queue.get()) is not None:
             with profile.span("hash.source", len(data)):
                 self._sha.update(data)
+            _QUEUED_FOR_HASHING.release(len(data))
 
     def update(self, data) -> None:
+        _QUEUED_FOR_HASHING.acquire(len(data), "wait.hash.source")
         with profile.span("wait.hash.source"):
             self._queue.put(data)
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from ktconvert import profile
 from ktconvert.errors import OutputError
-from ktconvert.formats.fileio import LayerResult, record_for, write_atomic
+from ktconvert.formats.fileio import LayerResult, write_record
 from ktconvert.formats.out_manifest import BYTE_PACKAGES, GPU_FLAGS, MANIFEST_NAME, package_versions
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter, tensor_nbytes
 from ktconvert.gpu import config as gpu_config
@@ -109,13 +109,10 @@ class GpuOutput(Output):
         opts = self.options
         with StreamingSafetensorsWriter(self.out_dir / shard.name, shard.specs(opts.bits, opts.group_size)) as w:
             _write_items(w, shard.items, self.source.checkpoint)
-        write_atomic(self.out_dir / INDEX_NAME, self._index_bytes())
-        write_atomic(self.out_dir / "config.json", self._config_bytes())
-        extra = [INDEX_NAME, "config.json"]
-        for rel, src in self._copies():
-            write_atomic(self.out_dir / rel, src.read_bytes())
-            extra.append(rel)
-        return LayerResult([w.record(shard.name)] + [record_for(self.out_dir, rel) for rel in extra], dict(w.tensor_sha256))
+        records = [w.record(shard.name), write_record(self.out_dir, INDEX_NAME, self._index_bytes()),
+                   write_record(self.out_dir, "config.json", self._config_bytes())]
+        records += [write_record(self.out_dir, rel, src.read_bytes()) for rel, src in self._copies()]
+        return LayerResult(records, dict(w.tensor_sha256))
 
     def _index_bytes(self) -> bytes:
         weight_map, total = {}, 0
