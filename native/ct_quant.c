@@ -1,9 +1,11 @@
 /* compressed-tensors pack-quantized RTN (W4A16 / W8A16 experts of the GPU checkpoint); contract in kt_ct_quant.h.
  *
  * The scalar group kernel is the reference: per element the float32 operations of kt_ct_quant.h in order. The
- * AVX2 / AVX-512 kernels do the same 8 / 16 lanes at a time: IEEE division is exactly rounded at any width, the
- * BF16 rounding is integer arithmetic on the bits, and vcvtps2dq under round-to-nearest-even is rint_even of a value
- * that is already an integer or a BF16 half-step, so every implementation gives the same bytes.
+ * AVX2 / AVX-512 kernels do the same 16 / 32 values at a time, as two vectors of 8 / 16 lanes (the even-indexed
+ * values and the odd ones, so that each 32-bit lane packs into whole output bytes): IEEE division is exactly rounded
+ * at any width, the BF16 rounding is integer arithmetic on the bits, and vcvtps2dq under round-to-nearest-even is
+ * rint_even of a value that is already an integer or a BF16 half-step, so every implementation gives the same
+ * bytes.
  */
 #include "kt_ct_quant.h"
 #include "kt_internal.h"
@@ -77,62 +79,71 @@ const kt_ctq_kernels kt_ctq_kernels_scalar = {row_scalar};
 #define KT_AVX2 __attribute__((target("avx2")))
 #define KT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
-/* 8 BF16 -> 8 offset codes in int32 lanes. */
-KT_AVX2 static inline __m256i codes8_avx2(const uint16_t *x, __m256 s, __m256 lo, __m256 hi, __m256i offset) {
+/* float32 lanes v holding BF16 values -> codes rint_even(clamp(bf16(v / s), lo, hi)) in int32 lanes. */
+KT_AVX2 static inline __m256i codes_avx2(__m256 v, __m256 s, __m256 lo, __m256 hi) {
     const __m256i one = _mm256_set1_epi32(1), round = _mm256_set1_epi32(0x7fff), top = _mm256_set1_epi32(-65536);
-    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x)), 16));
     __m256i u = _mm256_castps_si256(_mm256_div_ps(v, s));
     u = _mm256_add_epi32(u, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
     v = _mm256_max_ps(_mm256_min_ps(_mm256_castsi256_ps(_mm256_and_si256(u, top)), hi), lo);
-    return _mm256_add_epi32(_mm256_cvtps_epi32(v), offset);
+    return _mm256_cvtps_epi32(v);
+}
+
+/* 16 BF16 at x -> 16 codes stored at out (8 bytes for bits 4, 16 for bits 8). The values at even indexes are the
+ * low halves of the 32-bit lanes, the odd ones the high halves: each lane yields one output byte (bits 4: even code
+ * + 8 in the low nibble, odd code + 8 in the high one) or two (bits 8: the codes + 128), packed in order. */
+KT_AVX2 static inline void pair_avx2(const uint16_t *x, __m256 s, __m256 lo, __m256 hi, int bits, uint8_t *out) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)x), top = _mm256_set1_epi32(-65536);
+    const __m256i even = codes_avx2(_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)), s, lo, hi);
+    const __m256i odd = codes_avx2(_mm256_castsi256_ps(_mm256_and_si256(raw, top)), s, lo, hi);
+    const __m256i lane = bits == 4 ? _mm256_add_epi32(_mm256_add_epi32(even, _mm256_slli_epi32(odd, 4)),
+                                                      _mm256_set1_epi32(0x88))
+                                   : _mm256_add_epi32(_mm256_add_epi32(even, _mm256_slli_epi32(odd, 8)),
+                                                      _mm256_set1_epi32(0x8080));
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(lane), _mm256_extracti128_si256(lane, 1));
+    if (bits == 4)
+        _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(words, words));
+    else
+        _mm_storeu_si128((__m128i *)out, words);
 }
 
 KT_AVX2 static void group_avx2(const uint16_t *x, int64_t len, float s, int bits, uint8_t *out) {
     const int offset = 1 << (bits - 1);
     const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps((float)-offset), hi = _mm256_set1_ps((float)(offset - 1));
-    const __m256i voff = _mm256_set1_epi32(offset);
-    const __m128i bytes = _mm_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    const __m256i pairs = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                           0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
     int64_t i = 0;
-    for (; i + 8 <= len; i += 8) {
-        const __m256i c = codes8_avx2(x + i, vs, lo, hi, voff); /* 0..255 or 0..15 per lane */
-        if (bits == 8) {
-            const __m128i b = _mm_or_si128(_mm_shuffle_epi8(_mm256_castsi256_si128(c), bytes),
-                                           _mm_slli_si128(_mm_shuffle_epi8(_mm256_extracti128_si256(c, 1), bytes), 4));
-            _mm_storel_epi64((__m128i *)(out + i), b);
-        } else { /* 64-bit lane: value 2j (bits 0..3) | value 2j + 1 (bits 32..35) -> low byte of the lane */
-            const __m256i p = _mm256_shuffle_epi8(_mm256_or_si256(c, _mm256_srli_epi64(c, 28)), pairs);
-            const uint32_t word = (uint32_t)_mm_cvtsi128_si32(
-                _mm_unpacklo_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
-            __builtin_memcpy(out + i / 2, &word, 4);
-        }
-    }
+    for (; i + 16 <= len; i += 16) pair_avx2(x + i, vs, lo, hi, bits, out + i * bits / 8);
     if (i < len) group_scalar(x + i, len - i, s, bits, out + i * bits / 8);
 }
 
-/* 16 BF16 -> 16 offset codes in int32 lanes. */
-KT_AVX512 static inline __m512i codes16_avx512(const uint16_t *x, __m512 s, __m512 lo, __m512 hi, __m512i offset) {
+KT_AVX512 static inline __m512i codes_avx512(__m512 v, __m512 s, __m512 lo, __m512 hi) {
     const __m512i one = _mm512_set1_epi32(1), round = _mm512_set1_epi32(0x7fff), top = _mm512_set1_epi32(-65536);
-    __m512 v = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
     __m512i u = _mm512_castps_si512(_mm512_div_ps(v, s));
     u = _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
     v = _mm512_max_ps(_mm512_min_ps(_mm512_castsi512_ps(_mm512_and_si512(u, top)), hi), lo);
-    return _mm512_add_epi32(_mm512_cvtps_epi32(v), offset);
+    return _mm512_cvtps_epi32(v);
+}
+
+/* 32 BF16 -> 32 codes, as pair_avx2 (16 bytes for bits 4, 32 for bits 8). */
+KT_AVX512 static inline void pair_avx512(const uint16_t *x, __m512 s, __m512 lo, __m512 hi, int bits, uint8_t *out) {
+    const __m512i raw = _mm512_loadu_si512((const void *)x), top = _mm512_set1_epi32(-65536);
+    const __m512i even = codes_avx512(_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), s, lo, hi);
+    const __m512i odd = codes_avx512(_mm512_castsi512_ps(_mm512_and_si512(raw, top)), s, lo, hi);
+    if (bits == 4)
+        _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(_mm512_add_epi32(
+            _mm512_add_epi32(even, _mm512_slli_epi32(odd, 4)), _mm512_set1_epi32(0x88))));
+    else
+        _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(_mm512_add_epi32(
+            _mm512_add_epi32(even, _mm512_slli_epi32(odd, 8)), _mm512_set1_epi32(0x8080))));
 }
 
 KT_AVX512 static void group_avx512(const uint16_t *x, int64_t len, float s, int bits, uint8_t *out) {
     const int offset = 1 << (bits - 1);
     const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps((float)-offset), hi = _mm512_set1_ps((float)(offset - 1));
-    const __m512i voff = _mm512_set1_epi32(offset);
     int64_t i = 0;
-    for (; i + 16 <= len; i += 16) {
-        const __m512i c = codes16_avx512(x + i, vs, lo, hi, voff);
-        if (bits == 8)
-            _mm_storeu_si128((__m128i *)(out + i), _mm512_cvtepi32_epi8(c));
-        else /* 64-bit lane: value 2j (bits 0..3) | value 2j + 1 (bits 32..35) -> low byte j */
-            _mm_storel_epi64((__m128i *)(out + i / 2), _mm512_cvtepi64_epi8(_mm512_or_si512(c, _mm512_srli_epi64(c, 28))));
+    for (; i + 32 <= len; i += 32) pair_avx512(x + i, vs, lo, hi, bits, out + i * bits / 8);
+    if (i + 16 <= len) {
+        pair_avx2(x + i, _mm256_set1_ps(s), _mm256_set1_ps((float)-offset), _mm256_set1_ps((float)(offset - 1)), bits,
+                  out + i * bits / 8);
+        i += 16;
     }
     if (i < len) group_scalar(x + i, len - i, s, bits, out + i * bits / 8);
 }

@@ -104,7 +104,8 @@ KT_API void kt_fp_set_flush_mode(int on);
 
 /* ---- AMXINT4 / AMXINT8 quantize + tile packing (kt-format.md 2.1, 2.2) ----
  *
- * w_bf16  [n, k] BF16 bit patterns, row-major, contiguous (HF [out_features, in_features]).
+ * w_bf16  [n, k] BF16 bit patterns, row-major, contiguous (HF [out_features, in_features]); kt_amx_quantize_rows
+ *         takes rows `ld` >= k elements apart (a column slice of a wider matrix, read in place).
  * bits    4 (AMXINT4: N_BLOCK 128, codes -7..7, d = fp32(double(amax)/112)) or
  *         8 (AMXINT8: N_BLOCK 64, codes -127..127, d = fp32(amax * fp32(1/127))).
  * impl    KT_IMPL_AUTO or an explicit id (unsupported -> KT_E_IMPL, nothing written).
@@ -121,6 +122,9 @@ KT_API int64_t kt_amx_nblocks(int64_t n, int bits);    /* ceil(n / N_BLOCK) */
 KT_API int kt_amx_check_shape(int64_t n, int64_t k, int bits); /* KT_OK, KT_E_SHAPE or KT_E_ARG */
 KT_API int kt_amx_quantize(const uint16_t *w_bf16, int64_t n, int64_t k, int bits, int impl, uint8_t *blob,
                            float *scales, int64_t nblock_begin, int64_t nblock_end, int64_t *err_row);
+KT_API int kt_amx_quantize_rows(const uint16_t *w_bf16, int64_t n, int64_t k, int64_t ld, int bits, int impl,
+                                uint8_t *blob, float *scales, int64_t nblock_begin, int64_t nblock_end,
+                                int64_t *err_row);
 
 #ifdef __cplusplus
 }

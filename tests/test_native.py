@@ -192,6 +192,22 @@ def test_bytes_equal_spec_reference(matrices, references, case, bits, impl):
         assert mismatch.size == 0, f"{mismatch.size} bytes differ, first at {mismatch[:5]} ({threads} threads)"
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_column_slice_read_in_place_equals_spec_reference(matrices, impl, bits):
+    """A down projection's NUMA part is a column slice of its [H, I] matrix: rows lie I apart. It is read in place
+    (no copy) and gives the spec's bytes of the same columns."""
+    w = matrices["adversarial"]
+    k = w.shape[1] // 2 // 128 * 128
+    for part in (w[:, :k], w[:, w.shape[1] - k:]):
+        assert not part.flags.c_contiguous
+        codes, want_d = spec_codes(np.ascontiguousarray(part), bits)
+        for threads in (1, 3):
+            blob, d = native.amx_quantize(part, bits, threads=threads, impl=impl)
+            np.testing.assert_array_equal(d.view(np.uint32), want_d.view(np.uint32))
+            np.testing.assert_array_equal(blob, spec_blob(codes, bits))
+
+
 def test_reference_is_not_trivial(matrices, references):
     """The cases exercise what they claim: ties, flushed scales, all code values, the sign of -7."""
     w = matrices["adversarial"]

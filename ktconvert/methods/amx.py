@@ -100,7 +100,7 @@ class AmxMethod(CpuMethod):
     def _quantize_native(cls, w_bf16: np.ndarray, threads: int, where: str) -> tuple[np.ndarray, np.ndarray]:
         n, k = w_bf16.shape
         try:
-            blob, scale = native.amx_quantize(np.ascontiguousarray(w_bf16), cls.bits, max(1, int(threads)))
+            blob, scale = native.amx_quantize(w_bf16, cls.bits, max(1, int(threads)))   # a column slice in place
         except KtConvertError:
             amx_rows.bf16_rows_ftz(w_bf16, where)   # a NaN/Inf raises NumericError naming the tensor
             raise

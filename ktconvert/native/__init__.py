@@ -316,7 +316,10 @@ def _amx_signatures() -> dict:
     import numpy as np
 
     return {"kt_amx_quantize": (_INT, [array(np.uint16), _I64, _I64, _INT, _INT, out_array(np.uint8),
-                                       out_array(np.float32), _I64, _I64, out_array(np.int64, nullable=True)])}
+                                       out_array(np.float32), _I64, _I64, out_array(np.int64, nullable=True)]),
+            "kt_amx_quantize_rows": (_INT, [np.ctypeslib.ndpointer(dtype=np.uint16, flags="ALIGNED"), _I64, _I64,
+                                            _I64, _INT, _INT, out_array(np.uint8), out_array(np.float32), _I64,
+                                            _I64, out_array(np.int64, nullable=True)])}
 
 
 def amx_lib() -> ctypes.CDLL:
@@ -344,7 +347,8 @@ def amx_quantize(w_bf16: np.ndarray, bits: int, threads: int = 1, impl: str | No
                  name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """AMXINT4 (bits=4) / AMXINT8 (bits=8) quantization and tile packing (kt-format.md 2.1, 2.2) in C.
 
-    w_bf16: uint16 [n, k] BF16 bits (n % 32 == 0; k % 128 == 0 for bits 4, k % 64 == 0 for bits 8).
+    w_bf16: uint16 [n, k] BF16 bits (n % 32 == 0; k % 128 == 0 for bits 4, k % 64 == 0 for bits 8); rows may lie
+    apart (a column slice of a wider matrix: read in place, not copied).
     threads: worker threads; N-blocks are split between them, the bytes never depend on it.
     impl: None (automatic, KTCONVERT_FORCE_IMPL honoured) or "scalar" | "avx2" | "avx512".
     name: tensor name used in error messages.
@@ -358,11 +362,14 @@ def amx_quantize(w_bf16: np.ndarray, bits: int, threads: int = 1, impl: str | No
     check_amx_input(w_bf16, bits, name)
     impl_id = resolve_impl(impl)
     handle = amx_lib()
-    w = np.ascontiguousarray(w_bf16)
-    n, k = w.shape
+    n, k = w_bf16.shape
+    rows_apart = w_bf16.strides[1] == 2 and w_bf16.strides[0] >= 2 * k and w_bf16.strides[0] % 2 == 0
+    w = w_bf16 if rows_apart and w_bf16.flags.aligned else np.ascontiguousarray(w_bf16)
+    ld = w.strides[0] // 2
     blob = np.empty(n * k // (2 if bits == 4 else 1), dtype=np.uint8)
     scale = np.empty(n, dtype=np.float32)
-    run_ranges(lambda begin, end, err: handle.kt_amx_quantize(w, n, k, bits, impl_id, blob, scale, begin, end, err),
+    run_ranges(lambda begin, end, err: handle.kt_amx_quantize_rows(w, n, k, ld, bits, impl_id, blob, scale, begin,
+                                                                   end, err),
                int(handle.kt_amx_nblocks(n, bits)), threads, what="kt_amx_quantize", name=name,
                found=f"[n, k] = [{n}, {k}], bits {bits}", w_bf16=w)
     return blob, scale
