@@ -190,8 +190,9 @@ class StreamingSafetensorsWriter:
         return sorted(set(self._spans) - set(self.tensor_sha256))
 
     def close(self) -> None:
-        """Check completeness, take the file's hashes (fed while the bytes went out: ordered_hash), fsync, rename
-        into place, fsync the dir (no fsync and no hashing without fsync_and_hash)."""
+        """Check completeness, take the file's hashes (fed while the bytes went out: ordered_hash), fsync, drop its
+        pages from the page cache, rename into place, fsync the dir (no fsync, hashing or dropping without
+        fsync_and_hash)."""
         if self._fd is None:
             raise OutputError("writer already closed or aborted", file=self.path.name)
         missing = self.missing()
@@ -210,6 +211,7 @@ class StreamingSafetensorsWriter:
                 self.read_back = self._hash.read_back
                 with profile.span("fsync", self.size):
                     os.fsync(self._fd)
+                _drop_cached(self._fd)
             os.close(self._fd)
             self._fd = None
             os.replace(self.temp_path, self.path)
@@ -246,6 +248,14 @@ class StreamingSafetensorsWriter:
             self.abort()
         elif self._fd is not None:
             self.close()
+
+
+def _drop_cached(fd: int) -> None:
+    """Let the kernel drop the file's pages from the page cache (clean: fsync'd): a conversion writing far more than
+    the machine's memory then does not push everything else out, nor pay for reclaiming its own old pages while
+    it writes new ones (3-output convert of a 3.6 GB model with 15 of 23 GB cached: write core-s 2.2 -> 1.3)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _preallocate(fd: int, size: int) -> None:
