@@ -65,9 +65,9 @@ def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str
     cpus = max(1, threads or 1)
     wanted = target_list(targets)
     refuse_gptq(wanted)
-    spec, orientation = _source_spec(src)
+    spec, orientation = source_spec(src)
     input = open_input(spec, orientation, in_part=True)
-    spec = _pinned(spec, input.hub)
+    spec = pinned_spec(spec, input.hub)
     outputs = plan_outputs(input, wanted, threads=cpus)
     layers = outputs[0].layers
     if resume and all((o.out_dir / MANIFEST_NAME).is_file() for o in outputs):
@@ -95,8 +95,9 @@ def refuse_gptq(targets: list) -> None:
     """UsageError for a --quant gptq target: its layers cannot run as independent parts."""
     for target in targets:
         if str(target.values.get("quant", "")).strip().lower() == "gptq":
-            raise UsageError(f"{target.name}: --executor ray is not available with --quant gptq",
-                             hint="GPTQ needs every layer in order: convert it with --executor local")
+            raise UsageError(f"{target.name}: layer-range parts are not available with --quant gptq",
+                             hint="GPTQ needs every layer in order: convert it alone with cpu / gpu "
+                                  "(--executor ray --workers N splits its calibration samples instead)")
 
 
 def task_runtime_env(runtime_env: dict | None) -> dict:
@@ -109,7 +110,7 @@ def task_runtime_env(runtime_env: dict | None) -> dict:
     return {"runtime_env": env} if env else {}
 
 
-def _source_spec(src) -> tuple[str, str | None]:
+def source_spec(src) -> tuple[str, str | None]:
     """(SRC as every node opens it: an absolute path or a hub spec, --expert-orientation) of `src` (a path, a
     spec or an opened inputs.Input)."""
     spec = str(getattr(src, "spec", src))
@@ -119,7 +120,7 @@ def _source_spec(src) -> tuple[str, str | None]:
     return spec, orientation
 
 
-def _pinned(spec: str, hub: dict) -> str:
+def pinned_spec(spec: str, hub: dict) -> str:
     """A hub `spec` at the commit the driver planned from (every task reads the same revision); else `spec`."""
     if not hub.get("revision"):
         return spec

@@ -15,25 +15,10 @@ ray = pytest.importorskip("ray", reason="the [ray] extra is not installed (pip i
 
 from ktconvert import api  # noqa: E402
 from ktconvert.cli import cli  # noqa: E402
-from ktconvert.errors import KtConvertError  # noqa: E402
 from ktconvert.progress import Progress  # noqa: E402
 from ktconvert.ray_executor import convert_on_ray  # noqa: E402
 from test_parts import CPU, MODEL, source, single, tree  # noqa: E402,F401  (fixtures: a tiny deepseek_v3, its single run)
 from test_hub import hub_env, server  # noqa: E402,F401  (fixtures: the stand-in hub on 127.0.0.1)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20,
-                                                          "include_dashboard": False})
-    nodes.add_node(num_cpus=1, object_store_memory=80 << 20)
-    ray.init(address=nodes.address, log_to_driver=False, logging_level="ERROR")
-    nodes.wait_for_nodes()
-    yield nodes
-    ray.shutdown()
-    nodes.shutdown()
 
 
 def test_cli_executor_ray_three_parts_equals_single_run(cluster, source, single, tmp_path):
@@ -159,11 +144,3 @@ def test_verify_source_hash_reaches_the_part_tasks(cluster, source, tmp_path):
     assert result.exit_code == 3, result.output
     assert "layers-2-2" in line and shard in line and "blob name" in line
     assert not (tmp_path / "checked" / "ktconvert.json").exists()
-
-
-def test_gptq_on_ray_is_refused_before_any_task(source, tmp_path):
-    calibration = tmp_path / "calib.jsonl"
-    calibration.write_text('{"input_ids": [1, 2, 3]}\n')
-    with pytest.raises(KtConvertError, match="--executor ray is not available with --quant gptq") as info:
-        api.convert_cpu(source, tmp_path / "out", executor="ray", quant="gptq", calibration=calibration, **CPU)
-    assert info.value.exit_code == 2 and not (tmp_path / "out").exists()
