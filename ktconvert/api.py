@@ -171,6 +171,8 @@ def _on_ray(executor: str, layers, ray_address, parts, parts_dir, workers=None, 
         raise UsageError(f"{'--parts' if parts is not None else '--parts-dir'} is not available with --quant gptq "
                          f"(each layer needs the previous one's outputs)",
                          hint="--quant gptq on Ray splits the calibration samples instead: --workers N")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise UsageError("--workers must be a whole number of at least 1", found=repr(workers))
     if name == "ray" and quant != "gptq" and workers is not None:
         raise UsageError("--workers is for --quant gptq of cpu / gpu (it splits the calibration samples)",
                          hint="other conversions on Ray split the layers: --parts N")

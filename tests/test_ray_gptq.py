@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 from ktconvert import api  # noqa: E402
 from ktconvert.cli import cli  # noqa: E402
 from ktconvert.errors import UsageError  # noqa: E402
+from test_hub import hub_env, server  # noqa: E402,F401  (fixtures: the stand-in hub on 127.0.0.1)
 from test_parts import tree  # noqa: E402
 
 # AMXINT8 on H = I = 256: fine enough a grid that adding up the slices' partial gate/up Hessians instead of
@@ -69,6 +70,7 @@ def test_cpu_gptq_on_ray_equals_single_process(cluster, model, calib, single, tm
     (dict(executor="ray", parts_dir="elsewhere"), "--parts-dir is not available with --quant gptq"),
     (dict(executor="ray", layers="0-0"), "--layers writes one part by itself"),
     (dict(workers=2), "--workers needs --executor ray"),
+    (dict(executor="ray", workers=0), "--workers must be a whole number of at least 1"),
 ])
 def test_gptq_combinations_that_cannot_work_are_refused(model, calib, tmp_path, call, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
@@ -134,6 +136,21 @@ def test_partial_hessian_sums_change_the_bytes(model, calib, monkeypatch):
 
     monkeypatch.setattr(distributed, "gate_up_hessian", partial_sums)
     assert codes(local) != single
+
+
+@pytest.mark.slow
+def test_dense_and_mtp_layers_on_ray_equal_single_process(cluster, tiny_model, tmp_path):
+    """DeepSeek-V3 (MLA attention): dense layer 0 (only propagated), MoE layers 1 and 2, next-n layer 3
+    (--include-mtp: calibrated after the decoder layers on their output)."""
+    from test_gptq_resume_mtp import _calibration
+
+    model = tiny_model("deepseek_v3", mtp=1)
+    options = dict(method="amxint8", numa=1, quant="gptq", calibration=_calibration(tmp_path, n=9), min_tokens=1,
+                   include_mtp=True)
+    api.convert_cpu(model, tmp_path / "single", **options)
+    api.convert_cpu(model, tmp_path / "ray", **options, executor="ray", workers=2)
+    assert "3" in json.loads((tmp_path / "single" / "ktconvert.json").read_text())["gptq"]["layers"]
+    assert tree(tmp_path / "ray") == tree(tmp_path / "single")
 
 
 @pytest.mark.slow
@@ -224,3 +241,26 @@ def _recording(run_layer, run: list):
         run.append(L)
         return run_layer(self, L)
     return recorded
+
+
+@pytest.mark.slow
+def test_hub_source_gptq_on_ray_equals_single_process(cluster, model, calib, single, server, hub_env, monkeypatch):
+    """SRC = hf://org/q (the stand-in hub): every task opens the commit the driver pinned and downloads the shards it
+    reads into its own cache. OUT equals a local run from the same hub source (the manifest records the source),
+    and its expert files those of the local run from the folder."""
+    from ktconvert.cpu.convert import convert_cpu
+    from ktconvert.ray_gptq import ray_streams
+    from test_hub_parts import cached_shards
+
+    server.store.seed("hf", "org/q", model)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "driver-cache"))
+    api.convert_cpu("hf://org/q", hub_env / "local", **GPTQ, calibration=calib)
+    env = {"HF_HOME": str(hub_env / "hf-home"), "KTCONVERT_HUB_CACHE": str(hub_env / "task-cache")}
+    convert_cpu("hf://org/q", hub_env / "ray", **GPTQ, calibration=calib,
+                gptq_stream=functools.partial(ray_streams, workers=2, runtime_env={"env_vars": env}))
+    ray_out = tree(hub_env / "ray")
+    assert ray_out == tree(hub_env / "local")
+    assert cached_shards(hub_env / "task-cache") == {p.name for p in model.glob("*.safetensors")}
+    shards = {name: data for name, data in tree(single).items() if name.endswith(".safetensors")}
+    assert shards and all(ray_out[name] == data for name, data in shards.items())

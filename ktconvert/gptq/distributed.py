@@ -65,7 +65,7 @@ def join_results(layer: int, parts: list[LayerResult]) -> LayerResult:
 
 # ---------------------------------------------------------------------------------------------- the steps
 
-_STREAMS: dict = {}   # this process's stream per WorkerSpec-like key: the meta skeleton, built once
+_STREAMS: dict = {}   # this process's stream for one `where` (worker_stream): the meta skeleton, built once
 
 
 def worker_stream(where: tuple) -> DecoderStream:
@@ -206,7 +206,7 @@ class DistributedStream:
         self.info, self.layers, self.mtp = source.info, self.structure.layers, self.structure.mtp
         self.n_total, self.done = self.structure.n_total, -1
         self.slices = contiguous(len(ordered), self.workers)
-        self.held_masks = tasks.put(calibration_holdout(quantizer, samples, order))
+        self.held_masks = tasks.put(calibration_holdout(quantizer, samples, order))   # a handle
         recorded = [tasks.submit(record_slice, self.where, ordered[s.start:s.stop], returns=2) for s in self.slices]
         self.hidden_parts = [handles[0] for handles in recorded]
         self.kwargs_parts = [handles[1] for handles in recorded]

@@ -12,8 +12,9 @@
     free     the layer is replaced by Identity and the heap trimmed
 
 On CPU every forward runs at one torch thread (``hessians.single_thread_on_cpu``): oneDNN's BF16 matmul rounds
-differently with the thread count (measured: 1-11 of 4M outputs of a [2048, 1024] x [1024, 2048] product differ
-between 1 and 3, 6, 7, 12 or 24 threads), which would make routing, Hessians and codes depend on the host's cores.
+differently with the thread count (measured: 1-11 of the 4.2 M outputs of a [2048, 1024] x [1024, 2048] product
+differ between 1 and 3, 5, 6, 7, 12 or 24 threads), which would make routing, Hessians and codes depend on the
+host's cores.
 
 A stream built with ``inputs=(hidden, kwargs)`` instead of samples records nothing: it runs the given hidden
 states (a slice of the calibration samples, gptq.distributed). ``fresh_layer(L)`` / ``load_layer(L, module,
