@@ -212,12 +212,19 @@ def convert(src, targets_file, threads, resume, force, profile, verify_source_ha
 @cli.command()
 @click.argument("out", type=click.Path(file_okay=False))
 @click.argument("parts", nargs=-1, required=True, type=InputPath(file_okay=False))
+@click.option("--verify", is_flag=True, help="Also hash every part file (every byte read) against its part "
+                                             "manifest's sha256 before anything is written.")
 @json_option
-def merge(out, parts, as_json) -> None:
+def merge(out, parts, verify, as_json) -> None:
     """Join the part folders PARTS (written with --layers A-B, in any order) into OUT: hard links (copies across
     filesystems) and the ktconvert.json a single run writes. Refuses parts of other conversions, overlapping
-    parts and missing layers (exit 3)."""
-    result = load_api().merge(out, parts)
+    parts and missing layers (exit 3).
+
+    Checked by default: the part manifests agree, every MoE layer is held once, every part file is there with
+    its recorded size; a file copied across filesystems is also hashed as it is copied (exit 4 if its sha256
+    differs). Run again after an interruption: the same merge finishes OUT.
+    """
+    result = load_api().merge(out, parts, verify=verify)
     emit(result, as_json, result.summary())
 
 

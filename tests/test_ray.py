@@ -167,3 +167,30 @@ def test_gptq_on_ray_is_refused_before_any_task(source, tmp_path):
     with pytest.raises(KtConvertError, match="--executor ray is not available with --quant gptq") as info:
         api.convert_cpu(source, tmp_path / "out", executor="ray", quant="gptq", calibration=calibration, **CPU)
     assert info.value.exit_code == 2 and not (tmp_path / "out").exists()
+
+
+def test_ray_run_interrupted_in_its_merge_resumes(cluster, source, single, tmp_path, monkeypatch):
+    from ktconvert import merge as merge_module
+
+    real_place, placed = merge_module._place, []
+
+    def failing_place(*args, **kw):
+        if len(placed) == 2:
+            raise KeyboardInterrupt
+        placed.append(args)
+        return real_place(*args, **kw)
+
+    monkeypatch.setattr(merge_module, "_place", failing_place)
+    with pytest.raises(KeyboardInterrupt):
+        api.convert_cpu(source, tmp_path / "out", executor="ray", parts=2, **CPU)
+    monkeypatch.setattr(merge_module, "_place", real_place)
+    assert not (tmp_path / "out" / "ktconvert.json").exists()
+    with pytest.raises(KtConvertError, match="not empty"):
+        api.convert_cpu(source, tmp_path / "out", executor="ray", parts=2, **CPU)
+    api.convert_cpu(source, tmp_path / "out", executor="ray", parts=2, resume=True, **CPU)
+    assert tree(tmp_path / "out") == tree(single)
+    # a finished OUT is left as is on --resume, and like a local --resume only when it records these options
+    assert api.convert_cpu(source, tmp_path / "out", executor="ray", resume=True, **CPU).complete_before
+    with pytest.raises(KtConvertError, match="cannot resume") as info:
+        api.convert_cpu(source, tmp_path / "out", executor="ray", resume=True, method="amxint8", numa=2)
+    assert info.value.exit_code == 2
