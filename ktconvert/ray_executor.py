@@ -67,23 +67,23 @@ def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str
     refuse_gptq(wanted)
     spec, orientation = _source_spec(src)
     input = open_input(spec, orientation, in_part=True)
-    spec = _pinned(spec, input.hub)
+    source = {"src": _pinned(spec, input.hub), "expert_orientation": orientation, "listing": input.listing}
     outputs = plan_outputs(input, wanted, threads=cpus)
     todo = [k for k, output in enumerate(outputs) if not _finished(output, resume)]
     timings = {"plan": time.monotonic() - t0}
     if todo:
         _check_outs([outputs[k] for k in todo], force, resume)
-        _convert_parts(spec, orientation, verify_source_hash, outputs, todo, parts, address, parts_dir, force,
-                       cpus, task_runtime_env(runtime_env), progress, timings)
+        _convert_parts(source, verify_source_hash, outputs, todo, parts, address, parts_dir, force, cpus,
+                       task_runtime_env(runtime_env), progress, timings)
     timings["total"] = time.monotonic() - t0
     return [result_of(o, load_manifest(o.out_dir) if k in todo else None, timings if k in todo else {})
             for k, o in enumerate(outputs)]
 
 
-def _convert_parts(spec, orientation, verify_source_hash, outputs, todo, parts, address, parts_dir, force, cpus,
+def _convert_parts(source: dict, verify_source_hash, outputs, todo, parts, address, parts_dir, force, cpus,
                    runtime_env: dict, progress, timings: dict) -> None:
-    """The outputs numbered `todo` as Ray tasks of `parts` layer ranges, merged into their OUTs; timings
-    completed with convert and merge seconds."""
+    """The outputs numbered `todo` as Ray tasks of `parts` layer ranges on `source` (open_input's keywords, as
+    every task opens it), merged into their OUTs; timings completed with convert and merge seconds."""
     t0 = time.monotonic()
     ray = connect(address)
     layers = outputs[0].layers
@@ -92,7 +92,7 @@ def _convert_parts(spec, orientation, verify_source_hash, outputs, todo, parts, 
     folders = _part_folders(outputs, ranges, parts_dir, force)
     resources = {"num_cpus": cpus, "memory": _memory(outputs, cpus), "max_retries": MAX_RETRIES, **runtime_env}
     _check_feasible(ray, resources)
-    _run_tasks(ray, (spec, orientation, verify_source_hash), outputs, todo, ranges, folders, resources, progress)
+    _run_tasks(ray, (source, verify_source_hash), outputs, todo, ranges, folders, resources, progress)
     timings["convert"] = time.monotonic() - t0
     t1 = time.monotonic()
     for k in todo:
@@ -213,8 +213,8 @@ def _memory(outputs: list, cpus: int) -> int:
 
 
 def _run_tasks(ray, source: tuple, outputs, todo: list[int], ranges, folders, resources: dict, progress) -> None:
-    """One task per range with `resources` (Ray task options) on `source` ((spec, orientation,
-    verify_source_hash) as run_part takes them), writing the parts of the outputs numbered `todo`; the driver's
+    """One task per range with `resources` (Ray task options) on `source` ((source, verify_source_hash) as
+    run_part takes them), writing the parts of the outputs numbered `todo`; the driver's
     progress sums what the tasks report. PartFailed names a failed part."""
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     task = ray.remote(run_part).options(**resources)
@@ -277,14 +277,15 @@ class BoardProgress(Progress):
         self.board.report.remote(self.part, self.bytes_done, self.items_done)
 
 
-def run_part(spec: str, orientation, verify_source_hash: bool, targets: list, layer_range: tuple[int, int],
-             threads: int, board, index: int) -> dict:
-    """A Ray task: the part `layer_range` of every target (resumed from its journal when a previous attempt of
-    this task died). Returns {} or {"error": one line, "exit_code": n} for a ktconvert error."""
+def run_part(source: dict, verify_source_hash: bool, targets: list, layer_range: tuple[int, int], threads: int,
+             board, index: int) -> dict:
+    """A Ray task: the part `layer_range` of every target of `source` (open_input's keywords: the pinned spec,
+    the orientation and the hub listing the driver planned from), resumed from its journal when a previous
+    attempt of this task died. Returns {} or {"error": one line, "exit_code": n} for a ktconvert error."""
     progress = BoardProgress(board, index)
     try:
         with progress:
-            convert_here(open_input(spec, orientation, in_part=True), targets, threads=threads, resume=True,
+            convert_here(open_input(**source, in_part=True), targets, threads=threads, resume=True,
                          layers=layer_range, progress=progress, verify_source_hash=verify_source_hash)
     except KtConvertError as exc:
         return {"error": str(exc), "exit_code": exc.exit_code}

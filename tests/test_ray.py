@@ -110,19 +110,21 @@ def test_part_no_node_can_run_is_refused_before_any_task(cluster, source, tmp_pa
     assert not (tmp_path / "out.parts").exists()
 
 
-def test_hub_source_on_ray_equals_single_run_and_driver_downloads_no_shard(cluster, server, hub_env, monkeypatch):
+@pytest.mark.parametrize("hub, endpoint_var", [("hf", "HF_ENDPOINT"), ("ms", "MODELSCOPE_ENDPOINT")])
+def test_hub_source_on_ray_equals_single_run_and_driver_downloads_no_shard(cluster, server, hub_env, monkeypatch,
+                                                                           hub, endpoint_var):
     from ktconvert.testing.tiny import make_tiny_model
     from test_hub_parts import cached_shards
 
     local = make_tiny_model(hub_env / "ds", "deepseek_v3", **MODEL)
-    spec = "hf://org/ds"
-    server.store.seed("hf", "org/ds", local)
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    spec = f"{hub}://org/ds"
+    server.store.seed(hub, "org/ds", local)
+    monkeypatch.setenv(endpoint_var, server.url)
     monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "single-cache"))
     api.convert(spec, [(hub_env / "single", CPU)])
-    # HF_ENDPOINT reaches the tasks from the driver's environment (ray_executor.TASK_ENV), not from runtime_env
+    # the endpoint reaches the tasks from the driver's environment (ray_executor.TASK_ENV), not from runtime_env
     env = {"HF_HOME": str(hub_env / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1",
-           "KTCONVERT_HUB_CACHE": str(hub_env / "task-cache")}
+           "MODELSCOPE_CACHE": str(hub_env / "ms-home"), "KTCONVERT_HUB_CACHE": str(hub_env / "task-cache")}
     monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "driver-cache"))
     convert_on_ray(spec, [(hub_env / "out", CPU)], parts=3, runtime_env={"env_vars": env})
     assert tree(hub_env / "out") == tree(hub_env / "single")
