@@ -26,7 +26,7 @@ from ktconvert.activation import stats as activation_stats
 from ktconvert.activation.placement import plan_placement, render_placement
 from ktconvert.architecture import families as _families
 from ktconvert import ray_executor
-from ktconvert.conversion import convert_here, plan_outputs  # noqa: F401  (plan_outputs: the API's)
+from ktconvert.conversion import convert_here, plan_outputs, target_list  # noqa: F401  (plan_outputs: API)
 from ktconvert.cpu import convert as cpu_convert
 from ktconvert.cpu.plan import CpuOptions, plan_cpu, render as render_cpu_plan
 from ktconvert.envinfo import env_info
@@ -38,6 +38,7 @@ from ktconvert.inputs import open_input
 from ktconvert.merge import merge
 from ktconvert.methods import all_methods
 from ktconvert.ops import batch as ops_batch, batch_ray, bundle as ops_bundle, hub as ops_hub
+from ktconvert.plan_targets import plan_targets, render_combined
 from ktconvert.results import ConvertResult, InspectResult, PlanResult, VerifyResult
 from ktconvert.testing.tiny import make_tiny_model
 from ktconvert.verification import report_html, run as verify_run
@@ -157,19 +158,30 @@ def _on_ray(executor: str, layers, ray_address, parts, parts_dir) -> bool:
 
 
 def plan(src, cpu=None, gpu=None, *, out=None, threads: int | None = None, placement: dict | None = None,
-         **cpu_option_values) -> PlanResult:
+         targets=None, **cpu_option_values) -> PlanResult:
     """What converting `src` would write, checked without reading weights: cpu (CpuOptions or its fields; or
     give the fields as keywords, e.g. plan(src, method="amxint4", numa=2)) and / or gpu (GpuOptions or its
-    fields). out: the CPU output folder whose free disk is checked. placement: which routed experts SGLang-KT
-    would keep on the GPU, {"ratio": R (--kt-gpu-experts-ratio) or "per_layer": N (--kt-num-gpu-experts),
-    "stats": an expert_activation.pt (frequency placement; None: SGLang's uniform)}, their VRAM with the gpu
-    options' expert scheme (without gpu: placement's "experts" / "group_size", default w4a16 / 128). Raises on
-    every problem (a NUMA count that cannot work lists the ones that do)."""
+    fields). out: the CPU output folder whose free disk is checked. targets (instead of cpu / gpu / out): the
+    outputs of one `convert` pass, as convert takes them (tables, pairs or a targets file): each planned, with
+    the pass's combined figures (plan_targets: source bytes read once, the outputs' bytes, peak RAM, disk per
+    filesystem). placement: which routed experts SGLang-KT would keep on the GPU, {"ratio": R
+    (--kt-gpu-experts-ratio) or "per_layer": N (--kt-num-gpu-experts), "stats": an expert_activation.pt (frequency
+    placement; None: SGLang's uniform)}, their VRAM with the gpu options' (or the first GPU target's) expert
+    scheme (else placement's "experts" / "group_size", default w4a16 / 128). Raises on every problem (a NUMA
+    count that cannot work lists the ones that do)."""
     cpu = _options(cpu, CpuOptions) or (CpuOptions.make(**cpu_option_values) if cpu_option_values else None)
     gpu = _options(gpu, GpuOptions)
+    if targets is not None:
+        if cpu is not None or gpu is not None or out is not None:
+            raise UsageError("plan takes targets or cpu / gpu / out options, not both")
+        wanted = target_list(targets)
+        planned, combined = plan_targets(open_input(src), wanted, threads)
+        gpu = next((GpuOptions.make(**t.values) for t in wanted if t.kind == "gpu"), None)
+        return PlanResult(source=str(getattr(src, "spec", src)), targets=planned, combined=combined,
+                          placement=None if placement is None else _plan_placement(src, gpu, placement))
     if cpu is None and gpu is None and placement is None:
-        raise UsageError("nothing to plan", expected="CPU options (method=...), GPU options (gpu=...) and / or "
-                                                     "a GPU expert placement (placement=...)")
+        raise UsageError("nothing to plan", expected="CPU options (method=...), GPU options (gpu=...), targets "
+                                                     "and / or a GPU expert placement (placement=...)")
     input = open_input(src)
     return PlanResult(source=input.spec, cpu=None if cpu is None else plan_cpu(input, cpu, out=out, threads=threads),
                       gpu=None if gpu is None else plan_gpu(input, gpu),
@@ -314,7 +326,10 @@ def render(result, kind: str | None = None) -> str:
     if isinstance(result, ConvertResult):
         return result.summary()
     if isinstance(result, PlanResult):
-        parts = [render_cpu_plan(result.cpu.report)] if result.cpu is not None else []
+        parts = [f"{t['name']}:\n" + (render_cpu_plan if t["kind"] == "cpu" else render_gpu)(t["plan"].report)
+                 for t in result.targets or []]
+        parts += [render_combined(result.source, result.targets, result.combined)] if result.targets else []
+        parts += [render_cpu_plan(result.cpu.report)] if result.cpu is not None else []
         parts += [render_gpu(result.gpu.report)] if result.gpu is not None else []
         return "\n\n".join(parts + ([render_placement(result.placement)] if result.placement is not None else []))
     if isinstance(result, VerifyResult):

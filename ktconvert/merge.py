@@ -77,7 +77,7 @@ def merge(out, parts, *, verify: bool = False) -> MergeResult:
         for folder in {(out / rel).parent for rel in files}:
             fsync_dir(folder)
         write_manifest(out, manifest)
-        (out / MERGE_JOURNAL).unlink()
+        (out / MERGE_JOURNAL).unlink(missing_ok=True)
         fsync_dir(out)
     finally:
         (out / LOCK_NAME).unlink(missing_ok=True)
@@ -205,8 +205,9 @@ def _begin(out: Path, identity: str) -> None:
             raise OutputError(f"OUT holds an unfinished merge of other parts ({MERGE_JOURNAL})", file=str(out),
                               hint="run that merge again to finish it, or merge into a new folder")
         return
-    finished = manifest.is_file() and hashlib.sha256(manifest.read_bytes()).hexdigest() == identity
-    if not finished and any(p.name != LOCK_NAME for p in out.iterdir()):
+    if manifest.is_file() and hashlib.sha256(manifest.read_bytes()).hexdigest() == identity:
+        return                                  # finished: checked again, nothing changes
+    if any(p.name != LOCK_NAME for p in out.iterdir()):
         raise OutputError("output directory exists and is not empty", file=str(out),
                           hint="merge into a new or empty folder")
     write_atomic(journal, manifest_bytes({"format": MERGE_FORMAT, "manifest_sha256": identity}))

@@ -33,6 +33,7 @@ from ktconvert.merge import merge, unfinished
 from ktconvert.onepass import result_of
 from ktconvert.parts import balanced_ranges
 from ktconvert.progress import Progress
+from ktconvert.targets import is_gptq
 
 MAX_RETRIES = 3               # Ray re-runs a task whose worker died this many times (each resumes its part)
 POLL_SECONDS = 0.5
@@ -57,9 +58,10 @@ def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str
     `parts` layer ranges (None: the cluster's CPUs / threads per task). threads: CPUs per task (default 1).
     resume: an OUT already complete is left alone (its ktconvert.json checked against the plan, as a local
     --resume), an interrupted merge finished. Part folders are always resumed (a rerun after a failure continues
-    where the tasks stopped; parts of other options are refused); force: OUTs and their parts emptied first. verify_source_hash: as api.convert's, in every task. runtime_env: Ray's runtime_env of the tasks
-    (e.g. {"env_vars": {...}}; TASK_ENV's variables set here are added). UsageError for a --quant gptq target
-    (each layer needs the previous one's outputs). Returns one ConvertResult per OUT."""
+    where the tasks stopped; parts of other options are refused); force: OUTs and their parts emptied first.
+    verify_source_hash: as api.convert's, in every task. runtime_env: Ray's runtime_env of the tasks (e.g.
+    {"env_vars": {...}}; TASK_ENV's variables set here are added). UsageError for a --quant gptq target (each
+    layer needs the previous one's outputs). Returns one ConvertResult per OUT."""
     t0 = time.monotonic()
     progress = progress or Progress()
     cpus = max(1, threads or 1)
@@ -113,7 +115,7 @@ def _finished(output, resume: bool) -> bool:
 def refuse_gptq(targets: list) -> None:
     """UsageError for a --quant gptq target: its layers cannot run as independent parts."""
     for target in targets:
-        if str(target.values.get("quant", "")).strip().lower() == "gptq":
+        if is_gptq(target):
             raise UsageError(f"{target.name}: --executor ray is not available with --quant gptq",
                              hint="GPTQ needs every layer in order: convert it with --executor local")
 
