@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -138,12 +139,12 @@ def copy_hashed(source, target) -> tuple[int, str, str]:
     size = check_regular(source, "file").st_size
     hasher = FileHasher(size)
     try:
-        with open(target, "wb") as fh:
+        with open(target, "wb", buffering=0) as fh, ThreadPoolExecutor(1) as pool:
             for chunk in _read_chunks(source, size):
-                hasher.update(chunk)
+                hashed = pool.submit(hasher.update, chunk)      # hashlib releases the GIL: hash while writing
                 with profile.span("write", len(chunk)):
                     fh.write(chunk)
-            fh.flush()
+                hashed.result()                                 # before the next read reuses the buffer
             with profile.span("fsync"):
                 os.fsync(fh.fileno())
     except OSError as exc:
