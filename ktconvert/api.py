@@ -109,13 +109,10 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     [ray] extra), InputError (3), OutputError (1, e.g. `out` not empty or locked by another process); nothing is
     written before every check passed. Returns the ConvertResult.
     """
-    if not _on_ray(executor, layers, ray_address, parts, parts_dir):
-        return cpu_convert.convert_cpu(src, out, options, threads=threads, resume=resume, force=force,
-                                       progress=progress, layers=layers, verify_source_hash=verify_source_hash,
-                                       **option_values)
-    return convert(src, [(out, options or CpuOptions.make(**option_values))], threads=threads, resume=resume,
-                   force=force, progress=progress, verify_source_hash=verify_source_hash, executor=executor,
-                   ray_address=ray_address, parts=parts, parts_dir=parts_dir)[0]
+    return _convert_one(cpu_convert.convert_cpu, CpuOptions, src, out, options, option_values, layers=layers,
+                        executor=executor, ray_address=ray_address, parts=parts, parts_dir=parts_dir,
+                        threads=threads, resume=resume, force=force, progress=progress,
+                        verify_source_hash=verify_source_hash)
 
 
 def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
@@ -131,13 +128,22 @@ def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | N
     [gpu] extra, or [ray] for executor "ray", is not installed), InputError (3), OutputError (1); nothing is
     written before every check passed. Returns the ConvertResult.
     """
+    return _convert_one(gpu_convert.convert_gpu, GpuOptions, src, out, options, option_values, layers=layers,
+                        executor=executor, ray_address=ray_address, parts=parts, parts_dir=parts_dir,
+                        threads=threads, resume=resume, force=force, progress=progress,
+                        verify_source_hash=verify_source_hash)
+
+
+def _convert_one(local, options_class, src, out, options, option_values: dict, *, layers, executor, ray_address,
+                 parts, parts_dir, **run) -> ConvertResult:
+    """One output: `local` (cpu.convert.convert_cpu / gpu.convert.convert_gpu) in this process, or on Ray the
+    one-target convert of `options` (else `options_class` made of `option_values`). run: threads, resume, force,
+    progress, verify_source_hash."""
     if not _on_ray(executor, layers, ray_address, parts, parts_dir):
-        return gpu_convert.convert_gpu(src, out, options, threads=threads, resume=resume, force=force,
-                                       progress=progress, layers=layers, verify_source_hash=verify_source_hash,
-                                       **option_values)
-    return convert(src, [(out, options or GpuOptions.make(**option_values))], threads=threads, resume=resume,
-                   force=force, progress=progress, verify_source_hash=verify_source_hash, executor=executor,
-                   ray_address=ray_address, parts=parts, parts_dir=parts_dir)[0]
+        return local(src, out, options, layers=layers, **run, **option_values)
+    target = (out, options or options_class.make(**option_values))
+    return convert(src, [target], executor=executor, ray_address=ray_address, parts=parts, parts_dir=parts_dir,
+                   **run)[0]
 
 
 def _on_ray(executor: str, layers, ray_address, parts, parts_dir) -> bool:

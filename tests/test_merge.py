@@ -31,13 +31,28 @@ def parts(source, tmp_path):
     return write_parts(source, tmp_path / "parts", RANGES)
 
 
+def no_link(src, dst, **kw):
+    """os.link between two filesystems."""
+    raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+
 @pytest.fixture
 def across_filesystems(monkeypatch):
-    """os.link fails as it does between two filesystems: every part file is copied."""
-    def no_link(src, dst, **kw):
-        raise OSError(errno.EXDEV, "Invalid cross-device link")
-
+    """Every part file is copied, as between two filesystems."""
     monkeypatch.setattr(os, "link", no_link)
+
+
+def interrupt_merge_after(monkeypatch, placed: int) -> None:
+    """Ctrl-C in merge once `placed` files are in place (monkeypatch.undo or a new setattr restores _place)."""
+    real_place, done = merge_module._place, []
+
+    def failing_place(*args, **kw):
+        if len(done) == placed:
+            raise KeyboardInterrupt
+        done.append(args)
+        return real_place(*args, **kw)
+
+    monkeypatch.setattr(merge_module, "_place", failing_place)
 
 
 def flip_a_byte(path: Path) -> None:
@@ -91,16 +106,9 @@ def test_verify_hashes_every_part_file_before_writing(parts, single, tmp_path):
 @pytest.mark.parametrize("copying", [False, True])
 def test_merge_interrupted_by_an_exception_finishes_when_run_again(parts, single, tmp_path, monkeypatch, copying):
     if copying:
-        monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EXDEV, "cross-device")))
-    real_place, placed = merge_module._place, []
-
-    def failing_place(*args, **kw):
-        if len(placed) == 3:
-            raise KeyboardInterrupt
-        placed.append(args)
-        return real_place(*args, **kw)
-
-    monkeypatch.setattr(merge_module, "_place", failing_place)
+        monkeypatch.setattr(os, "link", no_link)
+    real_place = merge_module._place
+    interrupt_merge_after(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         merge(tmp_path / "out", parts)
     assert not (tmp_path / "out" / MANIFEST_NAME).exists() and (tmp_path / "out" / MERGE_JOURNAL).exists()
@@ -136,7 +144,7 @@ def test_merge_killed_mid_way_finishes_when_run_again(parts, single, tmp_path):
 
 def test_unfinished_merge_of_other_parts_is_refused(source, parts, tmp_path, monkeypatch):
     other = write_parts(source, tmp_path / "other", RANGES, method="amxint8", numa=2)
-    monkeypatch.setattr(merge_module, "_place", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    interrupt_merge_after(monkeypatch, 0)
     with pytest.raises(KeyboardInterrupt):
         merge(tmp_path / "out", parts)
     monkeypatch.undo()

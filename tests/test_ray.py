@@ -173,16 +173,10 @@ def test_gptq_on_ray_is_refused_before_any_task(source, tmp_path):
 
 def test_ray_run_interrupted_in_its_merge_resumes(cluster, source, single, tmp_path, monkeypatch):
     from ktconvert import merge as merge_module
+    from test_merge import interrupt_merge_after
 
-    real_place, placed = merge_module._place, []
-
-    def failing_place(*args, **kw):
-        if len(placed) == 2:
-            raise KeyboardInterrupt
-        placed.append(args)
-        return real_place(*args, **kw)
-
-    monkeypatch.setattr(merge_module, "_place", failing_place)
+    real_place = merge_module._place
+    interrupt_merge_after(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         api.convert_cpu(source, tmp_path / "out", executor="ray", parts=2, **CPU)
     monkeypatch.setattr(merge_module, "_place", real_place)
