@@ -28,7 +28,7 @@ from ktconvert.activation import stats as activation_stats
 from ktconvert.activation.placement import plan_placement, render_placement
 from ktconvert.architecture import families as _families
 from ktconvert import ray_executor, ray_gptq
-from ktconvert.conversion import convert_here, plan_outputs  # noqa: F401  (plan_outputs: the API's)
+from ktconvert.conversion import convert_here, plan_outputs, target_list  # noqa: F401  (plan_outputs: API)
 from ktconvert.cpu import convert as cpu_convert
 from ktconvert.cpu.plan import CpuOptions, plan_cpu, render as render_cpu_plan
 from ktconvert.envinfo import env_info
@@ -40,6 +40,7 @@ from ktconvert.inputs import open_input
 from ktconvert.merge import merge
 from ktconvert.methods import all_methods
 from ktconvert.ops import batch as ops_batch, batch_ray, bundle as ops_bundle, hub as ops_hub
+from ktconvert.plan_targets import plan_targets, render_combined
 from ktconvert.results import ConvertResult, InspectResult, PlanResult, VerifyResult
 from ktconvert.testing.tiny import make_tiny_model
 from ktconvert.verification import report_html, run as verify_run
@@ -115,11 +116,10 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     [ray] extra), InputError (3), OutputError (1, e.g. `out` not empty or locked by another process); nothing is
     written before every check passed. Returns the ConvertResult.
     """
-    return _one_output(cpu_convert.convert_cpu, src, out, _options(options, CpuOptions) or
-                       CpuOptions.make(**option_values), layers, dict(executor=executor, ray_address=ray_address,
-                                                                      parts=parts, parts_dir=parts_dir),
-                       workers, threads=threads, resume=resume, force=force, progress=progress,
-                       verify_source_hash=verify_source_hash)
+    return _convert_one(cpu_convert.convert_cpu, CpuOptions, src, out, options, option_values, layers=layers,
+                        executor=executor, ray_address=ray_address, parts=parts, parts_dir=parts_dir,
+                        workers=workers, threads=threads, resume=resume, force=force, progress=progress,
+                        verify_source_hash=verify_source_hash)
 
 
 def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
@@ -131,27 +131,29 @@ def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | N
 
     options: a GpuOptions, or its fields as keywords (experts, group_size, quant, linears, include_mtp,
     calibration; see GpuOptions). threads / resume / force / progress / layers / verify_source_hash / executor /
-    ray_address / parts / parts_dir / workers as for convert_cpu. Raises UsageError (exit 2), MissingExtraError (2: the
-    [gpu] extra, or [ray] for executor "ray", is not installed), InputError (3), OutputError (1); nothing is
-    written before every check passed. Returns the ConvertResult.
+    ray_address / parts / parts_dir / workers as for convert_cpu. Raises UsageError (exit 2), MissingExtraError
+    (2: the [gpu] extra, or [ray] for executor "ray", is not installed), InputError (3), OutputError (1); nothing
+    is written before every check passed. Returns the ConvertResult.
     """
-    return _one_output(gpu_convert.convert_gpu, src, out, _options(options, GpuOptions) or
-                       GpuOptions.make(**option_values), layers, dict(executor=executor, ray_address=ray_address,
-                                                                      parts=parts, parts_dir=parts_dir),
-                       workers, threads=threads, resume=resume, force=force, progress=progress,
-                       verify_source_hash=verify_source_hash)
+    return _convert_one(gpu_convert.convert_gpu, GpuOptions, src, out, options, option_values, layers=layers,
+                        executor=executor, ray_address=ray_address, parts=parts, parts_dir=parts_dir,
+                        workers=workers, threads=threads, resume=resume, force=force, progress=progress,
+                        verify_source_hash=verify_source_hash)
 
 
-def _one_output(local, src, out, options, layers, where: dict, workers, **run) -> ConvertResult:
-    """One output: `local` (cpu / gpu convert's function) in this process, or with its GPTQ stream on Ray; or
-    convert()'s layer-range parts on Ray. where: executor, ray_address, parts, parts_dir; run: threads, resume,
+def _convert_one(local, options_class, src, out, options, option_values: dict, *, layers, executor, ray_address,
+                 parts, parts_dir, workers, **run) -> ConvertResult:
+    """One output: `local` (cpu.convert.convert_cpu / gpu.convert.convert_gpu) in this process, for quant "gptq"
+    on Ray with its stream's steps as Ray tasks (ray_gptq.ray_streams); otherwise on Ray the one-target convert.
+    options: `options_class`, a dict of its fields or None (then made of `option_values`). run: threads, resume,
     force, progress, verify_source_hash."""
-    on_ray = _on_ray(where["executor"], layers, where["ray_address"], where["parts"], where["parts_dir"], workers,
-                     options.quant)
+    options = _options(options, options_class) or options_class.make(**option_values)
+    on_ray = _on_ray(executor, layers, ray_address, parts, parts_dir, workers, options.quant)
     if on_ray and options.quant != "gptq":
-        return convert(src, [(out, options)], **where, **run)[0]
-    return local(src, out, options, layers=layers, gptq_stream=_gptq_stream(on_ray, where["ray_address"], workers),
-                 **run)
+        return convert(src, [(out, options)], executor=executor, ray_address=ray_address, parts=parts,
+                       parts_dir=parts_dir, **run)[0]
+    stream = functools.partial(ray_gptq.ray_streams, address=ray_address, workers=workers) if on_ray else None
+    return local(src, out, options, layers=layers, gptq_stream=stream, **run)
 
 
 def _on_ray(executor: str, layers, ray_address, parts, parts_dir, workers=None, quant: str | None = None) -> bool:
@@ -181,25 +183,31 @@ def _on_ray(executor: str, layers, ray_address, parts, parts_dir, workers=None, 
     return name == "ray"
 
 
-def _gptq_stream(on_ray: bool, ray_address: str | None, workers: int | None):
-    """What cpu / gpu convert build the GPTQ stream with: None (this process) or ray_gptq.ray_streams."""
-    return functools.partial(ray_gptq.ray_streams, address=ray_address, workers=workers) if on_ray else None
-
-
 def plan(src, cpu=None, gpu=None, *, out=None, threads: int | None = None, placement: dict | None = None,
-         **cpu_option_values) -> PlanResult:
+         targets=None, **cpu_option_values) -> PlanResult:
     """What converting `src` would write, checked without reading weights: cpu (CpuOptions or its fields; or
     give the fields as keywords, e.g. plan(src, method="amxint4", numa=2)) and / or gpu (GpuOptions or its
-    fields). out: the CPU output folder whose free disk is checked. placement: which routed experts SGLang-KT
-    would keep on the GPU, {"ratio": R (--kt-gpu-experts-ratio) or "per_layer": N (--kt-num-gpu-experts),
-    "stats": an expert_activation.pt (frequency placement; None: SGLang's uniform)}, their VRAM with the gpu
-    options' expert scheme (without gpu: placement's "experts" / "group_size", default w4a16 / 128). Raises on
-    every problem (a NUMA count that cannot work lists the ones that do)."""
+    fields). out: the CPU output folder whose free disk is checked. targets (instead of cpu / gpu / out): the
+    outputs of one `convert` pass, as convert takes them (tables, pairs or a targets file): each planned, with
+    the pass's combined figures (plan_targets: source bytes read once, the outputs' bytes, peak RAM, disk per
+    filesystem). placement: which routed experts SGLang-KT would keep on the GPU, {"ratio": R
+    (--kt-gpu-experts-ratio) or "per_layer": N (--kt-num-gpu-experts), "stats": an expert_activation.pt (frequency
+    placement; None: SGLang's uniform)}, their VRAM with the gpu options' (or the first GPU target's) expert
+    scheme (else placement's "experts" / "group_size", default w4a16 / 128). Raises on every problem (a NUMA
+    count that cannot work lists the ones that do)."""
     cpu = _options(cpu, CpuOptions) or (CpuOptions.make(**cpu_option_values) if cpu_option_values else None)
     gpu = _options(gpu, GpuOptions)
+    if targets is not None:
+        if cpu is not None or gpu is not None or out is not None:
+            raise UsageError("plan takes targets or cpu / gpu / out options, not both")
+        wanted = target_list(targets)
+        planned, combined = plan_targets(open_input(src), wanted, threads)
+        gpu = next((GpuOptions.make(**t.values) for t in wanted if t.kind == "gpu"), None)
+        return PlanResult(source=str(getattr(src, "spec", src)), targets=planned, combined=combined,
+                          placement=None if placement is None else _plan_placement(src, gpu, placement))
     if cpu is None and gpu is None and placement is None:
-        raise UsageError("nothing to plan", expected="CPU options (method=...), GPU options (gpu=...) and / or "
-                                                     "a GPU expert placement (placement=...)")
+        raise UsageError("nothing to plan", expected="CPU options (method=...), GPU options (gpu=...), targets "
+                                                     "and / or a GPU expert placement (placement=...)")
     input = open_input(src)
     return PlanResult(source=input.spec, cpu=None if cpu is None else plan_cpu(input, cpu, out=out, threads=threads),
                       gpu=None if gpu is None else plan_gpu(input, gpu),
@@ -344,7 +352,10 @@ def render(result, kind: str | None = None) -> str:
     if isinstance(result, ConvertResult):
         return result.summary()
     if isinstance(result, PlanResult):
-        parts = [render_cpu_plan(result.cpu.report)] if result.cpu is not None else []
+        parts = [f"{t['name']}:\n" + (render_cpu_plan if t["kind"] == "cpu" else render_gpu)(t["plan"].report)
+                 for t in result.targets or []]
+        parts += [render_combined(result.source, result.targets, result.combined)] if result.targets else []
+        parts += [render_cpu_plan(result.cpu.report)] if result.cpu is not None else []
         parts += [render_gpu(result.gpu.report)] if result.gpu is not None else []
         return "\n\n".join(parts + ([render_placement(result.placement)] if result.placement is not None else []))
     if isinstance(result, VerifyResult):
