@@ -21,12 +21,14 @@ not writable, disk full), VerifyError, RemoteError (hub), NativeError. ``KtConve
 """
 from __future__ import annotations
 
+import functools
+
 from ktconvert import inspection as inspect_module
 from ktconvert.activation import stats as activation_stats
 from ktconvert.activation.placement import plan_placement, render_placement
 from ktconvert.architecture import families as _families
-from ktconvert import ray_executor
-from ktconvert.conversion import convert_here, plan_outputs  # noqa: F401  (plan_outputs: the API's)
+from ktconvert import ray_executor, ray_gptq
+from ktconvert.conversion import convert_here, plan_outputs, target_list  # noqa: F401  (plan_outputs: API)
 from ktconvert.cpu import convert as cpu_convert
 from ktconvert.cpu.plan import CpuOptions, plan_cpu, render as render_cpu_plan
 from ktconvert.envinfo import env_info
@@ -38,6 +40,7 @@ from ktconvert.inputs import open_input
 from ktconvert.merge import merge
 from ktconvert.methods import all_methods
 from ktconvert.ops import batch as ops_batch, batch_ray, bundle as ops_bundle, hub as ops_hub
+from ktconvert.plan_targets import plan_targets, render_combined
 from ktconvert.results import ConvertResult, InspectResult, PlanResult, VerifyResult
 from ktconvert.testing.tiny import make_tiny_model
 from ktconvert.verification import report_html, run as verify_run
@@ -61,7 +64,8 @@ def _options(value, cls):
 
 def convert(src, targets, *, threads: int | None = None, resume: bool = False, force: bool = False,
             progress=None, layers=None, verify_source_hash: bool = False, executor: str = "local",
-            ray_address: str | None = None, parts: int | None = None, parts_dir=None) -> list[ConvertResult]:
+            ray_address: str | None = None, parts: int | None = None, parts_dir=None,
+            workers: int | None = None) -> list[ConvertResult]:
     """Write several outputs of `src` reading it once, each from every decoded layer as it goes by.
 
     targets: a list of tables, one per output: {"cpu": OUT, "method": ..., "numa": ..., ...} or {"gpu": OUT,
@@ -73,10 +77,10 @@ def convert(src, targets, *, threads: int | None = None, resume: bool = False, f
     checked (also the free disk the outputs need together) before any OUT is created; two targets may not share
     a folder. resume continues each output from its own journal (a complete one is left as is). layers: a MoE
     layer range ("A-B"): every output becomes that part (as convert_cpu's `layers`). verify_source_hash: as
-    convert_cpu's. executor, ray_address, parts, parts_dir: where it runs, as convert_cpu's. Returns one
-    ConvertResult per output, in order.
+    convert_cpu's. executor, ray_address, parts, parts_dir: where it runs, as convert_cpu's (`workers` is
+    for GPTQ, which convert does not run: UsageError). Returns one ConvertResult per output, in order.
     """
-    if _on_ray(executor, layers, ray_address, parts, parts_dir):
+    if _on_ray(executor, layers, ray_address, parts, parts_dir, workers):
         return ray_executor.convert_on_ray(src, targets, parts=parts, address=ray_address, parts_dir=parts_dir,
                                            threads=threads, resume=resume, force=force, progress=progress,
                                            verify_source_hash=verify_source_hash)
@@ -87,7 +91,7 @@ def convert(src, targets, *, threads: int | None = None, resume: bool = False, f
 def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
                 force: bool = False, progress=None, layers=None, verify_source_hash: bool = False,
                 executor: str = "local", ray_address: str | None = None, parts: int | None = None, parts_dir=None,
-                **option_values) -> ConvertResult:
+                workers: int | None = None, **option_values) -> ConvertResult:
     """Convert the routed experts of checkpoint `src` (a folder, a .safetensors / .gguf file, hf://ORG/NAME[@REV]
     or ms://ORG/NAME) for kt-kernel into the folder `out`.
 
@@ -103,73 +107,107 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     (None: the cluster's CPUs / threads), each a Ray task with `threads` CPUs on the cluster at `ray_address`
     (None: RAY_ADDRESS or a local instance) writing into `parts_dir` (None: OUT.parts next to `out`; a folder
     every node sees), merged into `out` here: the same bytes (ktconvert.ray_executor; needs the [ray] extra).
-    Not with `layers` nor quant "gptq"; ray_address / parts / parts_dir only with "ray" (UsageError).
+    With quant "gptq", "ray" keeps the layers in order and splits each layer's work instead: the calibration
+    samples into `workers` slices (None: the cluster's CPUs), each layer's experts into as many owners, one Ray
+    task of one CPU each, `out` written here: the bytes of this process's GPTQ (ktconvert.ray_gptq). Not with
+    `layers`; ray_address / parts / parts_dir / workers only with "ray", `workers` only with "gptq" and
+    parts / parts_dir not with it (UsageError).
     Raises UsageError (exit 2), MissingExtraError (2: quant "gptq" without the [gpu] extra, "ray" without the
     [ray] extra), InputError (3), OutputError (1, e.g. `out` not empty or locked by another process); nothing is
     written before every check passed. Returns the ConvertResult.
     """
-    if not _on_ray(executor, layers, ray_address, parts, parts_dir):
-        return cpu_convert.convert_cpu(src, out, options, threads=threads, resume=resume, force=force,
-                                       progress=progress, layers=layers, verify_source_hash=verify_source_hash,
-                                       **option_values)
-    return convert(src, [(out, options or CpuOptions.make(**option_values))], threads=threads, resume=resume,
-                   force=force, progress=progress, verify_source_hash=verify_source_hash, executor=executor,
-                   ray_address=ray_address, parts=parts, parts_dir=parts_dir)[0]
+    return _convert_one(cpu_convert.convert_cpu, CpuOptions, src, out, options, option_values, layers=layers,
+                        executor=executor, ray_address=ray_address, parts=parts, parts_dir=parts_dir,
+                        workers=workers, threads=threads, resume=resume, force=force, progress=progress,
+                        verify_source_hash=verify_source_hash)
 
 
 def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
                 force: bool = False, progress=None, layers=None, verify_source_hash: bool = False,
                 executor: str = "local", ray_address: str | None = None, parts: int | None = None, parts_dir=None,
-                **option_values) -> ConvertResult:
+                workers: int | None = None, **option_values) -> ConvertResult:
     """Write the SGLang-KT GPU checkpoint (SGLang's --model) of HF safetensors checkpoint `src` (a folder, or
     hf://ORG/NAME[@REV] / ms://ORG/NAME) into the folder `out`.
 
     options: a GpuOptions, or its fields as keywords (experts, group_size, quant, linears, include_mtp,
     calibration; see GpuOptions). threads / resume / force / progress / layers / verify_source_hash / executor /
-    ray_address / parts / parts_dir as for convert_cpu. Raises UsageError (exit 2), MissingExtraError (2: the
-    [gpu] extra, or [ray] for executor "ray", is not installed), InputError (3), OutputError (1); nothing is
-    written before every check passed. Returns the ConvertResult.
+    ray_address / parts / parts_dir / workers as for convert_cpu. Raises UsageError (exit 2), MissingExtraError
+    (2: the [gpu] extra, or [ray] for executor "ray", is not installed), InputError (3), OutputError (1); nothing
+    is written before every check passed. Returns the ConvertResult.
     """
-    if not _on_ray(executor, layers, ray_address, parts, parts_dir):
-        return gpu_convert.convert_gpu(src, out, options, threads=threads, resume=resume, force=force,
-                                       progress=progress, layers=layers, verify_source_hash=verify_source_hash,
-                                       **option_values)
-    return convert(src, [(out, options or GpuOptions.make(**option_values))], threads=threads, resume=resume,
-                   force=force, progress=progress, verify_source_hash=verify_source_hash, executor=executor,
-                   ray_address=ray_address, parts=parts, parts_dir=parts_dir)[0]
+    return _convert_one(gpu_convert.convert_gpu, GpuOptions, src, out, options, option_values, layers=layers,
+                        executor=executor, ray_address=ray_address, parts=parts, parts_dir=parts_dir,
+                        workers=workers, threads=threads, resume=resume, force=force, progress=progress,
+                        verify_source_hash=verify_source_hash)
 
 
-def _on_ray(executor: str, layers, ray_address, parts, parts_dir) -> bool:
+def _convert_one(local, options_class, src, out, options, option_values: dict, *, layers, executor, ray_address,
+                 parts, parts_dir, workers, **run) -> ConvertResult:
+    """One output: `local` (cpu.convert.convert_cpu / gpu.convert.convert_gpu) in this process, for quant "gptq"
+    on Ray with its stream's steps as Ray tasks (ray_gptq.ray_streams); otherwise on Ray the one-target convert.
+    options: `options_class`, a dict of its fields or None (then made of `option_values`). run: threads, resume,
+    force, progress, verify_source_hash."""
+    options = _options(options, options_class) or options_class.make(**option_values)
+    on_ray = _on_ray(executor, layers, ray_address, parts, parts_dir, workers, options.quant)
+    if on_ray and options.quant != "gptq":
+        return convert(src, [(out, options)], executor=executor, ray_address=ray_address, parts=parts,
+                       parts_dir=parts_dir, **run)[0]
+    stream = functools.partial(ray_gptq.ray_streams, address=ray_address, workers=workers) if on_ray else None
+    return local(src, out, options, layers=layers, gptq_stream=stream, **run)
+
+
+def _on_ray(executor: str, layers, ray_address, parts, parts_dir, workers=None, quant: str | None = None) -> bool:
     """True for executor "ray" (its extra checked), False for "local"; UsageError for another executor, for
-    Ray's options without it and for one part (`layers`) with it."""
+    Ray's options without it, for one part (`layers`) with it, for `workers` without quant "gptq" (its
+    calibration samples are what they split) and for parts / parts_dir with it (its layers cannot be split)."""
     name = str(executor).strip().lower()
     if name not in EXECUTORS:
         raise UsageError(f"unknown executor {executor!r}", expected=" or ".join(EXECUTORS))
     ray_only = [flag for flag, value in (("--ray-address", ray_address), ("--parts", parts),
-                                         ("--parts-dir", parts_dir)) if value is not None]
+                                         ("--parts-dir", parts_dir), ("--workers", workers)) if value is not None]
     if name == "local" and ray_only:
         raise UsageError(f"{ray_only[0]} needs --executor ray")
     if name == "ray" and layers is not None:
         raise UsageError("--layers writes one part by itself; --executor ray splits the layers (--parts)")
+    if name == "ray" and quant == "gptq" and (parts is not None or parts_dir is not None):
+        raise UsageError(f"{'--parts' if parts is not None else '--parts-dir'} is not available with --quant gptq "
+                         f"(each layer needs the previous one's outputs)",
+                         hint="--quant gptq on Ray splits the calibration samples instead: --workers N")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise UsageError("--workers must be a whole number of at least 1", found=repr(workers))
+    if name == "ray" and quant != "gptq" and workers is not None:
+        raise UsageError("--workers is for --quant gptq of cpu / gpu (it splits the calibration samples)",
+                         hint="other conversions on Ray split the layers: --parts N")
     if name == "ray":
         require("ray", "--executor ray")
     return name == "ray"
 
 
 def plan(src, cpu=None, gpu=None, *, out=None, threads: int | None = None, placement: dict | None = None,
-         **cpu_option_values) -> PlanResult:
+         targets=None, **cpu_option_values) -> PlanResult:
     """What converting `src` would write, checked without reading weights: cpu (CpuOptions or its fields; or
     give the fields as keywords, e.g. plan(src, method="amxint4", numa=2)) and / or gpu (GpuOptions or its
-    fields). out: the CPU output folder whose free disk is checked. placement: which routed experts SGLang-KT
-    would keep on the GPU, {"ratio": R (--kt-gpu-experts-ratio) or "per_layer": N (--kt-num-gpu-experts),
-    "stats": an expert_activation.pt (frequency placement; None: SGLang's uniform)}, their VRAM with the gpu
-    options' expert scheme (without gpu: placement's "experts" / "group_size", default w4a16 / 128). Raises on
-    every problem (a NUMA count that cannot work lists the ones that do)."""
+    fields). out: the CPU output folder whose free disk is checked. targets (instead of cpu / gpu / out): the
+    outputs of one `convert` pass, as convert takes them (tables, pairs or a targets file): each planned, with
+    the pass's combined figures (plan_targets: source bytes read once, the outputs' bytes, peak RAM, disk per
+    filesystem). placement: which routed experts SGLang-KT would keep on the GPU, {"ratio": R
+    (--kt-gpu-experts-ratio) or "per_layer": N (--kt-num-gpu-experts), "stats": an expert_activation.pt (frequency
+    placement; None: SGLang's uniform)}, their VRAM with the gpu options' (or the first GPU target's) expert
+    scheme (else placement's "experts" / "group_size", default w4a16 / 128). Raises on every problem (a NUMA
+    count that cannot work lists the ones that do)."""
     cpu = _options(cpu, CpuOptions) or (CpuOptions.make(**cpu_option_values) if cpu_option_values else None)
     gpu = _options(gpu, GpuOptions)
+    if targets is not None:
+        if cpu is not None or gpu is not None or out is not None:
+            raise UsageError("plan takes targets or cpu / gpu / out options, not both")
+        wanted = target_list(targets)
+        planned, combined = plan_targets(open_input(src), wanted, threads)
+        gpu = next((GpuOptions.make(**t.values) for t in wanted if t.kind == "gpu"), None)
+        return PlanResult(source=str(getattr(src, "spec", src)), targets=planned, combined=combined,
+                          placement=None if placement is None else _plan_placement(src, gpu, placement))
     if cpu is None and gpu is None and placement is None:
-        raise UsageError("nothing to plan", expected="CPU options (method=...), GPU options (gpu=...) and / or "
-                                                     "a GPU expert placement (placement=...)")
+        raise UsageError("nothing to plan", expected="CPU options (method=...), GPU options (gpu=...), targets "
+                                                     "and / or a GPU expert placement (placement=...)")
     input = open_input(src)
     return PlanResult(source=input.spec, cpu=None if cpu is None else plan_cpu(input, cpu, out=out, threads=threads),
                       gpu=None if gpu is None else plan_gpu(input, gpu),
@@ -314,7 +352,10 @@ def render(result, kind: str | None = None) -> str:
     if isinstance(result, ConvertResult):
         return result.summary()
     if isinstance(result, PlanResult):
-        parts = [render_cpu_plan(result.cpu.report)] if result.cpu is not None else []
+        parts = [f"{t['name']}:\n" + (render_cpu_plan if t["kind"] == "cpu" else render_gpu)(t["plan"].report)
+                 for t in result.targets or []]
+        parts += [render_combined(result.source, result.targets, result.combined)] if result.targets else []
+        parts += [render_cpu_plan(result.cpu.report)] if result.cpu is not None else []
         parts += [render_gpu(result.gpu.report)] if result.gpu is not None else []
         return "\n\n".join(parts + ([render_placement(result.placement)] if result.placement is not None else []))
     if isinstance(result, VerifyResult):

@@ -22,6 +22,7 @@ from ktconvert.cli_options import (GPU_GROUP_SIZES, InputPath, RegistryChoice, b
                                    conversion_options, cpu_options, emit, gpu_options, json_option, load_api,
                                    orientation_option, pop_distribution, prefer, profiling, progress_options,
                                    source_arg)
+from ktconvert.cli_plan import plan
 from ktconvert.cli_targets import TargetCommand, given_targets, target_options
 from ktconvert.progress import make_progress
 
@@ -67,49 +68,6 @@ def inspect(src: str, as_json: bool, expert_orientation) -> None:
     """Describe checkpoint SRC without reading weights: family, layers, experts, dims, dtypes, bytes per component,
     how the routed experts are stored (layout, orientation and why) and what each kt-kernel method can do with it."""
     emit(load_api().inspect(src, expert_orientation), as_json)
-
-
-@cli.command()
-@click.argument("src", type=InputPath())
-@cpu_options
-@click.option("--group-size", type=int, default=None, help="Group size of grouped outputs: a grouped CPU method "
-                                                           "(`ktconvert methods`) and the GPU experts.")
-@click.option("--include-mtp", is_flag=True, help="Also the MTP (next-n) layers' experts.")
-@gpu_options
-@click.option("--gpu", "gpu_deprecated", type=RegistryChoice("experts"), default=None, hidden=True)
-@click.option("--gpu-experts-ratio", "gpu_ratio", type=float, default=None,
-              help="Which experts SGLang-KT puts on the GPU with --kt-gpu-experts-ratio R, and their VRAM (the "
-                   "--experts scheme, default w4a16).")
-@click.option("--gpu-experts", "gpu_count", type=int, default=None,
-              help="The same with --kt-num-gpu-experts N (per MoE layer).")
-@click.option("--expert-stats", type=InputPath(dir_okay=False), default=None,
-              help="Activation counts (ktconvert expert-stats): frequency placement; without: SGLang's uniform.")
-@json_option
-@orientation_option
-@click.argument("out", required=False, type=click.Path())
-def plan(src, method, numa, layout, group_size, include_mtp, experts, linears, gpu_deprecated, gpu_ratio, gpu_count,
-         expert_stats, as_json, expert_orientation, out) -> None:
-    """What a conversion of SRC would write: files, bytes, peak RAM, disk, and the alignment checks — for the
-    CPU output (--method) and/or the GPU checkpoint (--experts: sizes per component, VRAM per GPU expert), and which
-    experts SGLang-KT would put on the GPU (--gpu-experts-ratio / --gpu-experts, with --expert-stats FILE.pt).
-
-    No weights are read. A NUMA count that cannot work fails here and lists the ones that would.
-    """
-    experts = prefer(experts, gpu_deprecated, "--gpu", "--experts")
-    placing = gpu_ratio is not None or gpu_count is not None
-    if method is None and experts is None and not placing:
-        raise click.UsageError("give --method (CPU output), --experts (GPU checkpoint), --gpu-experts-ratio / "
-                               "--gpu-experts (GPU expert placement), or several")
-    if expert_stats and not placing:
-        raise click.UsageError("--expert-stats needs --gpu-experts-ratio R or --gpu-experts N")
-    cpu = None if method is None else dict(method=method, numa=numa, layout=layout, group_size=group_size,
-                                           include_mtp=include_mtp)
-    gpu = None if experts is None else dict(experts=experts, group_size=group_size or 128, linears=linears,
-                                            include_mtp=include_mtp)
-    placement = dict(ratio=gpu_ratio, per_layer=gpu_count, stats=expert_stats) if placing else None
-    if placement is not None and gpu is None:
-        placement.update(experts="w4a16", group_size=group_size or 128)
-    emit(load_api().plan(source_arg(src, expert_orientation), cpu, gpu, out=out, placement=placement), as_json)
 
 
 @cli.command()
@@ -212,12 +170,19 @@ def convert(src, targets_file, threads, resume, force, profile, verify_source_ha
 @cli.command()
 @click.argument("out", type=click.Path(file_okay=False))
 @click.argument("parts", nargs=-1, required=True, type=InputPath(file_okay=False))
+@click.option("--verify", is_flag=True, help="Also hash every part file (every byte read) against its part "
+                                             "manifest's sha256 before anything is written.")
 @json_option
-def merge(out, parts, as_json) -> None:
+def merge(out, parts, verify, as_json) -> None:
     """Join the part folders PARTS (written with --layers A-B, in any order) into OUT: hard links (copies across
     filesystems) and the ktconvert.json a single run writes. Refuses parts of other conversions, overlapping
-    parts and missing layers (exit 3)."""
-    result = load_api().merge(out, parts)
+    parts and missing layers (exit 3).
+
+    Checked by default: the part manifests agree, every MoE layer is held once, every part file is there with
+    its recorded size; a file copied across filesystems is also hashed as it is copied (exit 4 if its sha256
+    differs). Run again after an interruption: the same merge finishes OUT.
+    """
+    result = load_api().merge(out, parts, verify=verify)
     emit(result, as_json, result.summary())
 
 
@@ -449,6 +414,9 @@ def hub_server(port, root) -> None:
         server.serve_forever()
     finally:
         server.stop()
+
+
+cli.add_command(plan)
 
 
 def main() -> None:

@@ -174,24 +174,31 @@ def gpu_options(fn):
                         help="compressed-tensors scheme of the GPU checkpoint's routed experts.")(fn)
 
 
-DISTRIBUTION = ("layers", "executor", "ray_address", "parts", "parts_dir")
+DISTRIBUTION = ("layers", "executor", "ray_address", "parts", "parts_dir", "workers")
 
 
 def distribution_options(fn):
-    """--layers (write one part) / --executor ray with --ray-address, --parts, --parts-dir (of cpu, gpu, convert)."""
+    """--layers (write one part) / --executor ray with --ray-address, --parts, --parts-dir, --workers (of cpu, gpu,
+    convert)."""
     for option in reversed([
             click.option("--layers", "layers", default=None, metavar="A-B",
                          help="Write only MoE layers A..B (decoder layer numbers) as a part: their files and "
                               "ktconvert-part.json; `ktconvert merge OUT PART...` joins the parts."),
             click.option("--executor", type=choice(["local", "ray"]), default="local", show_default=True,
-                         help="ray: split the layers into parts run as Ray tasks, merged into OUT on this host."),
+                         help="ray: run on a Ray cluster, OUT written on this host. The layers are split into "
+                              "parts run as Ray tasks and merged; with --quant gptq the layers stay in order "
+                              "and each layer's calibration forward and experts are split (--workers)."),
             click.option("--ray-address", default=None, help="Ray cluster to join (default: a local Ray instance)."),
             click.option("--parts", type=int, default=None,
                          help="With --executor ray: layer ranges of about equal bytes (default: the cluster's CPUs "
                               "divided by --threads)."),
             click.option("--parts-dir", type=click.Path(file_okay=False), default=None,
                          help="With --executor ray: where the parts are written, a folder every node sees "
-                              "(default: OUT.parts next to OUT).")]):
+                              "(default: OUT.parts next to OUT)."),
+            click.option("--workers", type=click.IntRange(min=1), default=None,
+                         help="With --executor ray and --quant gptq: Ray tasks per layer step, each holding a "
+                              "slice of the calibration samples or a range of the layer's experts (default: the "
+                              "cluster's CPUs); the bytes are those of a local run.")]):
         fn = option(fn)
     return fn
 
@@ -207,7 +214,7 @@ def conversion_options(fn):
 
 
 def pop_distribution(options: dict) -> dict:
-    """The distribution options (--layers, --executor, --ray-address, --parts, --parts-dir) taken out of a
+    """The distribution options (--layers, --executor, --ray-address, --parts, --parts-dir, --workers) taken out of a
     command's keyword arguments, as the API's keywords (which check how they combine)."""
     return {key: options.pop(key) for key in DISTRIBUTION}
 

@@ -20,7 +20,8 @@ from ktconvert.inputs import open_input
 from ktconvert.onepass import write_outputs
 from ktconvert.parts import select_layers
 from ktconvert.results import ConvertResult
-from ktconvert.targets import Target, check_disk, load_targets, parse_target, parse_targets, refuse_shared_folders
+from ktconvert.targets import (Target, check_disk, is_gptq, load_targets, parse_target, parse_targets,
+                               refuse_shared_folders)
 
 
 def convert_here(src, targets, *, threads: int | None = None, resume: bool = False, force: bool = False,
@@ -77,7 +78,7 @@ def _target_output(input, target: Target, threads, resume: bool, force: bool, la
     """The CpuOutput / GpuOutput of `target`, planned (errors name the target); with `layers` ("A-B") the part of
     those MoE layers."""
     try:
-        if str(target.values.get("quant", "")).strip().lower() == "gptq":
+        if is_gptq(target):
             raise UsageError("--quant gptq writes one output at a time", hint="convert each output on its own")
         if target.kind == "cpu":
             plan = plan_cpu(input, CpuOptions.make(**target.values), out=target.out, threads=threads)

@@ -18,25 +18,28 @@ from ktconvert.ops.hub_shards import resolve_in_part
 class Input:
     """spec: the source as the user gave it; path: the local checkpoint; source: it opened (headers parsed, family
     resolved); hub: {"hub", "repo", "revision"} of a hub source, plus "expert_orientation" when the source was
-    opened with one (recorded in the output manifests, so verify reopens it the same way), else {}."""
+    opened with one (recorded in the output manifests, so verify reopens it the same way), else {}; listing:
+    {path: hub hash} of a hub source opened in part (what the Ray tasks check their hub against), else {}."""
 
     spec: str
     path: Path
     source: Source
     hub: dict = field(default_factory=dict)
+    listing: dict = field(default_factory=dict)
 
 
-def open_input(src, expert_orientation: str | None = None, in_part: bool = False) -> Input:
+def open_input(src, expert_orientation: str | None = None, in_part: bool = False,
+               listing: dict | None = None) -> Input:
     """Resolve and open `src` (an Input passes through). InputError when a local path does not exist.
     expert_orientation: ``--expert-orientation`` ("out" / "in") for square fused expert tensors, or None.
     in_part: a hub source's shards stay on the hub until read (ops.hub_shards; a plan, or a part of some layers,
-    downloads only what it reads)."""
+    downloads only what it reads); listing: the Input.listing it must find (RemoteError otherwise)."""
     if isinstance(src, Input):
         return src
     spec = str(src)
-    remote = None
+    remote, found = None, {}
     if spec.startswith(("hf://", "ms://")) and in_part:
-        path, extra, remote = resolve_in_part(spec)
+        path, extra, remote, found = resolve_in_part(spec, expect=listing or None)
     elif spec.startswith(("hf://", "ms://")):
         path, extra = hub.resolve_source(spec)
         path = Path(path)
@@ -46,4 +49,4 @@ def open_input(src, expert_orientation: str | None = None, in_part: bool = False
             raise InputError("source does not exist", file=path)
     if expert_orientation is not None:
         extra = {**extra, "expert_orientation": expert_orientation}
-    return Input(spec, path, open_source(path, expert_orientation, remote), extra)
+    return Input(spec, path, open_source(path, expert_orientation, remote), extra, found)

@@ -2,30 +2,38 @@
 
     load every part manifest -> check they agree (options, source config, everything a single run's manifest
     records besides its files), that their layers neither overlap nor leave a gap, that every MoE layer is held
-    and that each part's files are there with their recorded size
-    -> under OUT's lock: hard-link each file into OUT (copied where OUT is on another filesystem)
-    -> ktconvert.json = the parts' manifests joined (files, tensors and source files united), written last
+    and that each part's files are there with their recorded size (``verify``: also their sha256, every byte read)
+    -> under OUT's lock: OUT/.ktconvert-merge.json names the merge (the sha256 of the manifest it will write)
+    -> hard-link each file into OUT; where OUT is on another filesystem copy it, hashing the bytes as they are
+       copied, and compare with the part manifest's sha256 (VerifyError, exit 4, on a difference)
+    -> ktconvert.json = the parts' manifests joined (files, tensors and source files united), written last; then
+       the merge journal is removed
 
 OUT is then byte-identical to a single run's, ktconvert.json included, whatever the split and the order of the
-parts. Refusals are InputError (exit 3) naming the part folders concerned; nothing is written before every check
-passed. The part folders are left as they are (hard links share their bytes).
+parts. Refusals of the parts are InputError (exit 3) naming the part folders concerned, and nothing is written
+before those checks passed. An interrupted merge leaves OUT without ktconvert.json (it never looks complete) and
+with its journal: the same merge run again (parts in any order) keeps the files already in place and finishes it;
+run on a finished OUT it changes nothing. The part folders are left as they are (hard links share their bytes).
 """
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ktconvert.errors import InputError, OutputError
-from ktconvert.formats.fileio import fsync_dir, temp_path_for
-from ktconvert.formats.out_manifest import LOCK_NAME, MANIFEST_NAME, write_manifest
+from ktconvert.errors import InputError, OutputError, VerifyError
+from ktconvert.formats.fileio import copy_hashed, fsync_dir, hash_file, temp_path_for, write_atomic
+from ktconvert.formats.out_manifest import LOCK_NAME, MANIFEST_NAME, manifest_bytes, write_manifest
 from ktconvert.output import lock_folder
 from ktconvert.parts import load_part
+from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
 
 JOINED = ("files", "tensors")          # manifest tables united across parts
 SOURCE_JOINED = "files"                # ... and source.files
+MERGE_JOURNAL = ".ktconvert-merge.json"   # in OUT while a merge runs: {"format", "manifest_sha256"}
+MERGE_FORMAT = "ktconvert-merge"
 
 
 @dataclass(frozen=True)
@@ -47,27 +55,40 @@ class MergeResult:
         return f"merged {len(self.parts)} parts into {self.out}: {self.files} files, {self.bytes} bytes{how}"
 
 
-def merge(out, parts) -> MergeResult:
-    """Join the part folders `parts` (any order) into the new or empty folder `out`; see the module docstring."""
+def merge(out, parts, *, verify: bool = False) -> MergeResult:
+    """Join the part folders `parts` (any order) into `out`: a new or empty folder, an unfinished merge of the
+    same parts (finished), or a finished one (left as is); see the module docstring. verify: the sha256 of every
+    part file checked against its part manifest before anything is written (VerifyError, exit 4)."""
     loaded = sorted(((Path(p), load_part(p)) for p in parts), key=lambda item: min(item[1]["layers"]))
     if not loaded:
         raise InputError("no parts given", expected="one or more part folders")
     check_parts(loaded)
     manifest = joined_manifest(loaded)
     files = _file_sources(loaded)
+    if verify:
+        _verify_part_files(files, manifest["files"])
     out = Path(out)
     _prepare(out, [folder for folder, _ in loaded])
     fd = lock_folder(out)
     try:
-        copied = sum(_place(source, out / rel) for rel, source in sorted(files.items()))
-        for folder in {out / rel for rel in files}:
-            fsync_dir(folder.parent)
+        identity = hashlib.sha256(manifest_bytes(manifest)).hexdigest()
+        _begin(out, identity)
+        copied = sum(_place(source, out / rel, manifest["files"][rel]) for rel, source in sorted(files.items()))
+        for folder in {(out / rel).parent for rel in files}:
+            fsync_dir(folder)
         write_manifest(out, manifest)
+        (out / MERGE_JOURNAL).unlink(missing_ok=True)
+        fsync_dir(out)
     finally:
         (out / LOCK_NAME).unlink(missing_ok=True)
         os.close(fd)
     return MergeResult(str(out), tuple(str(f) for f, _ in loaded), len(files), copied,
                        sum(int(entry["bytes"]) for entry in manifest["files"].values()))
+
+
+def unfinished(out) -> bool:
+    """True when folder `out` holds an unfinished merge (its journal), which running the same merge finishes."""
+    return (Path(out) / MERGE_JOURNAL).is_file()
 
 
 def check_parts(loaded: list[tuple[Path, dict]]) -> None:
@@ -152,32 +173,68 @@ def _file_sources(loaded: list[tuple[Path, dict]]) -> dict[str, Path]:
     return found
 
 
+def _verify_part_files(files: dict[str, Path], entries: dict) -> None:
+    """VerifyError naming the first part file whose sha256 is not its part manifest's (every byte read)."""
+    for rel, path in sorted(files.items()):
+        _check_digest(path, entries[rel], hash_file(path)[1])
+
+
+def _check_digest(path: Path, entry: dict, sha256: str) -> None:
+    if sha256 != entry["sha256"]:
+        raise VerifyError("part file differs from its part manifest", file=str(path), expected=f"sha256 "
+                          f"{entry['sha256']}", found=f"sha256 {sha256}",
+                          hint="convert that part again (--force), then merge again")
+
+
 def _prepare(out: Path, part_folders: list[Path]) -> None:
-    """OUT must be new or empty, and not one of the parts."""
+    """OUT must be a folder (created here) and not one of the parts."""
     if out.exists() and not out.is_dir():
         raise OutputError("output path exists and is not a directory", file=str(out))
     if out.resolve() in {p.resolve() for p in part_folders}:
         raise OutputError("OUT is one of the parts", file=str(out), hint="merge into a new folder")
-    if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
-        raise OutputError("output directory exists and is not empty", file=str(out),
-                          hint="merge into a new or empty folder")
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _place(source: Path, target: Path) -> bool:
-    """Hard-link `source` as `target` (its folder created); copied (temp name, renamed) across filesystems.
-    True when copied."""
+def _begin(out: Path, identity: str) -> None:
+    """Under OUT's lock: start the merge named `identity` in an empty OUT (its journal written), or go on with an
+    unfinished or finished merge of the same name; OutputError for any other content."""
+    journal, manifest = out / MERGE_JOURNAL, out / MANIFEST_NAME
+    if journal.is_file():
+        record = read_json(journal, what="merge journal", max_bytes=MAX_MANIFEST_BYTES)
+        if not isinstance(record, dict) or record.get("manifest_sha256") != identity:
+            raise OutputError(f"OUT holds an unfinished merge of other parts ({MERGE_JOURNAL})", file=str(out),
+                              hint="run that merge again to finish it, or merge into a new folder")
+        return
+    if manifest.is_file() and hashlib.sha256(manifest.read_bytes()).hexdigest() == identity:
+        return                                  # finished: checked again, nothing changes
+    if any(p.name != LOCK_NAME for p in out.iterdir()):
+        raise OutputError("output directory exists and is not empty", file=str(out),
+                          hint="merge into a new or empty folder")
+    write_atomic(journal, manifest_bytes({"format": MERGE_FORMAT, "manifest_sha256": identity}))
+
+
+def _place(source: Path, target: Path, entry: dict) -> bool:
+    """Hard-link `source` as `target` (its folder created); copied (temp name, hashed while copied and compared
+    with `entry`'s sha256, renamed) across filesystems. A target already there from an earlier run of this merge
+    (the same file, or a copy of the recorded size: copies are renamed only once checked) is kept. True when
+    copied."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    temp = temp_path_for(target)
+    temp.unlink(missing_ok=True)               # an interrupted copy
+    if target.is_file() and (os.path.samefile(source, target) or target.stat().st_size == int(entry["bytes"])):
+        return False
+    target.unlink(missing_ok=True)
     try:
         os.link(source, target)
         return False
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise OutputError(f"cannot link part file ({exc.strerror})", file=str(target)) from None
-    temp = temp_path_for(target)
-    shutil.copyfile(source, temp)
-    with open(temp, "rb+") as fh:
-        os.fsync(fh.fileno())
+    try:
+        _check_digest(source, entry, copy_hashed(source, temp)[1])
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
     os.replace(temp, target)
     return True
 

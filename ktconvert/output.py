@@ -103,7 +103,7 @@ class Output:
         try:
             if self.resume and (self.out_dir / self.finished_name()).exists() \
                     and not (self.out_dir / JOURNAL_NAME).exists():
-                self._check_finished()
+                self.check_finished()
                 return False
             options = {**self.journal_options(), **({"part": self.layers} if self.part else {})}
             self.journal = Journal.start(self.out_dir, options, self.resume)
@@ -139,8 +139,9 @@ class Output:
                              expected=f"layers {self.layers}", found=f"layers {record['layers']}")
         return record["manifest"]
 
-    def _check_finished(self) -> None:
-        """ResumeMismatchError unless OUT's ktconvert.json records what this plan would write."""
+    def check_finished(self) -> None:
+        """ResumeMismatchError unless OUT's ktconvert.json records what this plan would write (a finished OUT that
+        --resume leaves as is)."""
         try:
             manifest = self.finished_manifest()
         except InputError as exc:

@@ -29,10 +29,11 @@ from ktconvert.cpu import sizes
 from ktconvert.errors import KtConvertError, OutputError, UsageError
 from ktconvert.formats.out_manifest import MANIFEST_NAME, load_manifest
 from ktconvert.inputs import open_input
-from ktconvert.merge import merge
+from ktconvert.merge import merge, unfinished
 from ktconvert.onepass import result_of
 from ktconvert.parts import balanced_ranges
 from ktconvert.progress import Progress
+from ktconvert.targets import is_gptq
 
 MAX_RETRIES = 3               # Ray re-runs a task whose worker died this many times (each resumes its part)
 POLL_SECONDS = 0.5
@@ -55,48 +56,69 @@ def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str
     """Convert `targets` ([(OUT, CpuOptions | GpuOptions | dict of their fields)], as ktconvert.api.convert) of
     `src` on a Ray cluster (`address`; None: the one this process is connected to, else a local instance) in
     `parts` layer ranges (None: the cluster's CPUs / threads per task). threads: CPUs per task (default 1).
-    resume: an OUT already complete is left alone. Part folders are always resumed (a rerun after a failure
-    continues where the tasks stopped; parts of other options are refused); force: OUTs and their parts emptied
-    first. verify_source_hash: as api.convert's, in every task. runtime_env: Ray's runtime_env of the tasks
-    (e.g. {"env_vars": {...}}; TASK_ENV's variables set here are added). UsageError for a --quant gptq target
-    (each layer needs the previous one's outputs). Returns one ConvertResult per OUT."""
+    resume: an OUT already complete is left alone (its ktconvert.json checked against the plan, as a local
+    --resume), an interrupted merge finished. Part folders are always resumed (a rerun after a failure continues
+    where the tasks stopped; parts of other options are refused); force: OUTs and their parts emptied first.
+    verify_source_hash: as api.convert's, in every task. runtime_env: Ray's runtime_env of the tasks (e.g.
+    {"env_vars": {...}}; TASK_ENV's variables set here are added). UsageError for a --quant gptq target (each
+    layer needs the previous one's outputs). Returns one ConvertResult per OUT."""
     t0 = time.monotonic()
     progress = progress or Progress()
     cpus = max(1, threads or 1)
     wanted = target_list(targets)
     refuse_gptq(wanted)
-    spec, orientation = _source_spec(src)
+    spec, orientation = source_spec(src)
     input = open_input(spec, orientation, in_part=True)
-    spec = _pinned(spec, input.hub)
+    source = {"src": pinned_spec(spec, input.hub), "expert_orientation": orientation, "listing": input.listing}
     outputs = plan_outputs(input, wanted, threads=cpus)
-    layers = outputs[0].layers
-    if resume and all((o.out_dir / MANIFEST_NAME).is_file() for o in outputs):
-        return [result_of(o, None, {}) for o in outputs]
-    _check_outs(outputs, force)
+    todo = [k for k, output in enumerate(outputs) if not _finished(output, resume)]
+    timings = {"plan": time.monotonic() - t0}
+    if todo:
+        _check_outs([outputs[k] for k in todo], force, resume)
+        _convert_parts(source, verify_source_hash, outputs, todo, parts, address, parts_dir, force, cpus,
+                       task_runtime_env(runtime_env), progress, timings)
+    timings["total"] = time.monotonic() - t0
+    return [result_of(o, load_manifest(o.out_dir) if k in todo else None, timings if k in todo else {})
+            for k, o in enumerate(outputs)]
+
+
+def _convert_parts(source: dict, verify_source_hash, outputs, todo, parts, address, parts_dir, force, cpus,
+                   runtime_env: dict, progress, timings: dict) -> None:
+    """The outputs numbered `todo` as Ray tasks of `parts` layer ranges on `source` (open_input's keywords, as
+    every task opens it), merged into their OUTs; timings completed with convert and merge seconds."""
+    t0 = time.monotonic()
     ray = connect(address)
+    layers = outputs[0].layers
     count = parts or max(1, min(len(layers), int(ray.cluster_resources().get("CPU", 1)) // cpus))
     ranges = _ranges(outputs[0].source, layers, count)
     folders = _part_folders(outputs, ranges, parts_dir, force)
-    timings = {"plan": time.monotonic() - t0}
-    resources = {"num_cpus": cpus, "memory": _memory(outputs, cpus), "max_retries": MAX_RETRIES,
-                 **task_runtime_env(runtime_env)}
+    resources = {"num_cpus": cpus, "memory": _memory(outputs, cpus), "max_retries": MAX_RETRIES, **runtime_env}
     _check_feasible(ray, resources)
-    _run_tasks(ray, (spec, orientation, verify_source_hash), outputs, ranges, folders, resources, progress)
-    timings["convert"] = time.monotonic() - t0 - timings["plan"]
+    _run_tasks(ray, (source, verify_source_hash), outputs, todo, ranges, folders, resources, progress)
+    timings["convert"] = time.monotonic() - t0
     t1 = time.monotonic()
-    for k, output in enumerate(outputs):
-        merge(output.out_dir, [folders[(k, r)] for r in ranges])
+    for k in todo:
+        merge(outputs[k].out_dir, [folders[(k, r)] for r in ranges])
     timings["merge"] = time.monotonic() - t1
-    timings["total"] = time.monotonic() - t0
-    return [result_of(o, load_manifest(o.out_dir), timings) for o in outputs]
+
+
+def _finished(output, resume: bool) -> bool:
+    """With resume, True for an OUT a finished run or merge left, once its ktconvert.json is found to record this
+    plan (ResumeMismatchError otherwise, as a local --resume)."""
+    out = output.out_dir
+    if not resume or unfinished(out) or not (out / MANIFEST_NAME).is_file():
+        return False
+    output.check_finished()
+    return True
 
 
 def refuse_gptq(targets: list) -> None:
     """UsageError for a --quant gptq target: its layers cannot run as independent parts."""
     for target in targets:
-        if str(target.values.get("quant", "")).strip().lower() == "gptq":
-            raise UsageError(f"{target.name}: --executor ray is not available with --quant gptq",
-                             hint="GPTQ needs every layer in order: convert it with --executor local")
+        if is_gptq(target):
+            raise UsageError(f"{target.name}: layer-range parts are not available with --quant gptq",
+                             hint="GPTQ needs every layer in order: convert it alone with cpu / gpu "
+                                  "(--executor ray --workers N splits its calibration samples instead)")
 
 
 def task_runtime_env(runtime_env: dict | None) -> dict:
@@ -109,7 +131,7 @@ def task_runtime_env(runtime_env: dict | None) -> dict:
     return {"runtime_env": env} if env else {}
 
 
-def _source_spec(src) -> tuple[str, str | None]:
+def source_spec(src) -> tuple[str, str | None]:
     """(SRC as every node opens it: an absolute path or a hub spec, --expert-orientation) of `src` (a path, a
     spec or an opened inputs.Input)."""
     spec = str(getattr(src, "spec", src))
@@ -119,7 +141,7 @@ def _source_spec(src) -> tuple[str, str | None]:
     return spec, orientation
 
 
-def _pinned(spec: str, hub: dict) -> str:
+def pinned_spec(spec: str, hub: dict) -> str:
     """A hub `spec` at the commit the driver planned from (every task reads the same revision); else `spec`."""
     if not hub.get("revision"):
         return spec
@@ -127,16 +149,19 @@ def _pinned(spec: str, hub: dict) -> str:
     return f"{scheme}://{rest.split('@', 1)[0]}@{hub['revision']}"
 
 
-def _check_outs(outputs: list, force: bool) -> None:
-    """Every OUT new or empty (emptied with force): refused here, before any task starts."""
+def _check_outs(outputs: list, force: bool, resume: bool) -> None:
+    """Every OUT new or empty (emptied with force; with resume also one holding a finished or unfinished merge,
+    which the merge finishes): refused here, before any task starts."""
     for output in outputs:
         out = output.out_dir
         if out.exists() and not out.is_dir():
             raise OutputError("output path exists and is not a directory", file=str(out))
         if out.exists() and any(out.iterdir()):
+            if resume and (unfinished(out) or (out / MANIFEST_NAME).is_file()):
+                continue
             if not force:
                 raise OutputError("output directory exists and is not empty", file=str(out),
-                                  hint="pass --force to start over (or --resume once it is complete)")
+                                  hint="pass --force to start over, or --resume to finish an interrupted run")
             shutil.rmtree(out)
 
 
@@ -190,20 +215,20 @@ def _memory(outputs: list, cpus: int) -> int:
     return int(max(estimates))
 
 
-def _run_tasks(ray, source: tuple, outputs, ranges, folders, resources: dict, progress) -> None:
-    """One task per range with `resources` (Ray task options) on `source` ((spec, orientation,
-    verify_source_hash) as run_part takes them); the driver's progress sums what the tasks report. PartFailed
-    names a failed part."""
+def _run_tasks(ray, source: tuple, outputs, todo: list[int], ranges, folders, resources: dict, progress) -> None:
+    """One task per range with `resources` (Ray task options) on `source` ((source, verify_source_hash) as
+    run_part takes them), writing the parts of the outputs numbered `todo`; the driver's
+    progress sums what the tasks report. PartFailed names a failed part."""
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     task = ray.remote(run_part).options(**resources)
     cpus = resources["num_cpus"]
     refs = {}
     for index, r in enumerate(ranges):
-        targets = [(str(folders[(k, r)]), o.plan.options) for k, o in enumerate(outputs)]
+        targets = [(str(folders[(k, r)]), outputs[k].plan.options) for k in todo]
         refs[task.remote(*source, targets, r, cpus, board, index)] = r
     total = sum(job.nbytes for job in outputs[0].source.matrix_jobs(outputs[0].layers))
     progress.start(total, len(outputs[0].layers), f"{len(ranges)} parts on Ray: "
-                   + " + ".join(o.label() for o in outputs))
+                   + " + ".join(outputs[k].label() for k in todo))
     shown, pending = 0, list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_SECONDS)
@@ -255,14 +280,15 @@ class BoardProgress(Progress):
         self.board.report.remote(self.part, self.bytes_done, self.items_done)
 
 
-def run_part(spec: str, orientation, verify_source_hash: bool, targets: list, layer_range: tuple[int, int],
-             threads: int, board, index: int) -> dict:
-    """A Ray task: the part `layer_range` of every target (resumed from its journal when a previous attempt of
-    this task died). Returns {} or {"error": one line, "exit_code": n} for a ktconvert error."""
+def run_part(source: dict, verify_source_hash: bool, targets: list, layer_range: tuple[int, int], threads: int,
+             board, index: int) -> dict:
+    """A Ray task: the part `layer_range` of every target of `source` (open_input's keywords: the pinned spec,
+    the orientation and the hub listing the driver planned from), resumed from its journal when a previous
+    attempt of this task died. Returns {} or {"error": one line, "exit_code": n} for a ktconvert error."""
     progress = BoardProgress(board, index)
     try:
         with progress:
-            convert_here(open_input(spec, orientation, in_part=True), targets, threads=threads, resume=True,
+            convert_here(open_input(**source, in_part=True), targets, threads=threads, resume=True,
                          layers=layer_range, progress=progress, verify_source_hash=verify_source_hash)
     except KtConvertError as exc:
         return {"error": str(exc), "exit_code": exc.exit_code}

@@ -50,18 +50,25 @@ class ConvertResult:
 class PlanResult:
     """What `plan` found: source (as given), cpu (cpu.plan.CpuPlan) and / or gpu (gpu.plan.GpuPlan), each holding
     the opened source and its JSON-ready report (``plan.cpu["total_bytes"]``), and / or placement (the GPU experts
-    SGLang-KT would choose, activation.placement.plan_placement's dict)."""
+    SGLang-KT would choose, activation.placement.plan_placement's dict); or, for several targets, targets
+    ([{"name", "kind", "out", "plan": CpuPlan | GpuPlan}]) and combined (the one pass's figures:
+    plan_targets)."""
 
     source: str
     cpu: object | None = None
     gpu: object | None = None
     placement: dict | None = None
+    targets: list | None = None
+    combined: dict | None = None
 
     def to_dict(self) -> dict:
         """One shape whatever was planned: {"source", "cpu": report or None, "gpu": report or None,
-        "placement": dict or None}."""
+        "placement": dict or None, "targets": [{"name", "kind", "out", "plan": report}] or None, "combined":
+        dict or None}."""
+        targets = None if self.targets is None else [{**t, "plan": t["plan"].to_dict()} for t in self.targets]
         return {"source": self.source, "cpu": None if self.cpu is None else self.cpu.to_dict(),
-                "gpu": None if self.gpu is None else self.gpu.to_dict(), "placement": self.placement}
+                "gpu": None if self.gpu is None else self.gpu.to_dict(), "placement": self.placement,
+                "targets": targets, "combined": self.combined}
 
 
 @dataclass(frozen=True)

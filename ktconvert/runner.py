@@ -110,7 +110,7 @@ class _Pass:
         self.changed = threading.Condition(self.lock)   # a job finished
         self.budget = ByteBudget(READ_BUDGET)
         self.failed = threading.Event()
-        self.fault = _FaultInjector.from_env()
+        self.fault = FaultInjector.from_env()
         self.pool: ThreadPoolExecutor | None = None
         self.groups = iter(())
 
@@ -299,7 +299,7 @@ class _LayerTracker:
         return done
 
 
-class _FaultInjector:
+class FaultInjector:
     """Crash testing: KTCONVERT_FAULT_AFTER_JOBS=N makes the process SIGKILL itself after N converted matrices,
     exactly like a power cut or the OOM killer (no cleanup, no exception handlers). With KTCONVERT_FAULT_ONCE=PATH
     only the first process to get there dies (it creates PATH; a retried worker then runs to the end)."""
@@ -310,7 +310,7 @@ class _FaultInjector:
         self.lock = threading.Lock()
 
     @classmethod
-    def from_env(cls) -> "_FaultInjector":
+    def from_env(cls) -> "FaultInjector":
         value = os.environ.get("KTCONVERT_FAULT_AFTER_JOBS")
         return cls(int(value) if value else None, os.environ.get("KTCONVERT_FAULT_ONCE"))
 

@@ -45,6 +45,12 @@ class Target:
     name: str
 
 
+def is_gptq(target: Target) -> bool:
+    """True for a target asking for --quant gptq (calibrated: each layer needs the previous one's outputs, so it is
+    written alone, layer by layer, never in a shared pass or in parts)."""
+    return str(target.values.get("quant", "")).strip().lower() == "gptq"
+
+
 def parse_targets(tables, file: Path | None = None) -> list[Target]:
     """Targets from a list of tables (dicts as above); `file`: the targets file they came from (messages name it,
     relative folders are taken from its folder). UsageError for anything the schema does not allow."""
@@ -105,16 +111,27 @@ def refuse_shared_folders(targets: list[Target]) -> None:
         seen.append((folder, target))
 
 
-def check_disk(needs: list[tuple[Path, int]], free_at) -> None:
-    """OutputError when the outputs that land on one filesystem need more than its free space together.
-    needs: (output folder, bytes it will hold); free_at(path) -> (existing folder probed, free bytes)."""
-    by_device: dict[int, list] = {}
+def disk_needs(needs: list[tuple[Path, int]], free_at) -> list[dict]:
+    """What the outputs need per filesystem: [{"path" (the folder probed), "free_bytes", "need_bytes", "outputs"
+    [folders], "ok"}]. needs: (output folder, bytes it will hold); free_at(path) -> (existing folder probed, free
+    bytes)."""
+    by_device: dict[int, dict] = {}
     for out, nbytes in needs:
         probe, free = free_at(out)
-        by_device.setdefault(os.stat(probe).st_dev, []).append((out, nbytes, probe, free))
-    for entries in by_device.values():
-        total, free = sum(e[1] for e in entries), entries[0][3]
-        if len(entries) > 1 and total > free:
+        entry = by_device.setdefault(os.stat(probe).st_dev, {"path": probe, "free_bytes": free, "need_bytes": 0,
+                                                             "outputs": []})
+        entry["need_bytes"] += nbytes
+        entry["outputs"].append(str(out))
+    return [{**entry, "ok": entry["need_bytes"] <= entry["free_bytes"]} for entry in by_device.values()]
+
+
+def check_disk(needs: list[tuple[Path, int]], free_at) -> list[dict]:
+    """disk_needs' list; OutputError when the outputs that land on one filesystem need more than its free space
+    together (one output alone is checked by its own plan)."""
+    groups = disk_needs(needs, free_at)
+    for group in groups:
+        if len(group["outputs"]) > 1 and not group["ok"]:
             raise OutputError("not enough free disk space for these outputs together",
-                              file=", ".join(str(e[0]) for e in entries), expected=f">= {total} bytes free",
-                              found=f"{free} bytes at {entries[0][2]}")
+                              file=", ".join(group["outputs"]), expected=f">= {group['need_bytes']} bytes free",
+                              found=f"{group['free_bytes']} bytes at {group['path']}")
+    return groups

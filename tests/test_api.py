@@ -71,16 +71,21 @@ def test_convert_one_pass_gpu_plan_inspect_verify(tiny_model, tmp_path):
 
 def test_cli_reaches_the_library_through_the_api_only():
     """docs/architecture.md: cli.py prints and exits and calls api.py; of our modules it imports only errors,
-    cli_options (which loads api), cli_targets (convert's --cpu / --gpu targets), progress and, for `hub-server`,
-    the hub stand-in (no API function)."""
+    cli_options (which loads api), cli_targets (convert's --cpu / --gpu targets), cli_plan (the plan command,
+    itself built on cli_options and cli_targets only), progress and, for `hub-server`, the hub stand-in (no API
+    function)."""
     import ast
     from pathlib import Path
 
     tree = ast.parse(Path(ktconvert.__file__).with_name("cli.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 and node.module and node.module.startswith("ktconvert")}
-    assert imported == {"ktconvert.errors", "ktconvert.cli_options", "ktconvert.cli_targets", "ktconvert.progress",
-                        "ktconvert.testing.hubserver"}
+    assert imported == {"ktconvert.errors", "ktconvert.cli_options", "ktconvert.cli_targets", "ktconvert.cli_plan",
+                        "ktconvert.progress", "ktconvert.testing.hubserver"}
+    plan_tree = ast.parse(Path(ktconvert.__file__).with_name("cli_plan.py").read_text())
+    assert {node.module for node in ast.walk(plan_tree) if isinstance(node, ast.ImportFrom)
+            and node.module and node.module.startswith("ktconvert")} == {"ktconvert.cli_options",
+                                                                         "ktconvert.cli_targets"}
 
 
 def test_bundle_unbundle_batch_publish_expert_stats_are_api_functions(tiny_model, tmp_path):

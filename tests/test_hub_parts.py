@@ -5,6 +5,7 @@ shard whose bytes differ from the header the plan read is refused. The expected 
 the index's weight_map by tensor name, independently of the code under test."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -106,13 +107,79 @@ def test_shard_changed_since_its_header_was_read_is_refused(hub_model, hub_env, 
         remote.fetch(shard)
 
 
-def test_hub_without_range_reads_is_downloaded_whole(server, hub_env, monkeypatch):
+def ms_model(server, hub_env, monkeypatch, name: str = "ds") -> tuple[str, object]:
+    """(spec ms://org/NAME, local folder of the same tiny deepseek_v3) with MODELSCOPE_ENDPOINT set to the stand-in."""
+    from ktconvert.testing.tiny import make_tiny_model
+
+    monkeypatch.setenv("MODELSCOPE_ENDPOINT", server.url)
+    local = make_tiny_model(hub_env / name, "deepseek_v3", **MODEL)
+    server.store.seed("ms", f"org/{name}", local)
+    return f"ms://org/{name}", local
+
+
+@pytest.mark.parametrize("ranges_honoured", [True, False])
+def test_ms_parts_download_only_their_shards(server, hub_env, monkeypatch, ranges_honoured):
+    """Planning reads the shard headers with Range requests (or, from a server that ignores Range, from the start
+    of each file's stream); each part downloads exactly the shards holding what it reads."""
+    from ktconvert.ops import hub_clients
+    from ktconvert.testing import hubserver
+
+    statuses, real_prefix = [], hub_clients._stream_prefix
+    monkeypatch.setattr(hub_clients, "_stream_prefix", lambda response, limit: (
+        statuses.append(response.status_code), real_prefix(response, limit))[1])
+    if not ranges_honoured:                 # a server that answers every Range request with the whole file
+        real = hubserver._Handler.ms_download
+
+        def whole_file(self, repo_id):
+            del self.headers["Range"]
+            return real(self, repo_id)
+
+        monkeypatch.setattr(hubserver._Handler, "ms_download", whole_file)
+    spec, local = ms_model(server, hub_env, monkeypatch)
+    monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "whole-cache"))
+    api.convert(spec, [(hub_env / "single", CPU)])
+    assert cached_shards(hub_env / "whole-cache") == {p.name for p in local.glob("*.safetensors")}
+    monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "plan-cache"))
+    api.plan_outputs(open_input(spec, in_part=True), [(hub_env / "planned", CPU)])
+    assert cached_shards(hub_env / "plan-cache") == set()          # planned from config, index and headers
+    assert statuses and set(statuses) == ({206} if ranges_honoured else {200})
+    parts = []
+    for first, last in RANGES:
+        cache = hub_env / f"cache-{first}"
+        monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(cache))
+        parts.append(hub_env / "parts" / f"layers-{first}-{last}")
+        api.convert(spec, [(parts[-1], CPU)], layers=(first, last))
+        assert cached_shards(cache) == expected_shards(local, (first, last), first == 1), (first, last)
+    merge(hub_env / "merged", parts)
+    assert tree(hub_env / "merged") == tree(hub_env / "single")
+
+
+def test_ms_task_refuses_a_repo_changed_since_the_plan(server, hub_env, monkeypatch):
+    from ktconvert.ops.hub_shards import resolve_in_part
+
+    spec, local = ms_model(server, hub_env, monkeypatch)
+    monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "cache"))
+    planned = open_input(spec, in_part=True).listing
+    shard = sorted(p.name for p in local.glob("*.safetensors"))[1]
+    assert planned[shard] == hashlib.sha256((local / shard).read_bytes()).hexdigest()
+    assert open_input(spec, in_part=True, listing=planned).listing == planned
+    changed = dict(planned, **{shard: "0" * 64})
+    with pytest.raises(RemoteError, match="changed since the conversion was planned") as info:
+        resolve_in_part(spec, expect=changed)
+    assert shard in str(info.value) and info.value.exit_code == 5
+
+
+def test_repo_without_index_is_downloaded_whole(server, hub_env, monkeypatch):
+    import shutil
+
     from ktconvert.ops.hub_shards import resolve_in_part
     from ktconvert.testing.tiny import make_tiny_model
 
     monkeypatch.setenv("MODELSCOPE_ENDPOINT", server.url)
     local = make_tiny_model(hub_env / "ds", "deepseek_v3", **MODEL)
-    server.store.seed("ms", "org/ds", local)
-    root, extra, remote = resolve_in_part("ms://org/ds", cache_dir=str(hub_env / "ms-dl"))
-    assert remote is None and extra["repo"] == "org/ds"
+    bare = hub_env / "bare"
+    shutil.copytree(local, bare, ignore=shutil.ignore_patterns("*.index.json"))
+    server.store.seed("ms", "org/bare", bare)
+    root, extra, remote, listing = resolve_in_part("ms://org/bare", cache_dir=str(hub_env / "ms-dl"))
+    assert remote is None and extra["repo"] == "org/bare" and set(listing) == {p.name for p in bare.iterdir()}
     assert {p.name for p in root.glob("*.safetensors")} == {p.name for p in local.glob("*.safetensors")}

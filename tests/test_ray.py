@@ -22,20 +22,6 @@ from test_parts import CPU, MODEL, source, single, tree  # noqa: E402,F401  (fix
 from test_hub import hub_env, server  # noqa: E402,F401  (fixtures: the stand-in hub on 127.0.0.1)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20,
-                                                          "include_dashboard": False})
-    nodes.add_node(num_cpus=1, object_store_memory=80 << 20)
-    ray.init(address=nodes.address, log_to_driver=False, logging_level="ERROR")
-    nodes.wait_for_nodes()
-    yield nodes
-    ray.shutdown()
-    nodes.shutdown()
-
-
 def test_cli_executor_ray_three_parts_equals_single_run(cluster, source, single, tmp_path):
     result = CliRunner().invoke(cli, ["cpu", str(source), str(tmp_path / "out"), "--method", "amxint4", "--numa", "2",
                                       "--executor", "ray", "--parts", "3", "--quiet"])
@@ -110,19 +96,21 @@ def test_part_no_node_can_run_is_refused_before_any_task(cluster, source, tmp_pa
     assert not (tmp_path / "out.parts").exists()
 
 
-def test_hub_source_on_ray_equals_single_run_and_driver_downloads_no_shard(cluster, server, hub_env, monkeypatch):
+@pytest.mark.parametrize("hub, endpoint_var", [("hf", "HF_ENDPOINT"), ("ms", "MODELSCOPE_ENDPOINT")])
+def test_hub_source_on_ray_equals_single_run_and_driver_downloads_no_shard(cluster, server, hub_env, monkeypatch,
+                                                                           hub, endpoint_var):
     from ktconvert.testing.tiny import make_tiny_model
     from test_hub_parts import cached_shards
 
     local = make_tiny_model(hub_env / "ds", "deepseek_v3", **MODEL)
-    spec = "hf://org/ds"
-    server.store.seed("hf", "org/ds", local)
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    spec = f"{hub}://org/ds"
+    server.store.seed(hub, "org/ds", local)
+    monkeypatch.setenv(endpoint_var, server.url)
     monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "single-cache"))
     api.convert(spec, [(hub_env / "single", CPU)])
-    # HF_ENDPOINT reaches the tasks from the driver's environment (ray_executor.TASK_ENV), not from runtime_env
+    # the endpoint reaches the tasks from the driver's environment (ray_executor.TASK_ENV), not from runtime_env
     env = {"HF_HOME": str(hub_env / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1",
-           "KTCONVERT_HUB_CACHE": str(hub_env / "task-cache")}
+           "MODELSCOPE_CACHE": str(hub_env / "ms-home"), "KTCONVERT_HUB_CACHE": str(hub_env / "task-cache")}
     monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "driver-cache"))
     convert_on_ray(spec, [(hub_env / "out", CPU)], parts=3, runtime_env={"env_vars": env})
     assert tree(hub_env / "out") == tree(hub_env / "single")
@@ -161,9 +149,22 @@ def test_verify_source_hash_reaches_the_part_tasks(cluster, source, tmp_path):
     assert not (tmp_path / "checked" / "ktconvert.json").exists()
 
 
-def test_gptq_on_ray_is_refused_before_any_task(source, tmp_path):
-    calibration = tmp_path / "calib.jsonl"
-    calibration.write_text('{"input_ids": [1, 2, 3]}\n')
-    with pytest.raises(KtConvertError, match="--executor ray is not available with --quant gptq") as info:
-        api.convert_cpu(source, tmp_path / "out", executor="ray", quant="gptq", calibration=calibration, **CPU)
-    assert info.value.exit_code == 2 and not (tmp_path / "out").exists()
+def test_ray_run_interrupted_in_its_merge_resumes(cluster, source, single, tmp_path, monkeypatch):
+    from ktconvert import merge as merge_module
+    from test_merge import interrupt_merge_after
+
+    real_place = merge_module._place
+    interrupt_merge_after(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        api.convert_cpu(source, tmp_path / "out", executor="ray", parts=2, **CPU)
+    monkeypatch.setattr(merge_module, "_place", real_place)
+    assert not (tmp_path / "out" / "ktconvert.json").exists()
+    with pytest.raises(KtConvertError, match="not empty"):
+        api.convert_cpu(source, tmp_path / "out", executor="ray", parts=2, **CPU)
+    api.convert_cpu(source, tmp_path / "out", executor="ray", parts=2, resume=True, **CPU)
+    assert tree(tmp_path / "out") == tree(single)
+    # a finished OUT is left as is on --resume, and like a local --resume only when it records these options
+    assert api.convert_cpu(source, tmp_path / "out", executor="ray", resume=True, **CPU).complete_before
+    with pytest.raises(KtConvertError, match="cannot resume") as info:
+        api.convert_cpu(source, tmp_path / "out", executor="ray", resume=True, method="amxint8", numa=2)
+    assert info.value.exit_code == 2

@@ -23,9 +23,10 @@ from ktconvert.results import ConvertResult
 
 def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
                 force: bool = False, progress=None, layers=None, verify_source_hash: bool = False,
-                **option_values) -> ConvertResult:
+                gptq_stream=None, **option_values) -> ConvertResult:
     """``ktconvert.api.convert_cpu`` in this process (executor "local"; its docstring gives the arguments, the
-    errors and the result): plan, open `out`, then one read of the source, or GPTQ's layer loop."""
+    errors and the result): plan, open `out`, then one read of the source, or GPTQ's layer loop. gptq_stream:
+    function(inputs.Input) -> the GPTQ stream class (None: this process's; ray_gptq.ray_streams: on Ray)."""
     t0 = time.monotonic()
     options = options or CpuOptions.make(**option_values)
     if options.quant == "gptq":
@@ -36,6 +37,7 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     timings = {"plan": time.monotonic() - t0}
     if options.quant == "gptq":
         refuse_gptq_part(output)
-        return gptq_cpu.convert_cpu_gptq(output, progress or Progress(), timings)
+        make_stream = gptq_stream(plan.input) if gptq_stream is not None else None
+        return gptq_cpu.convert_cpu_gptq(output, progress or Progress(), timings, make_stream=make_stream)
     return write_outputs([output], threads=threads, progress=progress, timings=timings,
                          verify_source_hash=verify_source_hash)[0]

@@ -167,7 +167,7 @@ def _add_disk(report: dict, source, out) -> None:
 
 # ---------------------------------------------------------------- render
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
     return f"{n / (1 << 30):.3f} GiB" if n >= 1 << 26 else f"{n / (1 << 20):.2f} MiB"
 
 
@@ -187,9 +187,9 @@ def render(result: dict) -> str:
                      f"{' (approx)' if f.get('approx') else ''}")
     if "summary" in result:
         lines += [f"  {k}: {v}" for k, v in result["summary"].items()]
-    lines += [f"total: {result['total_bytes']} bytes ({_gib(result['total_bytes'])})",
-              f"peak RAM (estimate): {_gib(result['peak_ram_bytes'])} with {result['workers']} workers",
-              f"disk free at {result['disk_path']}: {_gib(result['disk_free_bytes'])}",
+    lines += [f"total: {result['total_bytes']} bytes ({gib(result['total_bytes'])})",
+              f"peak RAM (estimate): {gib(result['peak_ram_bytes'])} with {result['workers']} workers",
+              f"disk free at {result['disk_path']}: {gib(result['disk_free_bytes'])}",
               "checks:"]
     lines += [f"  [{'ok' if c['ok'] else 'FAIL'}] {c['check']}: {c['detail']}" for c in result["checks"]]
     lines += [f"note: {n}" for n in result["notes"]]

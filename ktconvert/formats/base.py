@@ -98,6 +98,10 @@ class Source:
         """The weight files, in the order they are read."""
         raise NotImplementedError
 
+    def file_bytes(self) -> int:
+        """Bytes of files(): what one pass reads (and hashes)."""
+        return sum(Path(path).stat().st_size for path in self.files())
+
     def ensure_local(self, files) -> None:
         """Make `files` (of files()) readable on disk: a source opened in part downloads them here."""
 

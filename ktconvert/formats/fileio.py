@@ -7,7 +7,8 @@
   blob is its LFS pointer (``lfs_pointer``): so the git blob SHA-1 is computed over the content only for files
   below ``LFS_THRESHOLD`` and derived from size + sha256 for the others (``git_blob_id``; ``content_git=True``
   computes the content's for every size, as manifests of format_version 1 record it).
-  ``hash_safetensors`` adds the sha256 of every tensor of a .safetensors file in the same sequential read.
+  ``hash_safetensors`` adds the sha256 of every tensor of a .safetensors file in the same sequential read;
+  ``copy_hashed`` copies a file and hashes the bytes it copies (one read).
 * ``write_atomic(path, data)``: written as ``.NAME.partial`` in the same folder, renamed when complete
   (``temp_path_for``), fsynced with its folder (``fsync_dir``) unless the caller fsyncs in bulk.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -127,6 +129,31 @@ def hash_file(path, content_git: bool = False, kind: str = "read.output") -> tup
     hasher = FileHasher(size, content_git)
     for chunk in _read_chunks(path, size, kind):
         hasher.update(chunk)
+    return (size, *hasher.hexdigests())
+
+
+def copy_hashed(source, target) -> tuple[int, str, str]:
+    """Copy regular file `source` (InputError otherwise) to the new file `target`, fsynced, in one sequential read
+    whose bytes are also hashed: (size, sha256 hex, git blob id hex) of what was copied. OutputError (target
+    removed) when it cannot be written."""
+    source, target = Path(source), Path(target)
+    size = check_regular(source, "file").st_size
+    hasher = FileHasher(size)
+    try:
+        with open(target, "wb", buffering=0) as fh, ThreadPoolExecutor(1) as pool:
+            for chunk in _read_chunks(source, size):
+                hashed = pool.submit(hasher.update, chunk)      # hashlib releases the GIL: hash while writing
+                with profile.span("write", len(chunk)):
+                    fh.write(chunk)
+                hashed.result()                                 # before the next read reuses the buffer
+            with profile.span("fsync"):
+                os.fsync(fh.fileno())
+    except OSError as exc:
+        target.unlink(missing_ok=True)
+        raise OutputError(f"cannot write file ({exc.strerror})", file=str(target)) from None
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
     return (size, *hasher.hexdigests())
 
 

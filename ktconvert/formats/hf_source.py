@@ -87,6 +87,9 @@ class HFSource(Source):
     def files(self) -> list[Path]:
         return self.checkpoint.files()
 
+    def file_bytes(self) -> int:
+        return sum(shard.file_bytes for shard in self.checkpoint.shards)    # also shards still on the hub
+
     def ensure_local(self, files) -> None:
         self.checkpoint.ensure_local(files)
 

@@ -5,7 +5,9 @@ on that stream (llmcompressor's own functions for the GPU checkpoint, a fixed-gr
 * ``inputs.py``: the recording forward that gives layer 0's hidden states and every layer's keyword arguments.
 * ``stream.py``: ``DecoderStream``: per-layer weights from safetensors, the layer's own forward, layer freed.
 * ``hessians.py``: per-expert routes, Hessians and the llmcompressor GPTQ solve of one Linear.
-* ``loop.py``: ``LayerStream`` (GPTQ on the stream), ``GpuQuantizer``; ``cpu.py``: the AMX variant
+* ``loop.py``: ``LayerStream`` (GPTQ on the stream; ``ExpertSolver``: its per-expert part, no forward),
+  ``GpuQuantizer``; ``distributed.py``: the same stream with each layer's forward split by calibration sample and
+  its experts by owner (``DistributedStream``; on Ray: ktconvert.ray_gptq); ``cpu.py``: the AMX variant
   (``mse``-searched per-row scales mapped 1:1 onto kt-kernel's AMXINT4/AMXINT8 files, codes from ``grid.py``).
 * ``holdout.py``: the fit / held-out split and the per-expert choice between GPTQ and the data-free codes.
 * ``calibration.py``: ``--calibration FILE`` (jsonl of {"text": ...} or {"input_ids": [...]}).

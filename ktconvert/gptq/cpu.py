@@ -147,18 +147,19 @@ def _bf16_bits(weight) -> np.ndarray:
 def amx_stream(src, calibration, method_bits: int, numa: int, *, max_length: int = 2048,
                num_samples: int | None = None, options: GptqOptions = GptqOptions(),
                fallback_quant: str | None = None, selection: SelectionOptions | None = SelectionOptions(),
-               mtp_layers=()) -> LayerStream:
+               mtp_layers=(), make_stream=None) -> LayerStream:
     """The GPTQ stream over checkpoint `src` (path or HFSource) with an AmxQuantizer (``stream.quantizer``) and
     the calibration samples (``stream.samples_digest``: resume.samples_digest of them). calibration: a jsonl
     path (ktconvert.gptq.calibration) or a list of 1-D int64 token tensors (file order). mtp_layers: MTP layers
-    quantized after the decoder layers (gptq.stream)."""
+    quantized after the decoder layers (gptq.stream). make_stream: the stream class, called as LayerStream is
+    (None: LayerStream, this process; ray_gptq.ray_streams: on Ray, the same results)."""
     source = src if isinstance(src, HFSource) else HFSource.open(src)
     samples = calibration
     if isinstance(calibration, (str, Path)):
         samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
     quantizer = AmxQuantizer(method_bits, numa, fallback_quant, selection)
-    stream = LayerStream(source, samples, quantizer, options, mtp_layers=mtp_layers)
+    stream = (make_stream or LayerStream)(source, samples, quantizer, options, mtp_layers=mtp_layers)
     stream.samples_digest = samples_digest(samples)
     return stream
 
@@ -198,12 +199,12 @@ def write_layer(writer, method, result: LayerResult) -> None:
 
 
 def write_gptq_layers(output, samples: list, progress=None, *, options: GptqOptions = GptqOptions(),
-                      selection: SelectionOptions | None = SelectionOptions()) -> dict:
+                      selection: SelectionOptions | None = SelectionOptions(), make_stream=None) -> dict:
     """Write every layer of an opened CPU output (cpu.output.CpuOutput, quant "gptq": its options hold method and
     numa; its layers may include MTP layers) from the GPTQ stream on `samples` (1-D int64 token tensors), then
     record the source files' digests in its journal. A resumed output (``output.resume``) restores the stream
     saved with its journal (gptq.resume) and writes only the layers the journal does not record. progress: one
-    phase over the layers' source bytes, advanced per layer. Returns {"tokens" {layer: [per expert]}, "fallback"
+    phase over the layers' source bytes, advanced per layer. make_stream: as amx_stream's. Returns {"tokens" {layer: [per expert]}, "fallback"
     {layer: [experts]}, "fallback_quant", "selection" {layer: selection_counts}}."""
     method, source = output.method, output.source
     if not hasattr(method, "bits"):
@@ -215,7 +216,7 @@ def write_gptq_layers(output, samples: list, progress=None, *, options: GptqOpti
     progress.start(sum(sizes.values()), len(output.layers), f"cpu {method.name.upper()} gptq")
     mtp = [layer for layer in output.layers if layer in source.info.mtp_layers]
     stream = amx_stream(source, samples, method.bits, output.options.numa, options=options, selection=selection,
-                        mtp_layers=mtp)
+                        mtp_layers=mtp, make_stream=make_stream)
     saved = StreamState(output.out_dir, stream.samples_digest)
     unfinished = [layer for layer in output.layers if not output.journal.layer_done(layer)]
     layers = saved.restore(stream, unfinished) if output.resume else {}
@@ -248,7 +249,7 @@ def _write_journalled(output, method, result: LayerResult) -> None:
 
 def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, options: GptqOptions | None = None,
                      selection: SelectionOptions | None = None, max_length: int = 2048,
-                     num_samples: int | None = None) -> ConvertResult:
+                     num_samples: int | None = None, make_stream=None) -> ConvertResult:
     """``ktconvert cpu SRC OUT --method amxint4|amxint8 --quant gptq --calibration FILE`` for an unopened CPU
     output (cpu.output.CpuOutput of a validated plan): read the calibration samples (InputError before OUT is
     touched), open OUT, write every layer, finalize (ktconvert.json with quant "gptq" and a "gptq" record: the
@@ -258,7 +259,7 @@ def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, opti
     ConvertResult (details: tokens per expert, fallback experts, fallback_quant, selection counts). OUT also gets
     expert_activation.pt, the routed-token counts of the calibration (activation.stats.write_gptq_activation),
     recorded in the manifest and its SGLang flags (decoder layers only: the MTP layers' counts are not the main
-    model's)."""
+    model's). make_stream: the GPTQ stream class (amx_stream's; None: this process)."""
     opts = output.options
     options = options or GptqOptions(dampening=opts.dampening)
     selection = selection or SelectionOptions(min_tokens=opts.min_tokens)
@@ -267,7 +268,8 @@ def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, opti
                            vocab_size=source.info.config.get("vocab_size"))
 
     def write(output) -> None:
-        summary = write_gptq_layers(output, samples, progress, options=options, selection=selection)
+        summary = write_gptq_layers(output, samples, progress, options=options, selection=selection,
+                                    make_stream=make_stream)
         decoder = {L: t for L, t in summary["tokens"].items() if L < output.source.info.n_layers}
         output.expert_activation = write_gptq_activation(output.out_dir, output.source, decoder,
                                                          output.options.calibration, max_length=max_length,

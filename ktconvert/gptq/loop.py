@@ -9,7 +9,8 @@
                weights) per sample; then, **one expert at a time**: ``accumulate_hessian`` on the expert's inputs
                (hessians.py), the quantizer (``GpuQuantizer`` / ``cpu.AmxQuantizer``) runs ``quantize_weight``;
                then the propagation forward with the quantised weights gives the next layer's input; the layer
-               is freed.
+               is freed. ``ExpertSolver`` is the part between capture and propagation (it needs no forward), which
+               gptq.distributed runs on the processes owning some of a layer's experts.
 
 Details carried over for bit-identity with llmcompressor ``oneshot`` (gptq-streaming.md §2): eager attention and
 the real causal mask (``causal_mask=False`` reproduces oneshot's Qwen3-MoE mask=None, tests only); tensors loaded
@@ -30,7 +31,7 @@ from typing import Iterator
 
 from ktconvert.gpu.experts import quantize_expert_rtn, scheme
 from ktconvert.gptq.calibration import oneshot_permutation
-from ktconvert.gptq.hessians import StopForward, expert_hessians, gptq_module, routes, shared_gate_up
+from ktconvert.gptq.hessians import expert_hessians, gptq_module, routes, shared_gate_up
 from ktconvert.gptq.holdout import DATA_FREE, FEW_TOKENS, GPTQ, NOT_PD, choose, expert_errors, holdout_masks
 from ktconvert.gptq.skeleton import experts_module, routed
 from ktconvert.gptq.stream import DecoderStream
@@ -81,13 +82,11 @@ class LayerStream(DecoderStream):
 
     def __init__(self, src, samples: list, quantizer, options: GptqOptions = GptqOptions(), mtp_layers=()):
         self.quantizer, self.options = quantizer, options
-        self.selection = getattr(quantizer, "selection", None)
-        every = self.selection.holdout_every if self.selection is not None else 0
         order = oneshot_permutation(samples) if samples else []
-        masks = holdout_masks([len(s) for s in samples], every)
-        self.held_masks = [masks[i] for i in order] if every else None
+        held_masks = calibration_holdout(quantizer, samples, order)
         super().__init__(src, [samples[i] for i in order], device=options.device, causal_mask=options.causal_mask,
                          mtp_layers=mtp_layers)
+        self.solver = ExpertSolver(quantizer, options, held_masks, self.device)
 
     def layers_results(self) -> Iterator[LayerResult]:
         """Run every decoder layer in order; yields a LayerResult after each MoE layer is quantized."""
@@ -97,32 +96,80 @@ class LayerStream(DecoderStream):
 
     def process_layer(self, L: int, layer) -> LayerResult | None:
         """GPTQ of layer L's experts (MoE layers), then propagation with the quantized weights."""
-        experts = experts_module(layer) if L in self.info.moe_layers or L in self.mtp else None
-        result = self._quantize_experts(L, layer, experts) if experts is not None else None
-        self.propagate(L, layer, lambda: self._propagation_context(layer))
+        experts = self.experts_of(L, layer)
+        result = None
+        if experts is not None:
+            result = self.solver.quantize(L, experts, self.capture_inputs(L, layer, experts))
+        self.propagate(L, layer, lambda: propagation_context(layer, self.options.calibrate_all))
         return result
 
-    def _capture_moe_inputs(self, L: int, layer, experts) -> list:
-        """Per sample: (hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) reaching the experts module."""
-        captured = []
+    def experts_of(self, L: int, layer):
+        """Layer L's routed experts module (MoE and MTP layers), or None."""
+        return experts_module(layer) if L in self.info.moe_layers or L in self.mtp else None
 
-        def hook(module, args, kwargs):
-            values = list(args) + [kwargs[k] for k in ("top_k_index", "top_k_weights") if k in kwargs]
-            captured.append(tuple(v.detach() for v in values[:3]))
-            raise StopForward
 
-        handle = experts.register_forward_pre_hook(hook, with_kwargs=True)
-        try:
-            for i in range(len(self.hidden)):
-                try:
-                    self.forward(layer, i, L)
-                except StopForward:
-                    pass
-        finally:
-            handle.remove()
-        return captured
+def calibration_holdout(quantizer, samples: list, order: list[int]) -> list | None:
+    """The held-out masks (holdout.holdout_masks of `samples` in file order) in calibration `order`, or None when
+    the quantizer has no enabled ``selection``."""
+    selection = getattr(quantizer, "selection", None)
+    every = selection.holdout_every if selection is not None else 0
+    if not every:
+        return None
+    masks = holdout_masks([len(s) for s in samples], every)
+    return [masks[i] for i in order]
 
-    def _split(self, cached: list) -> tuple[list, tuple | None]:
+
+@contextlib.contextmanager
+def propagation_context(layer, calibrate_all: bool):
+    """oneshot's propagation pass: quantized weights as they are (no second fake-quantisation), every expert
+    computing on every token under calibrate-all."""
+    from llmcompressor.modeling.moe.context import moe_calibration_context
+    from llmcompressor.utils.helpers import DisableQuantization
+
+    moe = moe_calibration_context() if calibrate_all else contextlib.nullcontext()
+    with moe, DisableQuantization(layer):
+        yield
+
+
+class ExpertSolver:
+    """GPTQ of one MoE layer's experts from the inputs captured at its experts module, no forward of the layer:
+    the part of LayerStream a process owning some of the experts runs (gptq.distributed). quantizer / options as
+    LayerStream's; held_masks: per calibration sample (calibration order) bool [S], True where held out, or None
+    (no held-out selection); device: where the Hessians are accumulated."""
+
+    def __init__(self, quantizer, options: GptqOptions, held_masks: list | None, device):
+        self.quantizer, self.options, self.held_masks, self.device = quantizer, options, held_masks, device
+        self.selection = getattr(quantizer, "selection", None) if held_masks is not None else None
+
+    def quantize(self, L: int, experts, cached: list, owned=None, shared_gu=None) -> LayerResult:
+        """LayerResult of the experts in `owned` (None: all, in order; the written weights are left on them);
+        cached: per calibration sample, in calibration order, (hidden [T, H], top_k_index [T, k], top_k_weights
+        [T, k]) reaching the experts module; shared_gu: the calibrate-all gate/up Hessian (``shared_gate_up``),
+        computed here when None. ``tokens`` counts every expert's routed tokens."""
+        import torch
+
+        n_experts = experts.num_experts
+        result = LayerResult(L, tokens=torch.bincount(torch.cat([idx.reshape(-1) for _, idx, _ in cached]).cpu(),
+                                                      minlength=n_experts).tolist())
+        fit, held = self.split(cached)
+        del cached
+        per_sample = [routes(idx, n_experts) for _, idx, _ in fit]
+        if self.options.calibrate_all and shared_gu is None:
+            shared_gu = shared_gate_up(experts, fit, self.device)
+        for e in range(n_experts) if owned is None else owned:
+            inputs = [h if self.options.calibrate_all else h[r[e]] for (h, _, _), r in zip(fit, per_sample)]
+            reason, payloads = self._quantize_expert(experts[e], e, f"layer {L} expert {e}", inputs, shared_gu,
+                                                     result, held)
+            result.add(e, reason, payloads)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return result
+
+    def shared_gate_up(self, experts, cached: list):
+        """The calibrate-all gate/up (Hessian, count) over the fit part of `cached` (as ``quantize`` takes it)."""
+        return shared_gate_up(experts, self.split(cached)[0], self.device)
+
+    def split(self, cached: list) -> tuple[list, tuple | None]:
         """(fit samples [(hidden, top_k_index, top_k_weights)], held-out tokens of all samples concatenated as one
         such triple, or None without a split)."""
         import torch
@@ -132,26 +179,6 @@ class LayerStream(DecoderStream):
         fit = [tuple(t[~m] for t in c) for c, m in zip(cached, self.held_masks) if bool((~m).any())]
         held = tuple(torch.cat([c[i][m] for c, m in zip(cached, self.held_masks)]) for i in range(3))
         return fit, held
-
-    def _quantize_experts(self, L: int, layer, experts) -> LayerResult:
-        import torch
-
-        cached = self._capture_moe_inputs(L, layer, experts)
-        n_experts = experts.num_experts
-        result = LayerResult(L, tokens=torch.bincount(torch.cat([idx.reshape(-1) for _, idx, _ in cached]).cpu(),
-                                                      minlength=n_experts).tolist())
-        fit, held = self._split(cached)
-        del cached
-        per_sample = [routes(idx, n_experts) for _, idx, _ in fit]
-        shared_gu = shared_gate_up(experts, fit, self.device) if self.options.calibrate_all else None
-        for e in range(n_experts):
-            inputs = [h if self.options.calibrate_all else h[r[e]] for (h, _, _), r in zip(fit, per_sample)]
-            reason, payloads = self._quantize_expert(experts[e], e, f"layer {L} expert {e}", inputs, shared_gu,
-                                                     result, held)
-            result.add(e, reason, payloads)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return result
 
     def _quantize_expert(self, expert, e: int, where: str, inputs: list, shared_gu, result: LayerResult,
                          held) -> tuple[str, dict]:
@@ -185,17 +212,6 @@ class LayerStream(DecoderStream):
                 module = getattr(expert, proj + "_proj")
                 module.weight.data = w.to(module.weight.device, module.weight.dtype)
         return reason, payloads
-
-    @contextlib.contextmanager
-    def _propagation_context(self, layer):
-        """oneshot's propagation pass: quantized weights as they are (no second fake-quantisation), every expert
-        computing on every token under calibrate-all."""
-        from llmcompressor.modeling.moe.context import moe_calibration_context
-        from llmcompressor.utils.helpers import DisableQuantization
-
-        moe = moe_calibration_context() if self.options.calibrate_all else contextlib.nullcontext()
-        with moe, DisableQuantization(layer):
-            yield
 
 
 # ---------------------------------------------------------------------------------------------- GPU quantizer

@@ -11,6 +11,16 @@
              counts: ktconvert.activation)
     free     the layer is replaced by Identity and the heap trimmed
 
+On CPU every forward runs at one torch thread (``hessians.single_thread_on_cpu``): oneDNN's BF16 matmul rounds
+differently with the thread count (measured: 1-11 of the 4.2 M outputs of a [2048, 1024] x [1024, 2048] product
+differ between 1 and 3, 5, 6, 7, 12 or 24 threads), which would make routing, Hessians and codes depend on the
+host's cores.
+
+A stream built with ``inputs=(hidden, kwargs)`` instead of samples records nothing: it runs the given hidden
+states (a slice of the calibration samples, gptq.distributed). ``fresh_layer(L)`` / ``load_layer(L, module,
+experts=, others=)`` load a copy of a layer, or part of one (some routed experts, or none), leaving the skeleton
+as it is.
+
 MTP (next-n) layers, when asked for (``mtp_layers``), run after the last decoder layer, in order, each on the
 hidden states the layer before it produced (the last decoder layer's output for the first one), with that decoder
 layer's keyword arguments (mask, rotary embeddings). Their module is a copy of the last decoder layer whose tensor
@@ -30,6 +40,7 @@ import re
 from ktconvert.errors import InputError
 from ktconvert.formats.hf_source import HFSource
 from ktconvert.formats.decoders import decode_matrix, detect_scheme
+from ktconvert.gptq.hessians import StopForward, single_thread_on_cpu
 from ktconvert.gptq.inputs import record_inputs
 from ktconvert.gptq.skeleton import (bits_to_torch, build_skeleton, malloc_trim, pick_device, to_device,
                                      torch_dtype_of)
@@ -43,11 +54,13 @@ class DecoderStream:
 
     dtype: torch dtype of the layers (None: what from_pretrained gives, config.json's dtype); device: "cpu" /
     "cuda" / None (CUDA when torch sees one); causal_mask False: attention_mask=None (tests only); mtp_layers: MTP
-    layers (numbered n_layers + k, from ``info.mtp_layers``) run after the decoder layers (see the module doc)."""
+    layers (numbered n_layers + k, from ``info.mtp_layers``) run after the decoder layers (see the module doc);
+    inputs: (hidden states per sample [1, S, H], keyword arguments per sample {layer: kwargs}) as ``record_inputs``
+    gives them, run instead of recording `samples` (None then)."""
 
-    def __init__(self, src, samples: list, *, dtype=None, device: str | None = None, causal_mask: bool = True,
-                 mtp_layers=()):
-        if not samples:
+    def __init__(self, src, samples: list | None, *, dtype=None, device: str | None = None, causal_mask: bool = True,
+                 mtp_layers=(), inputs: tuple | None = None):
+        if inputs is None and not samples:
             raise InputError("no calibration samples", hint="--calibration FILE must hold at least one sample")
         self.source = src if isinstance(src, HFSource) else HFSource.open(src)
         self.checkpoint, self.info = self.source.checkpoint, self.source.info
@@ -57,8 +70,11 @@ class DecoderStream:
         self.layers = self.model.model.layers
         self.fp32_keys = tuple(getattr(self.model, "_keep_in_fp32_modules_strict", None) or ())
         self.prefix = self.info.name_prefix
-        embed = self._tensor(self.prefix + "embed_tokens.weight", self.model.model.embed_tokens.weight)
-        self.hidden, self.kwargs = record_inputs(self.model, embed, samples, causal_mask)
+        if inputs is None:
+            embed = self._tensor(self.prefix + "embed_tokens.weight", self.model.model.embed_tokens.weight)
+            with single_thread_on_cpu(self.device):
+                inputs = record_inputs(self.model, embed, samples, causal_mask)
+        self.hidden, self.kwargs = list(inputs[0]), list(inputs[1])
         mtp_layers = sorted(mtp_layers)
         if mtp_layers != list(range(len(self.layers), len(self.layers) + len(mtp_layers))) or \
                 not set(mtp_layers) <= set(self.info.mtp_layers):
@@ -134,27 +150,43 @@ class DecoderStream:
         ck = self.checkpoint
         return (ck.index_file or ck.shards[0].path).name
 
-    def load_layer(self, L: int):
-        """Assign layer L's weights into the skeleton (experts via HFSource); returns the layer module on the
-        stream's device."""
-        layer = self.mtp[L][0] if L in self.mtp else self.layers[L]
-        state, experts = {}, {}
+    def load_layer(self, L: int, module=None, *, experts=None, others: bool = True):
+        """Assign layer L's weights into the skeleton (experts via HFSource), or into `module` (a meta copy of
+        layer L: ``fresh_layer``); returns the layer module on the stream's device. experts: the routed experts
+        whose weights are read (None: all); others: read the layer's other tensors too. What is not read stays
+        on meta."""
+        layer = module if module is not None else self.mtp[L][0] if L in self.mtp else self.layers[L]
+        moe = L in self.info.moe_layers or L in self.mtp
+        wanted = None if experts is None else set(experts)
+        state, cache = {}, {}
         for key, like in layer.state_dict(keep_vars=True).items():
-            m = EXPERT_KEY.match(key)
-            if m and (L in self.info.moe_layers or L in self.mtp):
-                e = int(m.group(1))
-                if e not in experts:
-                    experts[e] = self.source.read_expert(L, e)
-                state[key] = self._expert_tensor(experts[e], m.group(2), m.group(3), like, L, e)
-            else:
+            m = EXPERT_KEY.match(key) if moe else None
+            if m is None and others:
                 state[key] = self._tensor(self._layer_tensor_name(L, key), like)
-            if len(experts) > 1:
-                experts.pop(min(experts))
-        layer.load_state_dict(state, assign=True, strict=True)
-        meta = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
-        if meta:
-            raise InputError(f"layer {L}: tensors left unloaded", found=", ".join(meta[:5]))
-        return layer.to(self.device)
+            elif m is not None and (wanted is None or int(m.group(1)) in wanted):
+                e = int(m.group(1))
+                if e not in cache:
+                    cache.clear()
+                    cache[e] = self.source.read_expert(L, e)
+                state[key] = self._expert_tensor(cache[e], m.group(2), m.group(3), like, L, e)
+        complete = others and wanted is None
+        layer.load_state_dict(state, assign=True, strict=complete)
+        if complete:
+            meta = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
+            if meta:
+                raise InputError(f"layer {L}: tensors left unloaded", found=", ".join(meta[:5]))
+        return to_device_but_meta(layer, self.device)
+
+    def view(self, hidden: list, kwargs: list) -> "DecoderStream":
+        """This stream running `hidden` / `kwargs` instead (a slice of the samples, as ``inputs``): a shallow
+        copy sharing the source and the skeleton; load its layers with ``fresh_layer``."""
+        other = copy.copy(self)
+        other.hidden, other.kwargs = list(hidden), list(kwargs)
+        return other
+
+    def fresh_layer(self, L: int):
+        """A meta copy of layer L's module (the stream's own stays as it is), for ``load_layer(L, module)``."""
+        return copy.deepcopy(self.mtp[L][0] if L in self.mtp else self.layers[L])
 
     def _expert_tensor(self, ew, proj: str, kind: str, like, L: int, e: int):
         import torch
@@ -175,7 +207,7 @@ class DecoderStream:
         if L != self.done + 1:
             raise ValueError(f"layers must be run in order: expected {self.done + 1}, got {L}")
         layer = self.load_layer(L)
-        with torch.no_grad():
+        with torch.no_grad(), single_thread_on_cpu(self.device):
             result = self.process_layer(L, layer)
         self._free(L)
         del layer
@@ -223,3 +255,29 @@ class DecoderStream:
         with context():
             for i in range(len(self.hidden)):
                 self.hidden[i] = self.forward(layer, i, L).to("cpu")
+
+    def capture_inputs(self, L: int, layer, module) -> list:
+        """Per sample: the positional arguments and the ``top_k_index`` / ``top_k_weights`` keywords reaching
+        `module` (a submodule of layer L; the first three values, detached), the forward stopped there."""
+        captured = []
+
+        def hook(_module, args, kwargs):
+            values = list(args) + [kwargs[k] for k in ("top_k_index", "top_k_weights") if k in kwargs]
+            captured.append(tuple(v.detach() for v in values[:3]))
+            raise StopForward
+
+        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            for i in range(len(self.hidden)):
+                try:
+                    self.forward(layer, i, L)
+                except StopForward:
+                    pass
+        finally:
+            handle.remove()
+        return captured
+
+
+def to_device_but_meta(module, device):
+    """`module` with every tensor that is not on meta moved to `device` (meta ones stay: parts not loaded)."""
+    return module._apply(lambda t: t if t.is_meta else t.to(device))

@@ -31,9 +31,10 @@ from ktconvert.results import ConvertResult
 
 def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | None = None, resume: bool = False,
                 force: bool = False, progress=None, layers=None, verify_source_hash: bool = False,
-                **option_values) -> ConvertResult:
+                gptq_stream=None, **option_values) -> ConvertResult:
     """``ktconvert.api.convert_gpu`` in this process (executor "local"; its docstring gives the arguments, the
-    errors and the result): plan, open `out`, then one read of the source, or GPTQ's layer loop."""
+    errors and the result): plan, open `out`, then one read of the source, or GPTQ's layer loop. gptq_stream:
+    as cpu.convert.convert_cpu's."""
     t0 = time.monotonic()
     options = options or GpuOptions.make(**option_values)
     require("gpu", "ktconvert gpu")
@@ -46,7 +47,9 @@ def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | N
         refuse_gptq_part(output)
         samples = load_samples(options.calibration, output.source.root,
                                vocab_size=output.source.info.config.get("vocab_size"))
-        return write_in_layer_order(output, lambda o: _run_gptq(o, samples, progress or Progress()), timings)
+        make_stream = gptq_stream(plan.input) if gptq_stream is not None else None
+        return write_in_layer_order(output, lambda o: _run_gptq(o, samples, progress or Progress(), make_stream),
+                                    timings)
     return write_outputs([output], threads=threads, progress=progress, timings=timings,
                          verify_source_hash=verify_source_hash)[0]
 
@@ -63,16 +66,16 @@ def gptq_hook():
     return write_gptq_layers
 
 
-def _run_gptq(output: GpuOutput, samples: list, progress) -> None:
+def _run_gptq(output: GpuOutput, samples: list, progress, make_stream=None) -> None:
     """Layers in order through the GPTQ hook's loop on `samples` (1-D int64 token tensors; not file order: each
     layer needs the previous layer's outputs; ``ktconvert.gpu.gptq.write_gptq_layers``, resumable); then
     OUT/expert_activation.pt from its routed-token counts of the decoder layers (set as the output's
-    expert_activation)."""
+    expert_activation). make_stream: the GPTQ stream class (None: this process's)."""
     write_gptq_layers = gptq_hook()
     opts, source = output.options, output.source
     sizes = layer_source_bytes(source, output.layers)
     progress.start(sum(sizes.values()), len(output.layers), f"gpu {opts.experts.upper()} gptq")
-    state = write_gptq_layers(output, samples, progress, sizes)
+    state = write_gptq_layers(output, samples, progress, sizes, make_stream=make_stream)
     fingerprint = source_fingerprint(source.root, source.files())
     for name, entry in fingerprint["files"].items():
         output.journal.finish_source(name, entry)

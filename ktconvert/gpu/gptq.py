@@ -47,9 +47,10 @@ class GptqState:
 
 
 def start(source, bits: int, group_size: int, calibration, options: GptqOptions | None = None,
-          max_length: int = 2048, num_samples: int | None = None, mtp_layers=()) -> GptqState:
+          max_length: int = 2048, num_samples: int | None = None, mtp_layers=(), make_stream=None) -> GptqState:
     """Open the stream: skeleton, calibration samples (tokenized with the checkpoint's tokenizer; their digest
-    in ``state.stream.samples_digest``), the MTP layers it runs after the decoder layers."""
+    in ``state.stream.samples_digest``), the MTP layers it runs after the decoder layers. make_stream: the
+    stream class, called as LayerStream is (None: LayerStream; ray_gptq.ray_streams: on Ray, the same results)."""
     if calibration is None:
         raise InputError("--quant gptq needs calibration data", expected="--calibration FILE (jsonl of "
                          '{"text": ...} or {"input_ids": [...]})', found="none")
@@ -58,7 +59,7 @@ def start(source, bits: int, group_size: int, calibration, options: GptqOptions 
         samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
     quantizer = GpuQuantizer(bits, group_size, "static", GPTQ_OBSERVER)
-    stream = LayerStream(source, samples, quantizer, options or GptqOptions(), mtp_layers=mtp_layers)
+    stream = (make_stream or LayerStream)(source, samples, quantizer, options or GptqOptions(), mtp_layers=mtp_layers)
     stream.samples_digest = samples_digest(samples)
     return GptqState(stream, quantizer)
 
@@ -93,15 +94,15 @@ def _emit_rtn(source, layer: int, state: GptqState, emit) -> None:
     state.rtn_layers.append(layer)
 
 
-def write_gptq_layers(output, samples: list, progress, sizes: dict | None = None) -> GptqState:
+def write_gptq_layers(output, samples: list, progress, sizes: dict | None = None, make_stream=None) -> GptqState:
     """Every layer of an opened GPU output (gpu.output.GpuOutput, quant "gptq") in order through
     quantize_layer_gptq on `samples` (1-D int64 token tensors), MTP layers included where the output has them; a
     resumed output restores the stream saved with its journal and writes only the layers the journal does not
-    record. progress advances per layer by sizes[layer] (its source bytes; 1 without sizes). Returns the state
-    (tokens per layer)."""
+    record. progress advances per layer by sizes[layer] (its source bytes; 1 without sizes). make_stream: as
+    start's. Returns the state (tokens per layer)."""
     opts, source = output.options, output.source
     mtp = [layer for layer in output.layers if layer in source.info.mtp_layers]
-    state = start(source, opts.bits, opts.group_size, samples, mtp_layers=mtp)
+    state = start(source, opts.bits, opts.group_size, samples, mtp_layers=mtp, make_stream=make_stream)
     saved = StreamState(output.out_dir, state.stream.samples_digest)
     unfinished = [layer for layer in output.layers if not output.journal.layer_done(layer)]
     summaries = saved.restore(state.stream, unfinished) if output.resume else {}

@@ -1,7 +1,8 @@
 """The two hubs behind one small interface: `HubClient`, registered by name in `HUBS` ("hf", alias "huggingface";
 "modelscope", alias "ms"), built on the real clients — huggingface_hub's `HfApi` (create_repo, upload_folder —
-resumable, Xet or LFS —, list_repo_tree, snapshot_download) and modelscope-hub's `HubApi` (create_repo, upload_folder
-with its resume tracker kept outside the folder, list_repo_files, download_repo).
+resumable, Xet or LFS —, list_repo_tree, snapshot_download, a Range request on a file's URL) and modelscope-hub's
+`HubApi` (create_repo, upload_folder with its resume tracker kept outside the folder, list_repo_files, download_repo,
+its legacy client's file download stream with a Range header).
 
 `remote_call` turns the clients' API / network exceptions into RemoteError (exit 5) with the token masked (`scrub`).
 Tokens come from the clients' usual sources (HF_TOKEN, MODELSCOPE_API_TOKEN, stored logins); a token that cannot
@@ -212,6 +213,26 @@ class ModelScopeHub(HubClient):
         with tempfile.TemporaryDirectory(prefix="ktconvert-hub-") as tmp:
             return Path(self.api.download_file(repo, "model", path, revision=revision, local_dir=tmp)).read_bytes()
 
+    reads_ranges = True
+
+    def read_range(self, repo, revision, path, start, count):
+        # the file download the client itself resumes with Range requests (publish.md §3). A server that answers
+        # the whole file instead: the first start + count bytes of its stream are read, then the stream is closed
+        headers = {"Range": f"bytes={start}-{start + count - 1}", "Accept-Encoding": "identity"}
+        with contextlib.closing(self.api.legacy.download_stream(repo, "model", path, revision,
+                                                                headers=headers)) as response:
+            skip = 0 if response.status_code == 206 else start
+            if response.status_code == 206 and not str(response.headers.get("Content-Range", "")).startswith(
+                    f"bytes {start}-"):
+                raise RemoteError(f"modelscope: the hub answered another range of {path}",
+                                  expected=f"bytes {start}-{start + count - 1}",
+                                  found=str(response.headers.get("Content-Range")))
+            data = _stream_prefix(response, skip + count)[skip:]
+        if len(data) != count:
+            raise RemoteError(f"modelscope: {path} ended early", expected=f"{count} bytes from {start}",
+                              found=f"{len(data)} bytes")
+        return data
+
     def snapshot(self, repo, revision, cache_dir, files, progress):
         # our checked listing is handed over as is: the client does not list (or pick) anything itself
         listing = [{"Path": f.path, "Type": "blob", "Size": f.size, "Sha256": f.sha256} for f in files.values()]
@@ -248,6 +269,16 @@ def _ms_quiet(bars: bool):
         yield
     finally:
         logger.setLevel(level)
+
+
+def _stream_prefix(response, limit: int) -> bytes:
+    """At most the first `limit` bytes of a streamed requests response's body (the rest is not read)."""
+    data = bytearray()
+    for chunk in response.iter_content(chunk_size=min(limit, 1 << 16) or 1):
+        data += chunk
+        if len(data) >= limit:
+            break
+    return bytes(data[:limit])
 
 
 def _cache_root() -> Path:

@@ -10,8 +10,11 @@ downloaded when first read.
 This is how ``--executor ray`` works from ``hf://``: the driver plans from the small files and the headers, and each
 part's task downloads only the shards holding its layers (and, for the part writing the rest, what it reads of
 the shards holding no MoE layer) into its node's cache. Every shard downloaded is checked against the hub's sha256
-and against the header bytes the plan was made from. A hub whose client reads no byte ranges (ModelScope), a repo
-without a ``model.safetensors.index.json`` (one file) or a GGUF repo is downloaded whole (``hub.resolve_source``).
+and against the header bytes the plan was made from; each task also checks that the hub still lists the files
+and hashes the driver planned from (``expect``: HF pins a commit, ModelScope gives no commit id). Both hubs read
+byte ranges (ModelScope: its file download with a Range header; a server that ignores it has the header bytes
+read from the start of the file's stream, which is then closed). A repo without a
+``model.safetensors.index.json`` (one file) or a GGUF repo is downloaded whole (``hub.resolve_source``).
 """
 from __future__ import annotations
 
@@ -61,24 +64,39 @@ class RemoteShards:
 
 
 def resolve_in_part(src: str, revision: str | None = None, endpoint: str | None = None, *, cache_dir=None,
-                    progress=None) -> tuple[Path, dict, RemoteShards | None]:
-    """(local snapshot folder, {"hub", "repo", "revision"}, RemoteShards or None) of hub source `src`: every
-    *.json downloaded and checked, the shards left on the hub with their headers read. None (and everything
+                    progress=None, expect: dict[str, str] | None = None
+                    ) -> tuple[Path, dict, RemoteShards | None, dict[str, str]]:
+    """(local snapshot folder, {"hub", "repo", "revision"}, RemoteShards or None, listing) of hub source `src`:
+    every *.json downloaded and checked, the shards left on the hub with their headers read. None (and everything
     downloaded, as hub.resolve_source) where the source cannot be read in part: no index, or a hub client without
-    range reads."""
+    range reads. listing: {path: the hub's sha256 (else git blob SHA-1)} of the source files. expect: the listing
+    a driver planned from (RemoteError when the hub now lists other files or hashes: the repo changed; it pins a
+    hub without commit ids, ModelScope)."""
     progress = progress or Progress()
     client, repo, pinned, remote, cache_dir = list_source(src, revision, endpoint, cache_dir)
     wanted = source_files(remote)
+    listing = {p: f.sha256 or f.git_sha1 for p, f in sorted(wanted.items())}
+    _check_listing(src, listing, expect)
     shards = {p: f for p, f in wanted.items() if p.endswith(".safetensors")}
     if INDEX_NAME not in wanted or not shards or not client.reads_ranges:
-        return (*resolve_source(src, pinned, endpoint, cache_dir=cache_dir, progress=progress), None)
+        return (*resolve_source(src, pinned, endpoint, cache_dir=cache_dir, progress=progress), None, listing)
     small = {p: f for p, f in wanted.items() if p not in shards}
     root = download_checked(client, src, pinned, cache_dir, small, progress)
     absent = {p: f for p, f in shards.items() if not (root / p).is_file()}
     with remote_call(client, "read shard headers", repo):
         headers = {p: (_read_head(client, repo, pinned, p, f.size), f.size) for p, f in sorted(absent.items())}
-    return root, source_record(client, repo, pinned), RemoteShards(client, src, pinned, cache_dir, root, absent,
-                                                                   headers, progress)
+    remote_shards = RemoteShards(client, src, pinned, cache_dir, root, absent, headers, progress)
+    return root, source_record(client, repo, pinned), remote_shards, listing
+
+
+def _check_listing(src: str, listing: dict[str, str], expect: dict[str, str] | None) -> None:
+    """RemoteError naming the first source file whose hub hash is not the expected one (or that is new or gone)."""
+    if expect is None or expect == listing:
+        return
+    path = next(p for p in sorted(set(listing) | set(expect)) if listing.get(p) != expect.get(p))
+    raise RemoteError("the hub repo changed since the conversion was planned", file=f"{src}/{path}",
+                      expected=str(expect.get(path, "no such file")), found=str(listing.get(path, "no such file")),
+                      hint="run the command again")
 
 
 def _read_head(client: HubClient, repo: str, pinned: str, path: str, size: int) -> bytes:
