@@ -14,7 +14,7 @@ and against the header bytes the plan was made from; each task also checks that 
 and hashes the driver planned from (``expect``: HF pins a commit, ModelScope gives no commit id). Both hubs read
 byte ranges (ModelScope: its file download with a Range header; a server that ignores it has the header bytes
 read from the start of the file's stream, which is then closed). A repo without a
-``model.safetensors.index.json`` (one file) or a GGUF repo is downloaded whole (``hub.resolve_source``).
+``model.safetensors.index.json`` (one file) or a GGUF repo is downloaded whole, as ``hub.resolve_source`` does.
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from pathlib import Path
 from ktconvert.errors import RemoteError
 from ktconvert.formats.safetensors_reader import MAX_HEADER_BYTES
 from ktconvert.layouts.naming import INDEX_NAME
-from ktconvert.ops.hub import (download_checked, list_source, remote_call, resolve_source, source_files,
-                               source_record)
+from ktconvert.ops.hub import download_checked, list_source, remote_call, source_files, source_record
 from ktconvert.ops.hub_clients import HubClient, RemoteFile
 from ktconvert.progress import Progress
 
@@ -79,7 +78,8 @@ def resolve_in_part(src: str, revision: str | None = None, endpoint: str | None 
     _check_listing(src, listing, expect)
     shards = {p: f for p, f in wanted.items() if p.endswith(".safetensors")}
     if INDEX_NAME not in wanted or not shards or not client.reads_ranges:
-        return (*resolve_source(src, pinned, endpoint, cache_dir=cache_dir, progress=progress), None, listing)
+        root = download_checked(client, src, pinned, cache_dir, wanted, progress)
+        return root, source_record(client, repo, pinned), None, listing
     small = {p: f for p, f in wanted.items() if p not in shards}
     root = download_checked(client, src, pinned, cache_dir, small, progress)
     absent = {p: f for p, f in shards.items() if not (root / p).is_file()}
