@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from ktconvert.cli_options import InputPath, emit, json_option, load_api, orientation_option, source_arg
-from ktconvert.cli_targets import META_KEY, TargetCommand, given_targets, target_options
+from ktconvert.cli_targets import FIELDS, META_KEY, TargetCommand, given_targets, target_options
 
 
 class PlanCommand(TargetCommand):
@@ -101,8 +101,6 @@ def _one_output_each(options: dict, placing: bool) -> tuple[dict | None, dict | 
     if method is None and experts is None and not placing:
         raise click.UsageError("give --method (CPU output), --experts (GPU checkpoint), --gpu-experts-ratio / "
                                "--gpu-experts (GPU expert placement), --cpu / --gpu OUT targets, or several")
-    cpu_keys = ("method", "numa", "layout", "group_size", "quant", "include_dense", "include_mtp", "allow_drop_bias")
-    gpu_keys = ("experts", "group_size", "quant", "linears", "include_mtp")
-    cpu = None if method is None else {k: options[k] for k in cpu_keys if k in options}
-    gpu = None if experts is None else {k: options[k] for k in gpu_keys if k in options}
+    cpu = None if method is None else {k: options[k] for k in FIELDS["cpu"] if k in options}
+    gpu = None if experts is None else {k: options[k] for k in FIELDS["gpu"] if k in options}
     return cpu, gpu
