@@ -10,18 +10,18 @@ import time
 from pathlib import Path
 
 from ktconvert.cpu.output import CpuOutput
-from ktconvert.cpu.plan import CpuOptions, plan_cpu
+from ktconvert.cpu.plan import CpuOptions
 from ktconvert.cpu.sizes import free_at
 from ktconvert.errors import KtConvertError, UsageError
 from ktconvert.extras import require
 from ktconvert.gpu.output import GpuOutput
-from ktconvert.gpu.plan import GpuOptions, plan_gpu
+from ktconvert.gpu.plan import GpuOptions
 from ktconvert.inputs import open_input
 from ktconvert.onepass import write_outputs
 from ktconvert.parts import select_layers
+from ktconvert.plan_targets import plan_target
 from ktconvert.results import ConvertResult
-from ktconvert.targets import (Target, check_disk, is_gptq, load_targets, parse_target, parse_targets,
-                               refuse_shared_folders)
+from ktconvert.targets import Target, check_disk, load_targets, parse_target, parse_targets, refuse_shared_folders
 
 
 def convert_here(src, targets, *, threads: int | None = None, resume: bool = False, force: bool = False,
@@ -77,14 +77,11 @@ def _pair_target(pair: tuple, index: int) -> Target:
 def _target_output(input, target: Target, threads, resume: bool, force: bool, layers=None):
     """The CpuOutput / GpuOutput of `target`, planned (errors name the target); with `layers` ("A-B") the part of
     those MoE layers."""
+    plan = plan_target(input, target, threads, gptq_hint="convert each output on its own")
     try:
-        if is_gptq(target):
-            raise UsageError("--quant gptq writes one output at a time", hint="convert each output on its own")
         if target.kind == "cpu":
-            plan = plan_cpu(input, CpuOptions.make(**target.values), out=target.out, threads=threads)
             plan.refuse_dropped_biases()
             return CpuOutput(target.out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
-        plan = plan_gpu(input, GpuOptions.make(**target.values))
         return GpuOutput(target.out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
     except KtConvertError as exc:
         raise exc.within(target.name) from None

@@ -24,7 +24,7 @@ def plan_targets(input, targets: list[Target], threads: int | None = None) -> tu
     """(planned, combined) as in the module docstring, for the opened source `input` (inputs.Input). Raises what
     each plan raises (named after its target), UsageError for a --quant gptq target (written alone) and
     OutputError when the outputs on one filesystem need more than its free space together."""
-    planned = [{"name": t.name, "kind": t.kind, "out": str(t.out), "plan": _plan(input, t, threads)}
+    planned = [{"name": t.name, "kind": t.kind, "out": str(t.out), "plan": plan_target(input, t, threads)}
                for t in targets]
     reports = [entry["plan"].report for entry in planned]
     disk = check_disk([(t.out, report["total_bytes"]) for t, report in zip(targets, reports)], free_at)
@@ -38,11 +38,13 @@ def plan_targets(input, targets: list[Target], threads: int | None = None) -> tu
     return planned, combined
 
 
-def _plan(input, target: Target, threads: int | None):
-    """The CpuPlan / GpuPlan of `target` (errors name the target)."""
+def plan_target(input, target: Target, threads: int | None,
+                gptq_hint: str = "plan it with --method / --experts"):
+    """The CpuPlan / GpuPlan of `target` on the opened source `input` (errors name the target); UsageError with
+    `gptq_hint` for a --quant gptq target (written alone, never in a shared pass)."""
     try:
         if is_gptq(target):
-            raise UsageError("--quant gptq writes one output at a time", hint="plan it with --method / --experts")
+            raise UsageError("--quant gptq writes one output at a time", hint=gptq_hint)
         if target.kind == "cpu":
             return plan_cpu(input, CpuOptions.make(**target.values), out=target.out, threads=threads)
         return plan_gpu(input, GpuOptions.make(**target.values))
