@@ -174,6 +174,8 @@ def gpu_options(fn):
                         help="compressed-tensors scheme of the GPU checkpoint's routed experts.")(fn)
 
 
+ray_address_option = click.option("--ray-address", default=None,
+                                  help="Ray cluster to join (default: a local Ray instance).")
 DISTRIBUTION = ("layers", "executor", "ray_address", "parts", "parts_dir", "workers")
 
 
@@ -188,7 +190,7 @@ def distribution_options(fn):
                          help="ray: run on a Ray cluster, OUT written on this host. The layers are split into "
                               "parts run as Ray tasks and merged; with --quant gptq the layers stay in order "
                               "and each layer's calibration forward and experts are split (--workers)."),
-            click.option("--ray-address", default=None, help="Ray cluster to join (default: a local Ray instance)."),
+            ray_address_option,
             click.option("--parts", type=int, default=None,
                          help="With --executor ray: layer ranges of about equal bytes (default: the cluster's CPUs "
                               "divided by --threads)."),
@@ -221,6 +223,6 @@ def pop_distribution(options: dict) -> dict:
 
 def batch_executor_options(fn):
     """--executor / --ray-address of batch."""
-    fn = click.option("--ray-address", default=None, help="Ray cluster to join (default: a local Ray instance).")(fn)
+    fn = ray_address_option(fn)
     return click.option("--executor", type=choice(["local", "ray"]), default="local", show_default=True,
                         help="ray: every job a Ray task, run at once; the same summary.")(fn)
