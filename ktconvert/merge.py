@@ -96,11 +96,12 @@ def check_parts(loaded: list[tuple[Path, dict]]) -> None:
     first_folder, first = loaded[0]
     reference = _comparable(first)
     for folder, record in loaded[1:]:
-        for key in sorted(set(reference) | set(_comparable(record))):
-            if _comparable(record).get(key) != reference.get(key):
+        comparable = _comparable(record)
+        for key in sorted(set(reference) | set(comparable)):
+            if comparable.get(key) != reference.get(key):
                 raise InputError(f"parts of different conversions ({key} differs)",
                                  file=f"{folder} vs {first_folder}", expected=_short(reference.get(key)),
-                                 found=_short(_comparable(record).get(key)))
+                                 found=_short(comparable.get(key)))
     owner: dict[int, Path] = {}
     for folder, record in loaded:
         for layer in record["layers"]:
