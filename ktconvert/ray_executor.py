@@ -90,11 +90,13 @@ def _convert_parts(source: dict, verify_source_hash, outputs, todo, parts, addre
     ray = connect(address)
     layers = outputs[0].layers
     count = parts or max(1, min(len(layers), int(ray.cluster_resources().get("CPU", 1)) // cpus))
-    ranges = _ranges(outputs[0].source, layers, count)
+    layer_bytes = _layer_bytes(outputs[0].source, layers)
+    ranges = balanced_ranges(layer_bytes, count)
     folders = _part_folders(outputs, ranges, parts_dir, force)
     resources = {"num_cpus": cpus, "memory": _memory(outputs, cpus), "max_retries": MAX_RETRIES, **runtime_env}
     _check_feasible(ray, resources)
-    _run_tasks(ray, (source, verify_source_hash), outputs, todo, ranges, folders, resources, progress)
+    _run_tasks(ray, (source, verify_source_hash), outputs, todo, ranges, folders, resources, progress,
+               sum(layer_bytes.values()))
     timings["convert"] = time.monotonic() - t0
     t1 = time.monotonic()
     for k in todo:
@@ -186,11 +188,12 @@ def _check_feasible(ray, resources: dict) -> None:
                          hint="use fewer --threads per part")
 
 
-def _ranges(source, layers: list[int], count: int) -> list[tuple[int, int]]:
+def _layer_bytes(source, layers: list[int]) -> dict[int, int]:
+    """{MoE layer: source bytes of its expert matrices} (what the ranges balance and the progress counts)."""
     layer_bytes = dict.fromkeys(layers, 0)
     for job in source.matrix_jobs(layers):
         layer_bytes[job.layer] += job.nbytes
-    return balanced_ranges(layer_bytes, count)
+    return layer_bytes
 
 
 def _part_folders(outputs: list, ranges: list, parts_dir, force: bool) -> dict:
@@ -215,10 +218,12 @@ def _memory(outputs: list, cpus: int) -> int:
     return int(max(estimates))
 
 
-def _run_tasks(ray, source: tuple, outputs, todo: list[int], ranges, folders, resources: dict, progress) -> None:
+def _run_tasks(ray, source: tuple, outputs, todo: list[int], ranges, folders, resources: dict, progress,
+               total: int) -> None:
     """One task per range with `resources` (Ray task options) on `source` ((source, verify_source_hash) as
     run_part takes them), writing the parts of the outputs numbered `todo`; the driver's
-    progress sums what the tasks report. PartFailed names a failed part."""
+    progress sums what the tasks report, out of `total` (the source bytes of every MoE layer's experts).
+    PartFailed names a failed part."""
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     task = ray.remote(run_part).options(**resources)
     cpus = resources["num_cpus"]
@@ -226,7 +231,6 @@ def _run_tasks(ray, source: tuple, outputs, todo: list[int], ranges, folders, re
     for index, r in enumerate(ranges):
         targets = [(str(folders[(k, r)]), outputs[k].plan.options) for k in todo]
         refs[task.remote(*source, targets, r, cpus, board, index)] = r
-    total = sum(job.nbytes for job in outputs[0].source.matrix_jobs(outputs[0].layers))
     progress.start(total, len(outputs[0].layers), f"{len(ranges)} parts on Ray: "
                    + " + ".join(outputs[k].label() for k in todo))
     shown, pending = 0, list(refs)
