@@ -220,6 +220,18 @@ class Output:
         with self._journal_lock:
             self.journal.finish_layer(layer, files, result.tensors)
 
+    def write_layer(self, layer: int, fill) -> None:
+        """MoE layer `layer` written outside the streaming read (GPTQ, layer by layer): fill(consumer) puts its
+        tensors into ``begin_layer(layer)``'s consumer; journalled when complete, the consumer aborted (its partial
+        files removed) when not."""
+        consumer = self.begin_layer(layer)
+        try:
+            fill(consumer)
+            self.layer_finished(layer, consumer.finish())
+        except BaseException:
+            consumer.abort()
+            raise
+
     def finalize(self) -> dict:
         """The subclass's last files, then ktconvert.json (written last: it marks a complete output); the journal
         is removed. Returns the manifest."""

@@ -224,7 +224,7 @@ def write_gptq_layers(output, samples: list, progress=None, *, options: GptqOpti
         progress.advance(sizes.get(layer, 0), items=1, detail=f"layer {layer} (saved)")
     for result in stream_results(stream):
         if not output.journal.layer_done(result.layer):
-            _write_journalled(output, method, result)
+            output.write_layer(result.layer, lambda consumer: write_layer(consumer.writer, method, result))
         layers[result.layer] = {"tokens": result.tokens, "fallback": result.fallback,
                                 "selection": selection_counts(result)}
         saved.save(stream, layers)
@@ -234,17 +234,6 @@ def write_gptq_layers(output, samples: list, progress=None, *, options: GptqOpti
         output.journal.finish_source(source.relative_name(path), {"bytes": size, "sha256": sha256})
     summary = {key: {L: layers[L][key] for L in sorted(layers)} for key in ("tokens", "fallback", "selection")}
     return {**summary, "fallback_quant": stream.quantizer.fallback_quant}
-
-
-def _write_journalled(output, method, result: LayerResult) -> None:
-    """One layer's files through the output's layer writer, journalled when complete (removed when not)."""
-    consumer = output.begin_layer(result.layer)
-    try:
-        write_layer(consumer.writer, method, result)
-        output.layer_finished(result.layer, consumer.finish())
-    except BaseException:
-        consumer.abort()
-        raise
 
 
 def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, options: GptqOptions | None = None,

@@ -228,9 +228,7 @@ class DistributedStream:
 
     def _experts(self, L: int):
         """Layer L's routed experts module in the driver's meta skeleton (MoE and MTP layers), or None."""
-        if L not in self.info.moe_layers and L not in self.mtp:
-            return None
-        return experts_module(self.mtp[L][0] if L in self.mtp else self.layers[L])
+        return experts_module(self.structure.module(L)) if self.structure.has_experts(L) else None
 
     def _solve(self, L: int, experts) -> list:
         """The owners' (result, written) handle pairs of MoE layer L, in expert order."""

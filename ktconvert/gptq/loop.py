@@ -105,7 +105,7 @@ class LayerStream(DecoderStream):
 
     def experts_of(self, L: int, layer):
         """Layer L's routed experts module (MoE and MTP layers), or None."""
-        return experts_module(layer) if L in self.info.moe_layers or L in self.mtp else None
+        return experts_module(layer) if self.has_experts(L) else None
 
 
 def calibration_holdout(quantizer, samples: list, order: list[int]) -> list | None:

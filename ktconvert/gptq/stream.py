@@ -155,8 +155,8 @@ class DecoderStream:
         layer L: ``fresh_layer``); returns the layer module on the stream's device. experts: the routed experts
         whose weights are read (None: all); others: read the layer's other tensors too. What is not read stays
         on meta."""
-        layer = module if module is not None else self.mtp[L][0] if L in self.mtp else self.layers[L]
-        moe = L in self.info.moe_layers or L in self.mtp
+        layer = module if module is not None else self.module(L)
+        moe = self.has_experts(L)
         wanted = None if experts is None else set(experts)
         state, cache = {}, {}
         for key, like in layer.state_dict(keep_vars=True).items():
@@ -186,7 +186,15 @@ class DecoderStream:
 
     def fresh_layer(self, L: int):
         """A meta copy of layer L's module (the stream's own stays as it is), for ``load_layer(L, module)``."""
-        return copy.deepcopy(self.mtp[L][0] if L in self.mtp else self.layers[L])
+        return copy.deepcopy(self.module(L))
+
+    def module(self, L: int):
+        """The skeleton's module of layer L (an MTP layer's copy of a decoder layer: ``_mtp_module``)."""
+        return self.mtp[L][0] if L in self.mtp else self.layers[L]
+
+    def has_experts(self, L: int) -> bool:
+        """Layer L has routed experts (MoE and MTP layers)."""
+        return L in self.info.moe_layers or L in self.mtp
 
     def _expert_tensor(self, ew, proj: str, kind: str, like, L: int, e: int):
         import torch

@@ -120,16 +120,12 @@ def write_gptq_layers(output, samples: list, progress, sizes: dict | None = None
 def _layer(output, layer: int, state: GptqState) -> None:
     """GPTQ layer `layer`; written and journalled unless the journal already records it (a resumed run
     recomputing the layers after its saved stream)."""
-    opts, source = output.options, output.source
+    opts = output.options
+
+    def run(emit) -> None:
+        quantize_layer_gptq(output.source, layer, state, bits=opts.bits, group_size=opts.group_size, emit=emit)
+
     if output.journal.layer_done(layer):
-        quantize_layer_gptq(source, layer, state, bits=opts.bits, group_size=opts.group_size,
-                            emit=lambda e, proj, tensors: None)
-        return
-    writer = output.begin_layer(layer)
-    try:
-        quantize_layer_gptq(source, layer, state, bits=opts.bits, group_size=opts.group_size,
-                            emit=lambda e, proj, tensors: writer.put_tensors(e, proj, tensors))
-        output.layer_finished(layer, writer.finish())
-    except BaseException:
-        writer.abort()
-        raise
+        run(lambda e, proj, tensors: None)
+    else:
+        output.write_layer(layer, lambda writer: run(writer.put_tensors))
