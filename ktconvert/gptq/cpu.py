@@ -31,7 +31,7 @@ from ktconvert.gptq.calibration import load_samples
 from ktconvert.gptq.hessians import single_thread_on_cpu
 from ktconvert.gptq.holdout import REASONS, SelectionOptions
 from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream
-from ktconvert.gptq.resume import StreamState, samples_digest
+from ktconvert.gptq.resume import restore_for, samples_digest
 from ktconvert.layouts.naming import PROJS
 from ktconvert.layouts.numa import numa_slices
 from ktconvert.methods import METHODS
@@ -217,9 +217,7 @@ def write_gptq_layers(output, samples: list, progress=None, *, options: GptqOpti
     mtp = [layer for layer in output.layers if layer in source.info.mtp_layers]
     stream = amx_stream(source, samples, method.bits, output.options.numa, options=options, selection=selection,
                         mtp_layers=mtp, make_stream=make_stream)
-    saved = StreamState(output.out_dir, stream.samples_digest)
-    unfinished = [layer for layer in output.layers if not output.journal.layer_done(layer)]
-    layers = saved.restore(stream, unfinished) if output.resume else {}
+    saved, layers = restore_for(output, stream)
     for layer in sorted(layers):
         progress.advance(sizes.get(layer, 0), items=1, detail=f"layer {layer} (saved)")
     for result in stream_results(stream):

@@ -83,3 +83,13 @@ class StreamState:
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)
         self.last_save = time.monotonic()
+
+
+def restore_for(output, stream) -> tuple[StreamState, dict]:
+    """(output's StreamState for `stream`, the per-layer summaries restored from it): `stream` (built with its
+    ``samples_digest``, nothing run yet) moved past the layer saved in `output`'s folder when the output resumes
+    (``output.resume``; layers its journal does not record as written count as unfinished), else ({} summaries)
+    left at layer 0."""
+    saved = StreamState(output.out_dir, stream.samples_digest)
+    unfinished = [layer for layer in output.layers if not output.journal.layer_done(layer)]
+    return saved, (saved.restore(stream, unfinished) if output.resume else {})

@@ -31,7 +31,7 @@ from ktconvert.gptq.calibration import load_samples
 from ktconvert.gpu.experts import quantize_expert_rtn
 from ktconvert.gpu.config import GPTQ_OBSERVER
 from ktconvert.gptq.loop import GpuQuantizer, GptqOptions, LayerStream
-from ktconvert.gptq.resume import StreamState, samples_digest
+from ktconvert.gptq.resume import restore_for, samples_digest
 
 
 @dataclass
@@ -103,9 +103,7 @@ def write_gptq_layers(output, samples: list, progress, sizes: dict | None = None
     opts, source = output.options, output.source
     mtp = [layer for layer in output.layers if layer in source.info.mtp_layers]
     state = start(source, opts.bits, opts.group_size, samples, mtp_layers=mtp, make_stream=make_stream)
-    saved = StreamState(output.out_dir, state.stream.samples_digest)
-    unfinished = [layer for layer in output.layers if not output.journal.layer_done(layer)]
-    summaries = saved.restore(state.stream, unfinished) if output.resume else {}
+    saved, summaries = restore_for(output, state.stream)
     state.tokens.update({L: s["tokens"] for L, s in summaries.items()})
     state.fallback.update({L: s["fallback"] for L, s in summaries.items()})
     for layer in output.layers:
