@@ -43,6 +43,15 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+RAWINT4_NEEDS_AMX = ("kt-kernel 0.7.2's RAWINT4 needs AMX: without it the avx2 backend segfaults and the amx ones "
+                     "return garbage, on llmcompressor's own W4A16 files too, NaN in some runs only (observed)")
+
+
+def rawint4_skip_reason() -> str | None:
+    """None where kt-kernel's RAWINT4 forward can run (the CPU has AMX tiles), else the reason to skip."""
+    return None if "amx_tile" in _cpu_flags() else RAWINT4_NEEDS_AMX
+
+
 def ktkernel_skip_reason(method: str = "AMXINT4") -> str | None:
     """None when kt-kernel can quantize and run ``method`` here, else a one-line reason to skip."""
     flags = _cpu_flags()

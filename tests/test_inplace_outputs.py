@@ -141,7 +141,7 @@ def test_runtime_alignment_is_checked_before_writing(tmp_path):
 
 
 def _ktkernel_reason(method: str) -> str | None:
-    from ktkernel_util import ktkernel_skip_reason
+    from ktkernel_util import ktkernel_skip_reason, rawint4_skip_reason
 
     reason = ktkernel_skip_reason(method)
     if reason:
@@ -152,11 +152,7 @@ def _ktkernel_reason(method: str) -> str | None:
     avx2 = {"BF16": "_HAS_AVX2_BF16_SUPPORT", "FP8": "_HAS_AVX2_FP8_SUPPORT", "RAWINT4": "_HAS_AVX2_RAWINT4_SUPPORT"}
     if not (getattr(amx, flag, False) or getattr(amx, avx2[method], False)):
         return f"this kt_kernel build has no {method} backend"
-    if method == "RAWINT4" and not amx._host_has_cpu_flag("amx_tile"):
-        # observed: kt-kernel 0.7.2's RAWINT4 forward segfaults on an AVX-512 CPU without AMX (amx and avx2
-        # backends alike), so it cannot run in-process here
-        return "kt-kernel 0.7.2 RAWINT4 crashes on CPUs without AMX (segfault observed)"
-    return None
+    return rawint4_skip_reason() if method == "RAWINT4" else None
 
 
 @pytest.mark.ktkernel

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ktkernel_util import (dequantized_experts, ktkernel_forward, ktkernel_skip_reason, ktkernel_write_kt,
-                           read_kt_tree, reference_moe_forward, relative_l2)
+                           rawint4_skip_reason, read_kt_tree, reference_moe_forward, relative_l2)
 
 pytestmark = pytest.mark.ktkernel
 
@@ -97,12 +97,6 @@ def test_ktkernel_runs_our_merged_output(tiny_model, tmp_path, family, method, n
     assert relative_l2(got, ref) < 0.05
 
 
-def _cpu_flags() -> set[str]:
-    from ktconvert.envinfo import cpu_flags
-
-    return set(cpu_flags())
-
-
 RAWINT4_FORWARD = """
 import sys, numpy as np
 sys.path.insert(0, {tests!r})
@@ -141,6 +135,8 @@ def _rawint4_forward(path, info, layer, tmp_path, name):
 def test_ktkernel_rawint4_runs_ours_exactly_like_llmcompressors(tiny_model, tmp_path):
     """Our rawint4 output and llmcompressor's model_free_ptq W4A16 output of the same source give kt-kernel's
     RAWINT4 forward bit-identical results (a real third-party writer of the same format)."""
+    if rawint4_skip_reason():
+        pytest.skip(rawint4_skip_reason())
     from llmcompressor import model_free_ptq
 
     from ktconvert.formats.hf_source import HFSource
@@ -169,10 +165,8 @@ def test_ktkernel_native_methods_run_our_outputs(tiny_model, tmp_path, method, k
     from ktconvert.cpu.convert import convert_cpu
     from ktconvert.quant.bf16 import bf16_bits_to_f32
 
-    if kt_method == "RAWINT4" and "amx_tile" not in _cpu_flags():
-        pytest.skip("kt-kernel 0.7.2's RAWINT4 needs AMX: without it the avx2 backend segfaults and the amx ones "
-                    "return garbage, on llmcompressor's own W4A16 files too (observed); the slow test shows our "
-                    "files give kt-kernel exactly llmcompressor's results")
+    if kt_method == "RAWINT4" and rawint4_skip_reason():
+        pytest.skip(rawint4_skip_reason())
     model = tiny_model("deepseek_v3")
     info = HFSource.open(model).info
     out = tmp_path / method
