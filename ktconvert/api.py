@@ -22,6 +22,8 @@ not writable, disk full), VerifyError, RemoteError (hub), NativeError. ``KtConve
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 from ktconvert import inspection as inspect_module
 from ktconvert.activation import stats as activation_stats
@@ -269,11 +271,11 @@ def expert_stats(src, out, calibration, *, max_length: int = 2048, num_samples: 
                                          dtype=dtype, report=report, force=force, progress=progress)
 
 
-def bundle(out, dest, *, level: int = ops_bundle.DEFAULT_LEVEL, progress=None) -> dict:
+def bundle(out, dest, *, level: int = ops_bundle.DEFAULT_LEVEL, progress=None, force: bool = False) -> dict:
     """Pack output folder `out` into one deterministic zstd tar `dest` (.tar.zst, ktconvert.json first; level
-    1-22), every file checked against the manifest on the way (VerifyError when one differs). Returns {"path",
-    "files", "bytes_in", "bytes_out", "ratio"}."""
-    return ops_bundle.bundle(out, dest, level=level, progress=progress)
+    1-22), every file checked against the manifest on the way (VerifyError when one differs). An existing `dest`
+    is refused (OutputError) unless `force`. Returns {"path", "files", "bytes_in", "bytes_out", "ratio"}."""
+    return ops_bundle.bundle(out, dest, level=level, progress=progress, force=force)
 
 
 def unbundle(src, dest, *, progress=None) -> dict:
@@ -302,19 +304,26 @@ def load_jobs(path) -> list[dict]:
 
 
 def batch(jobs, *, keep_going: bool = False, dry_run: bool = False, progress=None, executor: str = "local",
-          ray_address: str | None = None):
+          ray_address: str | None = None, summary=None):
     """Run `jobs` (load_jobs' list, or the path of a job file) in order: convert (resumably), bundle, publish; a
     failed job is recorded, not raised, and stops the run unless keep_going. executor "ray": every job a Ray task
     on the cluster at `ray_address` (ops.batch_ray), the same summary. Returns {"ok", "exit_code" (the first
     failed job's), "jobs": [{"name", "status" ok | failed | skipped, "source", "bytes", "outputs", "wall_s",
     "error"?}]}; with dry_run (reads no weights) each output's CPU plan instead: [{"job", "source", "out",
-    "publish", "bundle", "plan" (the plan report; None for hub sources), "note"?}]."""
+    "publish", "bundle", "plan" (the plan report; None for hub sources), "note"?}]. summary: a file the result is
+    also written to as JSON (renamed into place, never written through a symlink)."""
     job_list = jobs if isinstance(jobs, list) else ops_batch.load_jobs(jobs)
     if dry_run:
         return ops_batch.plan_jobs(job_list)
     if _on_ray(executor, None, ray_address, None, None):
-        return batch_ray.run_jobs_on_ray(job_list, keep_going=keep_going, progress=progress, address=ray_address)
-    return ops_batch.run_jobs(job_list, keep_going=keep_going, progress=progress)
+        result = batch_ray.run_jobs_on_ray(job_list, keep_going=keep_going, progress=progress, address=ray_address)
+    else:
+        result = ops_batch.run_jobs(job_list, keep_going=keep_going, progress=progress)
+    if summary is not None:
+        from ktconvert.formats.fileio import write_atomic
+
+        write_atomic(Path(summary), (json.dumps(result, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    return result
 
 
 def families() -> dict:
@@ -327,7 +336,7 @@ def methods() -> dict:
     sizes, NUMA rule (n/k multiples) and whether kt-kernel needs AMX to run it."""
     return {"methods": [{"name": m.name, "kt_method": m.kt_method, "writable": m.writable,
                          "converted": m.needs_conversion, "layouts": list(m.layouts) if m.writable else [],
-                         "group_sizes": list(m.group_sizes), "n_multiple": m.n_multiple, "k_multiple": m.k_multiple,
+                         "group_sizes": list(m.group_sizes), "quants": list(m.quants), "n_multiple": m.n_multiple, "k_multiple": m.k_multiple,
                          "needs_amx": m.needs_amx, "description": (m.__doc__ or "").strip().splitlines()[0]}
                         for m in all_methods()]}
 

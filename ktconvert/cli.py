@@ -78,7 +78,7 @@ def inspect(src: str, as_json: bool, expert_orientation) -> None:
               help="rtn: byte-identical to kt-kernel's converter; mse: each row's scale searched for the least error "
                    "(same files, kt-kernel runs them unchanged); gptq: calibrated, needs --calibration.")
 @click.option("--group-size", type=int, default=None, help="Group size of a grouped method (`ktconvert methods` "
-                                                           "lists each method's; default its largest).")
+                                                           "lists each method's: those kt-kernel 0.7.2 runs).")
 @click.option("--calibration", type=InputPath(dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--dampening", type=float, default=None,
@@ -141,7 +141,7 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
 @cli.command(cls=TargetCommand)
 @click.argument("src")
 @target_options
-@click.option("--targets", "targets_file", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--targets", "targets_file", type=InputPath(dir_okay=False), default=None,
               help="A TOML file of [[targets]] tables ({cpu = OUT, method = ...} / {gpu = OUT, experts = ...}), "
                    "written with (before) the command line's targets.")
 @conversion_options
@@ -191,8 +191,9 @@ def merge(out, parts, verify, as_json) -> None:
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--calibration", type=InputPath(dir_okay=False), required=True,
               help="JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
-@click.option("--max-length", type=int, default=2048, show_default=True, help="Tokens per sample at most.")
-@click.option("--num-samples", type=int, default=None, help="Use the first N samples (default: all).")
+@click.option("--max-length", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Tokens per sample at most.")
+@click.option("--num-samples", type=click.IntRange(min=1), default=None, help="Use the first N samples (default: all).")
 @click.option("--dtype", type=choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Precision of the forward (bfloat16 halves a layer's memory).")
 @click.option("--report", type=click.Path(dir_okay=False), default=None,
@@ -361,10 +362,7 @@ def batch(jobs, keep_going, dry_run, summary_path, executor, ray_address, as_jso
         return
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
         summary = api.batch(job_list, keep_going=keep_going, progress=progress, executor=executor,
-                            ray_address=ray_address)
-    if summary_path:
-        with open(summary_path, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+                            ray_address=ray_address, summary=summary_path or None)
     emit(summary, as_json, api.render(summary, "batch"))
     if not summary["ok"]:
         sys.exit(summary["exit_code"])
@@ -374,12 +372,14 @@ def batch(jobs, keep_going, dry_run, summary_path, executor, ray_address, as_jso
 @click.argument("out", type=InputPath(file_okay=False))
 @click.argument("dest", type=click.Path(dir_okay=False))
 @click.option("--level", type=int, default=3, show_default=True, help="zstd level (1-22).")
+@click.option("--force", is_flag=True, help="Replace an existing DEST (renamed over it, never written through).")
 @json_option
 @progress_options
-def bundle(out, dest, level, as_json, quiet, json_progress) -> None:
-    """Pack output folder OUT into one deterministic zstd tar DEST (.tar.zst), ktconvert.json first."""
+def bundle(out, dest, level, force, as_json, quiet, json_progress) -> None:
+    """Pack output folder OUT into one deterministic zstd tar DEST (.tar.zst), ktconvert.json first. An existing
+    DEST is refused unless --force."""
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
-        r = load_api().bundle(out, dest, level=level, progress=progress)
+        r = load_api().bundle(out, dest, level=level, progress=progress, force=force)
     emit(r, as_json, f"wrote {r['path']}: {r['files']} files, {r['bytes_in']} -> {r['bytes_out']} bytes "
                       f"(ratio {r['ratio']:.3f})")
 

@@ -54,7 +54,8 @@ class InputPath(click.Path):
         super().__init__(exists=True, file_okay=file_okay, dir_okay=dir_okay)
 
     def convert(self, value, param, ctx):
-        what = param.human_readable_name if param is not None else "path"
+        what = "path" if param is None else (max(param.opts, key=len) if getattr(param, "opts", None) and
+                                              param.opts[0].startswith("-") else param.human_readable_name)
         if "://" in str(value) and not os.path.lexists(value):
             raise InputError(f"{what} must be a local path here (hub sources: cpu, gpu, convert)", file=value)
         if not os.path.lexists(value):

@@ -47,7 +47,7 @@ def _old_gpu_scheme(args: list[str]) -> list[str]:
 @click.command(cls=PlanCommand)
 @click.argument("src", type=InputPath())
 @target_options
-@click.option("--targets", "targets_file", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--targets", "targets_file", type=InputPath(dir_okay=False), default=None,
               help="A TOML file of [[targets]] tables, as `convert --targets` reads it.")
 @click.option("--gpu-experts-ratio", "gpu_ratio", type=float, default=None,
               help="Which experts SGLang-KT puts on the GPU with --kt-gpu-experts-ratio R, and their VRAM (the "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ktconvert.errors import InputError
+from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.base import Source
 from ktconvert.formats.sources import open_source
 from ktconvert.ops import hub
@@ -26,6 +26,13 @@ class Input:
     source: Source
     hub: dict = field(default_factory=dict)
     listing: dict = field(default_factory=dict)
+
+    def check_output(self, out) -> None:
+        """OutputError when folder `out` is the source, inside it or holds it (what every output refuses; plan
+        refuses it too)."""
+        out, src = Path(out).resolve(), self.path.resolve()
+        if out == src or src in out.parents or out in src.parents:
+            raise OutputError("output directory overlaps the source", file=out, hint="choose another OUT")
 
 
 def open_input(src, expert_orientation: str | None = None, in_part: bool = False,

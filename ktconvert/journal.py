@@ -9,10 +9,10 @@ when the output is complete, with the calibration stream's state a ``--quant gpt
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from ktconvert.errors import OutputError, ResumeMismatchError
+from ktconvert.formats.fileio import write_atomic
 from ktconvert.formats.out_manifest import JOURNAL_NAME, STREAM_STATE_NAME
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
 
@@ -112,12 +112,8 @@ class Journal:
     def save(self) -> None:
         state = {"options": self.options, "layers": {str(k): v for k, v in sorted(self.layers.items())},
                  "sources": self.sources}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as fh:
-            json.dump(state, fh, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(state, sort_keys=True).encode(),     # never through a symlink
+                     temp=self.path.with_name(self.path.name + ".tmp"))
 
     def remove(self) -> None:
         """Remove the journal and the calibration stream's state saved with it (gptq/resume.py)."""

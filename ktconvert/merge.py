@@ -20,11 +20,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.errors import InputError, OutputError, VerifyError
-from ktconvert.formats.fileio import copy_hashed, fsync_dir, hash_file, temp_path_for, write_atomic
+from ktconvert.formats.fileio import (copy_hashed, fsync_dir, hash_file, open_dir, remove_name, temp_path_for,
+                                      write_atomic)
 from ktconvert.formats.out_manifest import LOCK_NAME, MANIFEST_NAME, manifest_bytes, write_manifest
 from ktconvert.output import lock_folder
 from ktconvert.parts import load_part
@@ -73,7 +75,7 @@ def merge(out, parts, *, verify: bool = False) -> MergeResult:
     try:
         identity = hashlib.sha256(manifest_bytes(manifest)).hexdigest()
         _begin(out, identity)
-        copied = sum(_place(source, out / rel, manifest["files"][rel]) for rel, source in sorted(files.items()))
+        copied = sum(_place(source, out / rel, manifest["files"][rel], out) for rel, source in sorted(files.items()))
         for folder in {(out / rel).parent for rel in files}:
             fsync_dir(folder)
         write_manifest(out, manifest)
@@ -214,29 +216,33 @@ def _begin(out: Path, identity: str) -> None:
     write_atomic(journal, manifest_bytes({"format": MERGE_FORMAT, "manifest_sha256": identity}))
 
 
-def _place(source: Path, target: Path, entry: dict) -> bool:
-    """Hard-link `source` as `target` (its folder created); copied (temp name, hashed while copied and compared
-    with `entry`'s sha256, renamed) across filesystems. A target already there from an earlier run of this merge
-    (the same file, or a copy of the recorded size: copies are renamed only once checked) is kept. True when
-    copied."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temp = temp_path_for(target)
-    temp.unlink(missing_ok=True)               # an interrupted copy
-    if target.is_file() and (os.path.samefile(source, target) or target.stat().st_size == int(entry["bytes"])):
-        return False
-    target.unlink(missing_ok=True)
+def _place(source: Path, target: Path, entry: dict, out: Path) -> bool:
+    """Hard-link `source` as `target` (its folders below `out` created); copied (temp name, hashed while copied
+    and compared with `entry`'s sha256, renamed) across filesystems. A regular file already there from an earlier
+    run of this merge (the same file, or a copy of the recorded size: copies are renamed only once checked) is
+    kept; anything else (a symlink: the link itself) is removed first. No folder below `out` and no name is ever
+    followed as a symlink (``fileio.open_dir`` / ``NewFile``). True when copied."""
+    folder = open_dir(target.parent, within=out)
     try:
-        os.link(source, target)
-        return False
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise OutputError(f"cannot link part file ({exc.strerror})", file=str(target)) from None
-    try:
-        _check_digest(source, entry, copy_hashed(source, temp)[1])
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    os.replace(temp, target)
+        remove_name(temp_path_for(target), folder)           # an interrupted copy
+        try:
+            there = os.lstat(target.name, dir_fd=folder)
+        except FileNotFoundError:
+            there = None
+        if there is not None and stat.S_ISREG(there.st_mode):
+            linked = os.stat(source)
+            if (there.st_dev, there.st_ino) == (linked.st_dev, linked.st_ino) or there.st_size == int(entry["bytes"]):
+                return False
+        remove_name(target, folder)
+        try:
+            os.link(source, target.name, dst_dir_fd=folder)
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise OutputError(f"cannot link part file ({exc.strerror})", file=str(target)) from None
+    finally:
+        os.close(folder)
+    copy_hashed(source, target, check=lambda sha256: _check_digest(source, entry, sha256), within=out)
     return True
 
 

@@ -9,7 +9,9 @@
 * OUT: refused when it overlaps the source, is a file, or is not empty (unless ``resume``: it must hold a journal
   or a manifest, or ``force``: emptied first, after the lock is taken).
 * Lock: an exclusive ``fcntl.flock`` on ``OUT/.ktconvert.lock`` for the whole run, holding the writer's pid; a
-  second writer fails at once with an OutputError naming that pid. The file is removed when the run ends.
+  second writer fails at once with an OutputError naming that pid. The file is removed when the run ends. It is
+  never opened through a symlink (``fileio.open_lock``: one there is refused, OutputError), and no file in OUT is
+  written through one (``fileio.NewFile``).
 * Resume: OUT's options must be the requested ones (and its source this source): a finished OUT's ktconvert.json
   (``resume_claims``), an unfinished one's journal; else a ResumeMismatchError (exit 2) naming each option.
 * Journal (``journal.Journal``): the finished layers (files and tensor hashes) and the hashed source files, so
@@ -28,7 +30,7 @@ import threading
 from pathlib import Path
 
 from ktconvert.errors import InputError, OutputError
-from ktconvert.formats.fileio import FileRecord, LayerResult, hash_file
+from ktconvert.formats.fileio import FileRecord, LayerResult, create_new, hash_file, open_lock
 from ktconvert.formats.out_manifest import (JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, build_manifest, load_manifest,
                                             write_manifest)
 from ktconvert.journal import Journal, mismatch_error, option_name
@@ -173,9 +175,8 @@ class Output:
         self.close()
 
     def _prepare(self) -> None:
-        out, src = self.out_dir.resolve(), self.plan.input.path.resolve()
-        if out == src or src in out.parents or out in src.parents:
-            raise OutputError("output directory overlaps the source", file=out, hint="choose another OUT")
+        self.plan.input.check_output(self.out_dir)
+        out = self.out_dir.resolve()
         if out.exists() and not out.is_dir():
             raise OutputError("output path exists and is not a directory", file=out)
         try:
@@ -202,9 +203,9 @@ class Output:
         elif entries:
             raise OutputError("output directory exists and is not empty", file=self.out_dir,
                               hint="pass --resume to continue an interrupted run, or --force to start over")
+        probe = self.out_dir / ".ktconvert-write-test"
         try:
-            probe = self.out_dir / ".ktconvert-write-test"
-            probe.write_bytes(b"")
+            os.close(create_new(probe))         # a symlink standing there is removed, never written through
             probe.unlink()
         except OSError as exc:
             raise OutputError(f"output directory is not writable ({exc.strerror})", file=self.out_dir) from exc
@@ -280,11 +281,12 @@ class Output:
 
 def lock_folder(out_dir: Path) -> int:
     """Take `out_dir`'s lock (exclusive, non-blocking ``flock`` on OUT/.ktconvert.lock), write our pid into it and
-    return its descriptor; OutputError naming the holder when another process has it."""
-    path = out_dir / LOCK_NAME
+    return its descriptor; OutputError naming the holder when another process has it, or naming the lock file when
+    it is a symlink (``fileio.open_lock``: never opened through one)."""
+    path = Path(out_dir) / LOCK_NAME
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_lock(path)
         except OSError as exc:
             raise OutputError(f"output directory is not writable ({exc.strerror})", file=out_dir) from exc
         try:
@@ -295,7 +297,7 @@ def lock_folder(out_dir: Path) -> int:
             raise OutputError(f"another ktconvert process (pid {holder}) is writing this output directory",
                               file=out_dir, hint="wait for it to finish, or stop that process") from None
         try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino   # not a lock file its holder just removed
+            same = os.fstat(fd).st_ino == os.lstat(path).st_ino   # not a lock file its holder just removed
         except FileNotFoundError:
             same = False
         if same:

@@ -24,6 +24,8 @@ def plan_targets(input, targets: list[Target], threads: int | None = None) -> tu
     """(planned, combined) as in the module docstring, for the opened source `input` (inputs.Input). Raises what
     each plan raises (named after its target), UsageError for a --quant gptq target (written alone) and
     OutputError when the outputs on one filesystem need more than its free space together."""
+    for t in targets:
+        input.check_output(t.out)
     planned = [{"name": t.name, "kind": t.kind, "out": str(t.out), "plan": plan_target(input, t, threads)}
                for t in targets]
     reports = [entry["plan"].report for entry in planned]

@@ -13,6 +13,7 @@ changes a byte. The outputs (``output.Output``) decide what a matrix becomes; th
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -205,10 +206,11 @@ class _Pass:
         targets = self._consumers_for(job.layer)
         with profile.span("decode", job.nbytes):
             matrices = self.source.decode(job, raw)
+        stored = functools.cache(functools.partial(self.source.stored_arrays, job, raw))
         for proj, w in matrices.items():
             where = f"{job_tensor(job)} (layer {job.layer}, expert {job.expert}, {proj})"
             for _, consumer in targets:
-                consumer.put_matrix(proj, job.expert, w, where)
+                consumer.put_matrix(proj, job.expert, w, where, stored=stored)
         self.progress.advance(job.nbytes)
         self.fault.tick()
 

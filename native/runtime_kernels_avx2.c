@@ -1,7 +1,7 @@
 /* Verification runtime, AVX2 + FMA kernels. A 64-byte row of a tile half is two ymm of 8 dwords (panel rows
  * 0-7 and 8-15 of the half); byte b of each dword is one column, sign-extended by shift-left / arithmetic
  * shift-right and converted to float. One token at a time (16 ymm registers leave no room for more); the
- * driver's panel is small enough that further tokens re-read it from cache.
+ * driver's panel is small enough that further tokens re-read it from cache. RAWINT4 rows at the end.
  */
 #define KT_RUNTIME_INTERNAL
 #include "kt_runtime.h"
@@ -9,6 +9,7 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#include <string.h>
 
 #define RT_AVX2 __attribute__((target("avx2,fma")))
 #define RT_INLINE static inline __attribute__((always_inline))
@@ -113,6 +114,50 @@ RT_AVX2 static void bf16_rows_avx2(const uint16_t *w, int64_t rows, int64_t k, c
     }
 }
 
-const kt_rt_kernels kt_rt_kernels_avx2 = {int4_panel_avx2, int8_panel_avx2, bf16_rows_avx2, 0, 0};
+/* RAWINT4, MT tokens of one row: 8 columns (one int32 word, 4 bytes) per step, the word broadcast and each lane
+ * shifted to its nibble (element i at bits 4i..4i+3), minus 8. Per group one vector sum per token, scaled into a
+ * running vector total; the total's lanes are added at the end. */
+RT_AVX2 RT_INLINE void rawint4_row_mt(const uint8_t *row, const uint16_t *srow, int64_t k, int64_t group,
+                                      const float *x, float *y, int64_t ldy, const int MT)
+{
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low4 = _mm256_set1_epi32(0x0F);
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    __m256 total[4];
+    for (int t = 0; t < MT; t++) total[t] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+        __m256 acc[4];
+        for (int t = 0; t < MT; t++) acc[t] = _mm256_setzero_ps();
+        for (int64_t c = g0; c < g0 + group; c += 8) {
+            int32_t word;
+            memcpy(&word, row + c / 2, sizeof word);
+            const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), low4);
+            const __m256 wv = _mm256_sub_ps(_mm256_cvtepi32_ps(nib), eight);
+            for (int t = 0; t < MT; t++) acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * k + c), acc[t]);
+        }
+        const __m256 sv = _mm256_set1_ps(kt_bf16_to_f32(srow[g0 / group]));
+        for (int t = 0; t < MT; t++) total[t] = _mm256_fmadd_ps(acc[t], sv, total[t]);
+    }
+    for (int t = 0; t < MT; t++) y[t * ldy] = hsum8(total[t]);
+}
+
+RT_AVX2 static void rawint4_rows_avx2(const uint8_t *w, int64_t ldw, const uint16_t *scale, int64_t lds,
+                                      int64_t rows, int64_t k, int64_t group, const float *x, int64_t m, float *y,
+                                      int64_t ldy)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * ldw;
+        const uint16_t *srow = scale + r * lds;
+        int64_t t = 0;
+        for (; t + 4 <= m; t += 4) rawint4_row_mt(row, srow, k, group, x + t * k, y + t * ldy + r, ldy, 4);
+        switch (m - t) {
+        case 3: rawint4_row_mt(row, srow, k, group, x + t * k, y + t * ldy + r, ldy, 3); break;
+        case 2: rawint4_row_mt(row, srow, k, group, x + t * k, y + t * ldy + r, ldy, 2); break;
+        case 1: rawint4_row_mt(row, srow, k, group, x + t * k, y + t * ldy + r, ldy, 1); break;
+        default: break;
+        }
+    }
+}
+
+const kt_rt_kernels kt_rt_kernels_avx2 = {int4_panel_avx2, int8_panel_avx2, bf16_rows_avx2, 0, 0, rawint4_rows_avx2};
 
 #endif

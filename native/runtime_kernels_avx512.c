@@ -1,13 +1,16 @@
 /* Verification runtime, AVX-512 kernels (F + BW + VL). One zmm lane per panel row: a 64-byte row of a tile half
  * is 16 dwords, dword i = panel row i, so byte b of every dword is one column for 16 rows at once.
  * INT4 nibbles become floats with one vpermps (the low 4 bits of each lane index a 16-entry table); INT8 bytes
- * with shift-left, arithmetic shift-right, convert. Up to 4 tokens share each decoded vector.
+ * with shift-left, arithmetic shift-right, convert. Up to 4 tokens share each decoded vector (RAWINT4's rows too).
  */
 #define KT_RUNTIME_INTERNAL
 #include "kt_runtime.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#include <string.h>
+
+#include "kt_internal.h"
 
 #define RT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define RT_INLINE static inline __attribute__((always_inline))
@@ -143,6 +146,58 @@ RT_AVX512 void kt_rt_bf16_rows_avx512(const uint16_t *w, int64_t rows, int64_t k
     }
 }
 
-const kt_rt_kernels kt_rt_kernels_avx512 = {int4_panel_avx512, int8_panel_avx512, kt_rt_bf16_rows_avx512, 0, 0};
+/* RAWINT4, MT tokens of one row: 16 columns (8 bytes, two int32 words) per step. Word 0 goes to lanes 0-7, word 1
+ * to lanes 8-15, each lane shifted to its nibble; vpermps maps the nibble (its low 4 bits) to q = nibble - 8. A group
+ * of 8 mod 16 ends with one word, its upper lanes' x masked to zero. Per group one vector sum per token, scaled into
+ * a running vector total; the total's lanes are added at the end. */
+RT_AVX512 RT_INLINE void rawint4_row_mt(const uint8_t *row, const uint16_t *srow, int64_t k, int64_t group,
+                                        const float *x, float *y, int64_t ldy, const int MT)
+{
+    const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i words = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    __m512 total[4];
+    for (int t = 0; t < MT; t++) total[t] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+        const int64_t end = g0 + group;
+        __m512 acc[4];
+        for (int t = 0; t < MT; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t c = g0; c < end; c += 16) {
+            const int whole = end - c >= 16;
+            const __mmask16 mask = whole ? (__mmask16)0xFFFF : (__mmask16)0x00FF;
+            int32_t word;
+            memcpy(&word, row + c / 2, sizeof word);
+            const __m128i raw = whole ? _mm_loadl_epi64((const __m128i *)(row + c / 2)) : _mm_cvtsi32_si128(word);
+            const __m512i v = _mm512_permutexvar_epi32(words, _mm512_castsi128_si512(raw));
+            const __m512 wv = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shifts), lut);
+            for (int t = 0; t < MT; t++)
+                acc[t] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + t * k + c), acc[t]);
+        }
+        const __m512 sv = _mm512_set1_ps(kt_bf16_to_f32(srow[g0 / group]));
+        for (int t = 0; t < MT; t++) total[t] = _mm512_fmadd_ps(acc[t], sv, total[t]);
+    }
+    for (int t = 0; t < MT; t++) y[t * ldy] = _mm512_reduce_add_ps(total[t]);
+}
+
+RT_AVX512 void kt_rt_rawint4_rows_avx512(const uint8_t *w, int64_t ldw, const uint16_t *scale, int64_t lds,
+                                         int64_t rows, int64_t k, int64_t group, const float *x, int64_t m, float *y,
+                                         int64_t ldy)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * ldw;
+        const uint16_t *srow = scale + r * lds;
+        int64_t t = 0;
+        for (; t + 4 <= m; t += 4) rawint4_row_mt(row, srow, k, group, x + t * k, y + t * ldy + r, ldy, 4);
+        switch (m - t) {
+        case 3: rawint4_row_mt(row, srow, k, group, x + t * k, y + t * ldy + r, ldy, 3); break;
+        case 2: rawint4_row_mt(row, srow, k, group, x + t * k, y + t * ldy + r, ldy, 2); break;
+        case 1: rawint4_row_mt(row, srow, k, group, x + t * k, y + t * ldy + r, ldy, 1); break;
+        default: break;
+        }
+    }
+}
+
+const kt_rt_kernels kt_rt_kernels_avx512 = {int4_panel_avx512, int8_panel_avx512, kt_rt_bf16_rows_avx512, 0, 0,
+                                            kt_rt_rawint4_rows_avx512};
 
 #endif

@@ -62,4 +62,30 @@ static void bf16_rows_scalar(const uint16_t *w, int64_t rows, int64_t k, const f
         }
 }
 
-const kt_rt_kernels kt_rt_kernels_scalar = {int4_panel_scalar, int8_panel_scalar, bf16_rows_scalar, 0, 0};
+/* RAWINT4 (kt-format.md 2.6): byte c/2 of a row holds column c in its low nibble (c even) or high nibble (c odd),
+ * stored q + 8. Each group's sum in column order, then scaled and added in group order. */
+static void rawint4_rows_scalar(const uint8_t *w, int64_t ldw, const uint16_t *scale, int64_t lds, int64_t rows,
+                                int64_t k, int64_t group, const float *x, int64_t m, float *y, int64_t ldy)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * ldw;
+        const uint16_t *srow = scale + r * lds;
+        for (int64_t t = 0; t < m; t++) {
+            const float *xt = x + t * k;
+            float total = 0.0f;
+            for (int64_t g0 = 0; g0 < k; g0 += group) {
+                float sum = 0.0f;
+                for (int64_t c = g0; c < g0 + group; c += 2) {
+                    const uint8_t byte = row[c / 2];
+                    sum += (float)((int)(byte & 0x0F) - 8) * xt[c];
+                    sum += (float)((int)(byte >> 4) - 8) * xt[c + 1];
+                }
+                total += kt_bf16_to_f32(srow[g0 / group]) * sum;
+            }
+            y[t * ldy + r] = total;
+        }
+    }
+}
+
+const kt_rt_kernels kt_rt_kernels_scalar = {int4_panel_scalar, int8_panel_scalar, bf16_rows_scalar, 0, 0,
+                                            rawint4_rows_scalar};

@@ -118,7 +118,8 @@ RT_VNNI static void int8_qpanel_vnni(const uint8_t *panel, int64_t ntiles, const
     }
 }
 
-/* BF16 rows have no integer form: they run the AVX-512 fp32 kernel. */
-const kt_rt_kernels kt_rt_kernels_avx512vnni = {NULL, NULL, kt_rt_bf16_rows_avx512, int4_qpanel_vnni, int8_qpanel_vnni};
+/* BF16 and RAWINT4 rows have no integer form here: they run the AVX-512 fp32 kernels. */
+const kt_rt_kernels kt_rt_kernels_avx512vnni = {NULL, NULL, kt_rt_bf16_rows_avx512, int4_qpanel_vnni, int8_qpanel_vnni,
+                                                kt_rt_rawint4_rows_avx512};
 
 #endif

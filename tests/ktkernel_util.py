@@ -19,12 +19,24 @@ Reusable pieces for interop tests (format, verify runtime, error-minimising quan
                                                      sees them after the NUMA split (down scales per part)
 
 Expert weights go in as BF16 bit patterns (numpy uint16): gate/up [E, I, H], down [E, H, I] (HF orientation).
+
+Every call that touches kt-kernel (the probe behind the skip reasons, quantizing, loading, the forward, its
+placement helper) runs in a fresh child Python process (``in_child``): kt-kernel keeps one weight loader per
+process, switches FTZ/DAZ on for the whole process at import, and can crash (SIGSEGV) on inputs it does not
+support. A crash fails the one test that made the call, with the signal named (``KtKernelCrash``), never the
+test run; kt_kernel is never imported into the pytest process.
 Nothing here imports torch or kt_kernel at module import time.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -43,13 +55,98 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-RAWINT4_NEEDS_AMX = ("kt-kernel 0.7.2's RAWINT4 needs AMX: without it the avx2 backend segfaults and the amx ones "
-                     "return garbage, on llmcompressor's own W4A16 files too, NaN in some runs only (observed)")
+# ---------------------------------------------------------------------------------------------------------------
+# kt-kernel runs in child processes
+
+
+class KtKernelCrash(AssertionError):
+    """kt-kernel's child process died from a signal (or exited without a result): the calling test fails."""
+
+
+CHILD_TIMEOUT_S = 600
+_CHILD = """
+import pickle, sys, traceback
+sys.path.insert(0, sys.argv[1])
+import ktkernel_util
+with open(sys.argv[2], "rb") as f:
+    name, kwargs = pickle.load(f)
+try:
+    result = ("ok", getattr(ktkernel_util, name)(**kwargs))
+except BaseException as exc:
+    result = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+with open(sys.argv[3], "wb") as f:
+    pickle.dump(result, f)
+"""
+
+
+def in_child(name: str, **kwargs):
+    """``ktkernel_util.<name>(**kwargs)`` run in a fresh Python process; its return value (pickled back).
+
+    A signal (kt-kernel's SIGSEGV / SIGABRT) or a missing result raises KtKernelCrash naming the signal and the
+    child's last stderr lines; an exception in the child raises RuntimeError with the child's traceback."""
+    with tempfile.TemporaryDirectory(prefix="ktkernel-child-") as tmp:
+        args, result = Path(tmp, "args.pkl"), Path(tmp, "result.pkl")
+        args.write_bytes(pickle.dumps((name, kwargs)))
+        env = {**os.environ, "KT_FORCE_SYNC_SUBMIT": "1"}
+        try:
+            proc = subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).parent), str(args), str(result)],
+                                  capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S,
+                                  stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as exc:
+            raise KtKernelCrash(f"kt-kernel child {name} ran past {CHILD_TIMEOUT_S} s and was killed") from exc
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        if proc.returncode < 0:
+            try:
+                sig = signal.Signals(-proc.returncode).name
+            except ValueError:
+                sig = f"signal {-proc.returncode}"
+            raise KtKernelCrash(f"kt-kernel crashed with {sig} in {name}; its stderr ended:\n{tail}")
+        if not result.is_file():
+            raise KtKernelCrash(f"kt-kernel child {name} exited {proc.returncode} without a result:\n{tail}")
+        outcome = pickle.loads(result.read_bytes())
+    if outcome[0] != "ok":
+        raise RuntimeError(f"in kt-kernel's child process, {name} raised {outcome[1]}\n{outcome[2]}")
+    return outcome[1]
+
+
+def _signal_here(signum: int) -> None:
+    """(child) Die from signal `signum`, as kt-kernel does when it crashes (for the tests of in_child)."""
+    os.kill(os.getpid(), signum)
+
+
+def _probe_here() -> dict:
+    """(child) What this kt_kernel build has: importable or the error, its CPU variant, the MoE classes and the
+    native backends' support flags."""
+    try:
+        import kt_kernel
+        import kt_kernel_ext.moe as moe
+        from kt_kernel.utils import amx
+    except Exception as exc:  # ImportError, or a broken install raising anything
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None, "variant": getattr(kt_kernel, "__cpu_variant__", None),
+            "classes": sorted(n for n in dir(moe) if n.endswith("_MOE")),
+            "flags": {n: bool(getattr(amx, n)) for n in dir(amx) if n.startswith("_HAS_") and n.endswith("_SUPPORT")}}
+
+
+@functools.lru_cache(maxsize=1)
+def ktkernel_info() -> dict:
+    """_probe_here's answer, asked once per test session (in a child process: kt_kernel never loads here)."""
+    try:
+        return in_child("_probe_here")
+    except (KtKernelCrash, RuntimeError) as exc:
+        return {"error": f"probing kt_kernel failed: {str(exc).splitlines()[0]}"}
+
+
+RAWINT4_NEEDS_AMX = ("kt-kernel 0.7.2's RAWINT4 forward is only known to work on AMX hosts (group size 32: rel L2 "
+                     "0.013 there); without AMX its avx2 backend segfaults and the others returned garbage (observed)")
 
 
 def rawint4_skip_reason() -> str | None:
-    """None where kt-kernel's RAWINT4 forward can run (the CPU has AMX tiles), else the reason to skip."""
-    return None if "amx_tile" in _cpu_flags() else RAWINT4_NEEDS_AMX
+    """None where kt-kernel's RAWINT4 forward can run (the CPU has AMX tiles and kt has the backend), else the
+    reason to skip."""
+    if "amx_tile" not in _cpu_flags():
+        return RAWINT4_NEEDS_AMX
+    return native_skip_reason("RAWINT4")
 
 
 def ktkernel_skip_reason(method: str = "AMXINT4") -> str | None:
@@ -57,16 +154,24 @@ def ktkernel_skip_reason(method: str = "AMXINT4") -> str | None:
     flags = _cpu_flags()
     if not {"avx512f", "avx512bw"} <= flags:
         return "CPU lacks AVX-512 (avx512f+avx512bw); kt-kernel's AMXINT4/AMXINT8 need it"
-    try:
-        import kt_kernel  # noqa: F401
-        import kt_kernel_ext.moe as moe
-
-        _numpy_fp_mode()
-    except Exception as exc:  # ImportError, or a broken install raising anything
-        return f"kt_kernel not importable ({type(exc).__name__}: {exc}); pip install --no-deps kt-kernel==0.7.2"
+    info = ktkernel_info()
+    if info["error"]:
+        return f"kt_kernel not usable ({info['error']}); pip install --no-deps kt-kernel==0.7.2"
     cls = {"AMXINT4": "AMXInt4_MOE", "AMXINT8": "AMXInt8_MOE"}.get(method)
-    if cls and getattr(moe, cls, None) is None:
+    if cls and cls not in info["classes"]:
         return f"this kt_kernel build has no {cls}"
+    return None
+
+
+def native_skip_reason(method: str) -> str | None:
+    """None when kt-kernel's native backend for BF16 / FP8 / RAWINT4 (read in place) is in this build (its AVX2
+    backends run on AVX2-only CPUs too)."""
+    info = ktkernel_info()
+    if info["error"]:
+        return f"kt_kernel not usable ({info['error']}); pip install --no-deps kt-kernel==0.7.2"
+    flags = info["flags"]
+    if not (flags.get(f"_HAS_{method}_SUPPORT") or flags.get(f"_HAS_AVX2_{method}_SUPPORT")):
+        return f"this kt_kernel build has no {method} backend"
     return None
 
 
@@ -98,22 +203,6 @@ def _no_pin_memory():
             setattr(torch, name, fn)
 
 
-def _cpu_infer_for(threadpool_count: int) -> None:
-    """kt-kernel keeps one CPUInfer per wrapper class (set on the subclass that first asks), sized by the first
-    caller's threadpool_count; drop every cached one when T changes so the next wrapper gets a pool of T parts."""
-    from kt_kernel.experts_base import _MoEBase
-
-    if getattr(_MoEBase, "_ktconvert_tp", None) == threadpool_count:
-        return
-    stack = [_MoEBase]
-    while stack:
-        cls = stack.pop()
-        stack.extend(cls.__subclasses__())
-        if "_cpu_infer_instance" in vars(cls):
-            cls._cpu_infer_instance = None
-    _MoEBase._ktconvert_tp = threadpool_count
-
-
 def _bf16_tensor(bits: np.ndarray):
     import torch
 
@@ -124,8 +213,6 @@ def _wrapper(torch, *, method, weight_path, num_experts, top_k, hidden, intermed
              layer_idx, threads, cpu_save, max_tokens):
     from kt_kernel import KTMoEWrapper
 
-    _cpu_infer_for(threadpool_count)
-    _forget_loaders()
     return KTMoEWrapper(
         layer_idx=layer_idx, num_experts=num_experts, num_experts_per_tok=top_k, hidden_size=hidden,
         moe_intermediate_size=intermediate, gpu_experts_mask=torch.zeros(num_experts, dtype=torch.bool),
@@ -134,50 +221,26 @@ def _wrapper(torch, *, method, weight_path, num_experts, top_k, hidden, intermed
     )
 
 
-def _numpy_fp_mode() -> None:
-    """kt-kernel switches flush-to-zero / denormals-are-zero on for the whole process when it loads: switch them
-    off again so numpy references computed in the same test run keep their subnormals."""
-    from ktconvert import native
-
-    native.set_fp_flush_mode(False)
-
-
-@contextlib.contextmanager
-def _ktkernel_fp_mode():
-    """Run kt-kernel as it runs in its own processes: with FTZ/DAZ on (it sets them at import), then off again."""
-    from ktconvert import native
-
-    native.set_fp_flush_mode(True)
-    try:
-        yield
-    finally:
-        native.set_fp_flush_mode(False)
-
-
-def _forget_loaders() -> None:
-    """kt-kernel keeps one process-wide SafeTensorLoader per wrapper class, opened on the first weight_path it saw;
-    a later wrapper for another folder would silently read the first one's files. Drop them before each wrapper."""
-    from kt_kernel.utils import amx
-
-    amx.AMXMoEWrapper._safetensor_loader_instance = None
-    native = getattr(amx, "NativeMoEWrapper", None)
-    if native is not None and native._native_loader_instance is not None:
-        native._native_loader_instance.close_all_handles()
-        native._native_loader_instance = None
-
-
 def ktkernel_write_kt(out: Path, method: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
                       threadpool_count: int, layer_idx: int = 0, threads: int = 2) -> Path:
-    """Let kt-kernel quantize one MoE layer and write its .kt files, as convert_cpu_weights.py does.
+    """Let kt-kernel quantize one MoE layer and write its .kt files, as convert_cpu_weights.py does (in a child
+    process).
 
     method: "AMXINT4" | "AMXINT8". gate/up uint16 [E, I, H], down uint16 [E, H, I] BF16 bits.
     Writes ``out/_layer_<layer_idx>/_numa_<t>/<INT4|INT8>_<proj>_<e>_<bytes>Byte_{quant,scale}_.kt`` and
     returns ``out/_layer_<layer_idx>``.
     """
+    return in_child("_write_kt_here", out=Path(out), method=method, gate=gate, up=up, down=down,
+                    threadpool_count=threadpool_count, layer_idx=layer_idx, threads=threads)
+
+
+def _write_kt_here(out: Path, method: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                   threadpool_count: int, layer_idx: int, threads: int) -> Path:
+    """(child) ktkernel_write_kt."""
     num_experts, intermediate, hidden = gate.shape
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with _no_pin_memory() as torch, _ktkernel_fp_mode():
+    with _no_pin_memory() as torch:
         wrapper = _wrapper(torch, method=method, weight_path=out, num_experts=num_experts, top_k=1,
                            hidden=hidden, intermediate=intermediate, threadpool_count=threadpool_count,
                            layer_idx=layer_idx, threads=threads, cpu_save=True, max_tokens=64)
@@ -197,15 +260,24 @@ def ktkernel_forward(weight_path: Path, method: str, *, num_experts: int, hidden
                      threadpool_count: int, x_bf16: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray,
                      layer_idx: int = 0, threads: int = 2) -> np.ndarray:
     """Load converted files (``.kt`` tree, or merged safetensors at the top of weight_path) and run kt-kernel's
-    CPU MoE forward.
+    CPU MoE forward (in a child process).
 
     x_bf16: uint16 [tokens, H] BF16 bits; topk_ids: int [tokens, k]; topk_weights: float32 [tokens, k].
     returns: float32 [tokens, H] (kt-kernel computes in BF16 and quantizes activations internally).
     """
+    return in_child("_forward_here", weight_path=Path(weight_path), method=method, num_experts=num_experts,
+                    hidden=hidden, intermediate=intermediate, threadpool_count=threadpool_count,
+                    x_bf16=np.asarray(x_bf16), topk_ids=np.asarray(topk_ids), topk_weights=np.asarray(topk_weights),
+                    layer_idx=layer_idx, threads=threads)
+
+
+def _forward_here(weight_path: Path, method: str, *, num_experts: int, hidden: int, intermediate: int,
+                  threadpool_count: int, x_bf16: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray,
+                  layer_idx: int, threads: int) -> np.ndarray:
+    """(child) ktkernel_forward."""
     tokens, top_k = topk_ids.shape
-    saved_env = os.environ.get("KT_FORCE_SYNC_SUBMIT")
-    os.environ["KT_FORCE_SYNC_SUBMIT"] = "1"
-    with _no_pin_memory() as torch, _restore_env("KT_FORCE_SYNC_SUBMIT", saved_env), _ktkernel_fp_mode():
+    assert os.environ.get("KT_FORCE_SYNC_SUBMIT") == "1"     # in_child sets it: a synchronous forward
+    with _no_pin_memory() as torch:
         wrapper = _wrapper(torch, method=method, weight_path=weight_path, num_experts=num_experts, top_k=top_k,
                            hidden=hidden, intermediate=intermediate, threadpool_count=threadpool_count,
                            layer_idx=layer_idx, threads=threads, cpu_save=False, max_tokens=max(tokens, 64))
@@ -219,15 +291,70 @@ def ktkernel_forward(weight_path: Path, method: str, *, num_experts: int, hidden
     return result
 
 
-@contextlib.contextmanager
-def _restore_env(name: str, value: str | None):
+def ktkernel_load_experts(path: Path, base: str) -> dict[str, np.ndarray]:
+    """kt-kernel's own BF16SafeTensorLoader on a checkpoint (in a child process): BF16 bits gate/up [E, I, H],
+    down [E, H, I] of the layer ``base`` ("model.layers.L")."""
+    return in_child("_load_experts_here", path=str(path), base=base)
+
+
+def _load_experts_here(path: str, base: str) -> dict[str, np.ndarray]:
+    """(child) ktkernel_load_experts."""
+    import torch
+    from kt_kernel.utils.loader import BF16SafeTensorLoader
+
+    loader = BF16SafeTensorLoader(path)
     try:
-        yield
+        mats = loader.load_experts(base)
     finally:
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+        loader.close_all_handles()
+    return {p: np.stack([t.contiguous().view(torch.int16).numpy().view(np.uint16) for t in mats[p]])
+            for p in ("gate", "up", "down")}
+
+
+def ktkernel_gpu_experts_masks(counts: np.ndarray, budgets: list[int]) -> dict[int, np.ndarray]:
+    """{budget: kt-kernel's generate_gpu_experts_masks(counts, budget) as bool numpy} (in a child process)."""
+    return in_child("_gpu_experts_masks_here", counts=np.asarray(counts), budgets=list(budgets))
+
+
+def _gpu_experts_masks_here(counts: np.ndarray, budgets: list[int]) -> dict[int, np.ndarray]:
+    """(child) ktkernel_gpu_experts_masks."""
+    import torch
+    from kt_kernel import generate_gpu_experts_masks
+
+    return {b: generate_gpu_experts_masks(torch.from_numpy(counts.copy()), b).numpy() for b in budgets}
+
+
+def ct_decoded_experts(folder: Path, layer: int, n_experts: int,
+                       name: str = "model.layers.{L}.mlp.experts.{e}.{p}_proj") -> tuple[np.ndarray, ...]:
+    """float32 gate/up [E, I, H], down [E, H, I] of a compressed-tensors pack-quantized checkpoint's routed experts,
+    decoded by compressed-tensors' own decompressor (an independent reader of the RAWINT4 files)."""
+    import json
+
+    import torch
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    config = QuantizationConfig.model_validate(json.loads((folder / "config.json").read_text())["quantization_config"])
+    group = next(iter(config.config_groups.values()))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"] \
+        if (folder / "model.safetensors.index.json").is_file() else None
+
+    def tensor(key: str):
+        file = folder / (index[key] if index else "model.safetensors")
+        with safe_open(str(file), "pt") as f:
+            return f.get_tensor(key)
+
+    out = []
+    for p in ("gate", "up", "down"):
+        mats = []
+        for e in range(n_experts):
+            base = name.format(L=layer, e=e, p=p)
+            packed = {n: tensor(f"{base}.{n}") for n in ("weight_packed", "weight_scale", "weight_shape")}
+            mats.append(PackedQuantizationCompressor.decompress(packed, group)["weight"].to(torch.float32).numpy())
+        out.append(np.stack(mats))
+    return tuple(out)
 
 
 def reference_moe_forward(x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray, gate: np.ndarray,

@@ -132,8 +132,13 @@ def test_ct_int4_fused_bit_exact_and_same_bytes(tiny_model, tmp_path, layout):
     # square separate tensors: compressed-tensors weights are [out, in] by definition, no flag needed
     assert all("quantizes along in-features" in o.why for o in src.orientation.values())
     assert _check_slices(fused, _ct_int4_reference) == 8 * 3
-    for method in ("amxint8", "rawint4"):
-        _same_cpu_output(per_expert, fused, tmp_path / method, method)
+    _same_cpu_output(per_expert, fused, tmp_path / "amxint8", "amxint8")
+    # rawint4: the per-expert checkpoint's tensors are carried over byte for byte (test_carry_over), the fused
+    # one's are decoded and quantized again at the same group size (carry-over reads per-expert tensors only)
+    from ktconvert.cpu.convert import convert_cpu
+
+    convert_cpu(fused, tmp_path / "rawint4", method="rawint4", numa=2, threads=2)
+    assert "carried_over" not in json.loads((tmp_path / "rawint4" / "ktconvert.json").read_text())
 
 
 def test_ct_int4_cannot_be_stored_input_major(tiny_model, tmp_path):

@@ -196,3 +196,97 @@ def test_streamed_shard_replaced_after_its_header_was_checked(tmp_path, how):
             reader.read_range(200, 128)
             reader.finish()
     assert "model.safetensors" in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- counts and calibration no router or tokenizer makes
+
+@pytest.mark.parametrize("case", ["nan", "inf", "negative", "fraction", "complex", "bool", "stride0", "pickle"])
+def test_activation_counts_a_router_cannot_produce_are_refused(tmp_path, case):
+    """plan --expert-stats / the counts loader: one InputError line naming the file, never a traceback or a long
+    computation (a 1 KB stride-0 tensor of 10^9 elements is refused without being summed)."""
+    torch = pytest.importorskip("torch")
+    from ktconvert.activation.counts import load_activation
+
+    tensors = {"nan": torch.tensor([[[float("nan"), 1.0]]]), "inf": torch.tensor([[[float("inf"), 1.0]]]),
+               "negative": torch.tensor([[[-1, 2]]]), "fraction": torch.tensor([[[0.5, 1.0]]]),
+               "complex": torch.zeros(1, 1, 2, dtype=torch.complex64), "bool": torch.ones(1, 1, 2, dtype=torch.bool),
+               "stride0": torch.zeros(1).expand(1000 * 1000 * 1000).view(1000, 1000, 1000)}
+    path = tmp_path / "counts.pt"
+    if case == "pickle":
+        import pickle
+
+        path.write_bytes(pickle.dumps({"logical_count": [1, 2]}))
+    else:
+        torch.save({"logical_count": tensors[case]}, path)
+        assert path.stat().st_size < 4096
+    with pytest.raises(InputError) as info:
+        load_activation(path)
+    assert str(path) in str(info.value) and info.value.exit_code == 3
+    ok = tmp_path / "ok.pt"
+    torch.save({"logical_count": torch.tensor([[[3, 0]]])}, ok)
+    assert load_activation(ok).counts.tolist() == [[3.0, 0.0]]
+
+
+@pytest.mark.parametrize("content, message", [(b'{"text": "caf\xe9"}\n', "not UTF-8"),
+                                              (b'{"input_ids": [true, false]}\n', "list of integers"),
+                                              (b'{"input_ids": [1, 2]}\n' + b" " * (17 << 20) + b"\n",
+                                               "longer than one sample")])
+def test_calibration_lines_no_tokenizer_makes_are_refused(tmp_path, content, message):
+    pytest.importorskip("torch")
+    from ktconvert.gptq.calibration import load_samples
+
+    path = tmp_path / "calib.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(InputError, match=message) as info:
+        load_samples(path, tmp_path)
+    assert "calib.jsonl" in str(info.value)
+
+
+@pytest.mark.parametrize("option", ["--max-length", "--num-samples"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_expert_stats_refuses_counts_below_one(tiny_model, tmp_path, option, value):
+    calib = tmp_path / "c.jsonl"
+    calib.write_text('{"input_ids": [1, 2, 3]}\n')
+    res = CliRunner().invoke(cli, ["expert-stats", str(tiny_model("qwen3_moe")), str(tmp_path / "o.pt"),
+                                   "--calibration", str(calib), option, value])
+    assert res.exit_code == 2 and option in res.output and not (tmp_path / "o.pt").exists()
+    from ktconvert.errors import UsageError
+    from ktconvert.gptq.calibration import load_samples
+
+    with pytest.raises(UsageError, match=option):
+        load_samples(calib, tmp_path, **{option[2:].replace("-", "_"): int(value)})
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "around"])
+def test_plan_refuses_an_out_that_overlaps_the_source_like_convert(tiny_model, tmp_path, where):
+    """plan refuses (exit 1, one line) the OUT that cpu / convert refuse: SRC itself, inside SRC, or holding SRC."""
+    src = tmp_path / "model"
+    shutil.copytree(tiny_model("qwen3_moe"), src)
+    out = {"same": src, "inside": src / "out", "around": tmp_path}[where]
+    for cmd in (["plan", str(src), "--method", "amxint4", str(out)], ["plan", str(src), "--cpu", str(out), "--method", "amxint4"],
+                ["cpu", str(src), str(out), "--method", "amxint4", "--quiet"]):
+        res = CliRunner().invoke(cli, cmd)
+        assert res.exit_code == 1 and "overlaps the source" in res.output, (cmd, res.output)
+    assert not (src / "out").exists()
+
+
+def test_bad_files_named_by_options_are_bad_input(tiny_model, tmp_path):
+    """convert / plan --targets of a missing file, verify --calibration of a file that is not calibration
+    samples: exit 3 (bad input, README's table), one line naming the file."""
+    src = tiny_model("qwen3_moe")
+    for cmd in ("convert", "plan"):
+        res = CliRunner().invoke(cli, [cmd, str(src), "--targets", str(tmp_path / "missing.toml")])
+        assert res.exit_code == EXIT_INPUT and "missing.toml" in res.output, res.output
+    out = tmp_path / "out"
+    assert CliRunner().invoke(cli, ["cpu", str(src), str(out), "--method", "amxint4", "--quiet"]).exit_code == 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'\xff\xfe{"text"\n')
+    res = CliRunner().invoke(cli, ["verify", str(out), "--source", str(src), "--calibration", str(bad)])
+    assert res.exit_code == EXIT_INPUT and "bad.jsonl" in res.output and "not UTF-8" in res.output, res.output
+
+
+def test_a_shape_no_numa_count_fixes_blames_the_shape(tiny_model):
+    """H = 200 fits no AMXINT4 part (k % 128): the error names the model's shape and offers no --numa value."""
+    res = CliRunner().invoke(cli, ["plan", str(tiny_model("qwen3_moe", hidden=200)), "--method", "amxint4"])
+    assert res.exit_code == EXIT_INPUT and "cannot store this model's experts (H=200" in res.output, res.output
+    assert "use --numa" not in res.output and "valid NUMA counts" not in res.output

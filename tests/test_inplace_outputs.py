@@ -70,7 +70,7 @@ def test_bf16_output_equals_source(tmp_path):
     assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
 
 
-@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("gs", [32])
 def test_rawint4_matches_compressed_tensors(tmp_path, gs):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor as PQC
     from compressed_tensors.quantization import QuantizationConfig
@@ -131,38 +131,28 @@ def test_fp8_matches_compressed_tensors_and_torch(tmp_path):
 
 
 def test_runtime_alignment_is_checked_before_writing(tmp_path):
+    with pytest.raises(ShapeError, match="I/T % 32 == 0"):
+        InplaceSink(tmp_path, METHODS.get("rawint4"), LAYERS, E, H, 256, numa=16)
     with pytest.raises(ShapeError, match="I/T % 128 == 0"):
-        InplaceSink(tmp_path, METHODS.get("rawint4").configured(128), LAYERS, E, H, 256, numa=4)
+        InplaceSink(tmp_path, METHODS.get("fp8"), LAYERS, E, H, 256, numa=4)
     with pytest.raises(ShapeError):
         InplaceSink(tmp_path, METHODS.get("fp8"), LAYERS, E, 320, 192)
-    with pytest.raises(UsageError, match="group size.*expected 32 or 64 or 128, found 48"):
+    with pytest.raises(UsageError, match="group size.*expected 32, found 48"):
         METHODS.get("rawint4").configured(48)
     assert not any(tmp_path.iterdir())
 
 
-def _ktkernel_reason(method: str) -> str | None:
-    from ktkernel_util import ktkernel_skip_reason, rawint4_skip_reason
-
-    reason = ktkernel_skip_reason(method)
-    if reason:
-        return reason
-    from kt_kernel.utils import amx
-
-    flag = {"BF16": "_HAS_BF16_SUPPORT", "FP8": "_HAS_FP8_SUPPORT", "RAWINT4": "_HAS_RAWINT4_SUPPORT"}[method]
-    avx2 = {"BF16": "_HAS_AVX2_BF16_SUPPORT", "FP8": "_HAS_AVX2_FP8_SUPPORT", "RAWINT4": "_HAS_AVX2_RAWINT4_SUPPORT"}
-    if not (getattr(amx, flag, False) or getattr(amx, avx2[method], False)):
-        return f"this kt_kernel build has no {method} backend"
-    return rawint4_skip_reason() if method == "RAWINT4" else None
-
-
+# RAWINT4 is run by test_ktkernel_e2e on whole tiny models (I = 256): kt-kernel 0.7.2's RAWINT4 crashes on this
+# file's I = 128 shape (SIGSEGV observed on an AMX host), which no real model has
 @pytest.mark.ktkernel
-@pytest.mark.parametrize("name, kt_method", [("bf16", "BF16"), ("fp8", "FP8"), ("rawint4", "RAWINT4")])
+@pytest.mark.parametrize("name, kt_method", [("bf16", "BF16"), ("fp8", "FP8")])
 def test_ktkernel_native_loaders_run_our_output(tmp_path, name, kt_method):
-    reason = _ktkernel_reason(kt_method)
+    from ktkernel_util import native_skip_reason
+
+    reason = native_skip_reason(kt_method)
     if reason:
         pytest.skip(reason)
     from ktkernel_util import ktkernel_forward, reference_moe_forward, relative_l2
-    from kt_kernel.utils.amx import NativeMoEWrapper
 
     method = METHODS.get(name)
     _write(tmp_path, method)
@@ -175,9 +165,7 @@ def test_ktkernel_native_loaders_run_our_output(tmp_path, name, kt_method):
     x = f32_to_bf16_bits(rng.standard_normal((4, H)).astype(np.float32))
     ids = np.array([[0, 1], [2, 0], [1, 2], [0, 2]])
     wts = np.full((4, 2), 0.5, np.float32)
-    NativeMoEWrapper._native_loader_instance = None
     got = ktkernel_forward(tmp_path, kt_method, num_experts=E, hidden=H, intermediate=I, threadpool_count=1,
                            x_bf16=x, topk_ids=ids, topk_weights=wts, layer_idx=L)
-    NativeMoEWrapper._native_loader_instance = None
     want = reference_moe_forward(bf16_bits_to_f32(x), ids, wts, mats["gate"], mats["up"], mats["down"])
     assert relative_l2(got, want) < 0.05

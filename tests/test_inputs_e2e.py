@@ -23,7 +23,7 @@ def test_input_through_every_method(tiny_model, tmp_path, arch, dtype):
     assert src.input_format == expected_format
     for method in METHODS:
         out = tmp_path / method
-        convert_cpu(model, out, method=method, numa=2, group_size=64, allow_drop_bias=True)
+        convert_cpu(model, out, method=method, numa=2, allow_drop_bias=True)
         result = verify(out, source=str(model), hashes=True, layers="all")
         assert result["ok"], (method, result["problems"])
         assert result["numerics"]["layers"], method
@@ -37,6 +37,6 @@ def test_gguf_through_every_method(tmp_path, fixture):
     model = Path(__file__).parent / "golden" / "gguf" / fixture
     for method in METHODS:
         out = tmp_path / method
-        convert_cpu(model, out, method=method, numa=1, group_size=64)
+        convert_cpu(model, out, method=method, numa=1)
         result = verify(out, source=str(model), hashes=True, layers="all")
         assert result["ok"], (method, result["problems"])

@@ -198,8 +198,8 @@ def test_plan_biases_and_in_place_methods(tiny_models):
     assert any("carry no bias" in n for n in p["notes"])
     b = plan(tiny_models["qwen3_moe"], method="bf16", numa=2)
     assert b["expert_bytes"] == 3 * INTER * HIDDEN * 2 and b["total_bytes"] == 2 * EXPERTS * b["expert_bytes"]
-    r = plan(tiny_models["qwen3_moe"], method="rawint4", numa=1, group_size=64)
-    assert r["expert_bytes"] == 3 * (INTER * HIDDEN // 2 + 2 * INTER * HIDDEN // 64 + 16)
+    r = plan(tiny_models["qwen3_moe"], method="rawint4", numa=1)
+    assert r["expert_bytes"] == 3 * (INTER * HIDDEN // 2 + 2 * INTER * HIDDEN // 32 + 16)
     f = plan(tiny_models["qwen3_moe"], method="fp8", numa=1)
     assert f["expert_bytes"] == 3 * (INTER * HIDDEN + 4)
     with pytest.raises(ShapeError, match="valid NUMA counts: \\[1\\]"):

@@ -12,8 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ktkernel_util import (dequantized_experts, ktkernel_forward, ktkernel_skip_reason, ktkernel_write_kt,
-                           rawint4_skip_reason, read_kt_tree, reference_moe_forward, relative_l2)
+from ktconvert.quant.bf16 import bf16_bits_to_f32
+
+from ktkernel_util import (ct_decoded_experts, dequantized_experts, ktkernel_forward, ktkernel_skip_reason,
+                           ktkernel_write_kt, native_skip_reason, rawint4_skip_reason, read_kt_tree,
+                           reference_moe_forward, relative_l2)
 
 pytestmark = pytest.mark.ktkernel
 
@@ -21,8 +24,8 @@ CASES = [("qwen3_moe", "amxint4", 2), ("deepseek_v3", "amxint8", 2), ("mixtral",
          ("qwen3_5_moe", "amxint8", 1), ("gpt_oss", "amxint4", 2)]
 
 
-@pytest.fixture(autouse=True)
-def _needs_ktkernel():
+@pytest.fixture
+def needs_ktkernel_amx():
     reason = ktkernel_skip_reason("AMXINT4")
     if reason:
         pytest.skip(reason)
@@ -42,6 +45,7 @@ def _convert(model, out, method, numa, layout):
     convert_cpu(model, out, method=method, numa=numa, layout=layout, allow_drop_bias=True)
 
 
+@pytest.mark.usefixtures("needs_ktkernel_amx")
 @pytest.mark.parametrize("family,method,numa", CASES)
 def test_every_file_equals_ktkernels(tiny_model, tmp_path, family, method, numa):
     model = tiny_model(family)
@@ -73,6 +77,7 @@ def test_every_file_equals_ktkernels(tiny_model, tmp_path, family, method, numa)
     assert compared > 0
 
 
+@pytest.mark.usefixtures("needs_ktkernel_amx")
 @pytest.mark.parametrize("family,method,numa", CASES[:3])
 def test_ktkernel_runs_our_merged_output(tiny_model, tmp_path, family, method, numa):
     from ktconvert.formats.hf_source import HFSource
@@ -97,97 +102,69 @@ def test_ktkernel_runs_our_merged_output(tiny_model, tmp_path, family, method, n
     assert relative_l2(got, ref) < 0.05
 
 
-RAWINT4_FORWARD = """
-import sys, numpy as np
-sys.path.insert(0, {tests!r})
-from ktkernel_util import ktkernel_forward
-x = np.load({x!r}); ids = np.load({ids!r}); w = np.load({w!r})
-out = ktkernel_forward({path!r}, "RAWINT4", num_experts={E}, hidden={H}, intermediate={I}, threadpool_count=1,
-                       x_bf16=x, topk_ids=ids, topk_weights=w, layer_idx={L})
-np.save({dest!r}, out)
-"""
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "mixtral", "qwen3_5_moe", "gpt_oss"])
+def test_ktkernel_rawint4_forward_matches_an_independent_decode(tiny_model, tmp_path, family):
+    """`ktconvert cpu --method rawint4` (group 32, the default) of each family's tiny model: kt-kernel 0.7.2's RAWINT4
+    forward on our files agrees with a float64 forward of the weights compressed-tensors' own decompressor reads
+    from the same files within 2 % rel L2 (measured 0.013 on an AMX host)."""
+    reason = rawint4_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from ktconvert.cpu.convert import convert_cpu
+    from ktconvert.formats.hf_source import HFSource
+
+    model = tiny_model(family)
+    info = HFSource.open(model).info
+    out = tmp_path / "rawint4"
+    convert_cpu(model, out, method="rawint4", allow_drop_bias=True)
+    for layer in info.moe_layers:
+        got, (x, ids, weights) = _native_forward(out, "RAWINT4", info, layer)
+        want = reference_moe_forward(bf16_bits_to_f32(x), ids, weights, *ct_decoded_experts(out, layer, info.n_experts))
+        err = relative_l2(got, want)
+        assert np.isfinite(got).all() and err < 0.02, f"layer {layer}: kt-kernel vs decoded files rel L2 {err:.4g}"
 
 
-def _rawint4_forward(path, info, layer, tmp_path, name):
-    """kt-kernel's RAWINT4 forward in a child process (0.7.2 segfaults on some shapes, e.g. I = 128, even on
-    llmcompressor's own files; a crash must fail this test, not kill the test run)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def _native_forward(out, kt_method, info, layer):
+    """kt-kernel's forward of one MoE layer of `out` on seeded BF16 activations, 8 tokens, top-2."""
     from ktconvert.quant.bf16 import f32_to_bf16_bits
 
     rng = np.random.default_rng(7)
-    files = {k: tmp_path / f"{name}-{k}.npy" for k in ("x", "ids", "w", "out")}
-    np.save(files["x"], f32_to_bf16_bits(rng.standard_normal((8, info.hidden)).astype(np.float32)))
-    np.save(files["ids"], np.stack([rng.choice(info.n_experts, 2, replace=False) for _ in range(8)]))
-    np.save(files["w"], rng.random((8, 2)).astype(np.float32))
-    code = RAWINT4_FORWARD.format(tests=str(Path(__file__).parent), x=str(files["x"]), ids=str(files["ids"]),
-                                  w=str(files["w"]), path=str(path), E=info.n_experts, H=info.hidden,
-                                  I=info.intermediate, L=layer, dest=str(files["out"]))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**__import__("os").environ, "KT_FORCE_SYNC_SUBMIT": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return np.load(files["out"])
-
-
-@pytest.mark.slow
-def test_ktkernel_rawint4_runs_ours_exactly_like_llmcompressors(tiny_model, tmp_path):
-    """Our rawint4 output and llmcompressor's model_free_ptq W4A16 output of the same source give kt-kernel's
-    RAWINT4 forward bit-identical results (a real third-party writer of the same format)."""
-    if rawint4_skip_reason():
-        pytest.skip(rawint4_skip_reason())
-    from llmcompressor import model_free_ptq
-
-    from ktconvert.formats.hf_source import HFSource
-    from ktconvert.cpu.convert import convert_cpu
-
-    model = tiny_model("deepseek_v3")
-    info = HFSource.open(model).info
-    ours, theirs = tmp_path / "ours", tmp_path / "llmc"
-    convert_cpu(model, ours, method="rawint4", group_size=128)
-    model_free_ptq(str(model), str(theirs), scheme="W4A16", device="cpu", max_workers=1,
-                   ignore=["lm_head", r"re:.*mlp\.gate$", r"re:.*embed_tokens$", r"re:.*self_attn.*",
-                           r"re:.*shared_experts.*", r"re:model\.layers\.0\.mlp.*"])
-    layer = info.moe_layers[-1]
-    got = _rawint4_forward(ours, info, layer, tmp_path, "ours")
-    want = _rawint4_forward(theirs, info, layer, tmp_path, "llmc")
-    assert np.isfinite(got).all() and np.array_equal(got, want)
+    x = f32_to_bf16_bits(rng.standard_normal((8, info.hidden)).astype(np.float32))
+    ids = np.stack([rng.choice(info.n_experts, 2, replace=False) for _ in range(8)])
+    weights = rng.random((8, 2)).astype(np.float32)
+    got = ktkernel_forward(out, kt_method, num_experts=info.n_experts, hidden=info.hidden,
+                           intermediate=info.intermediate, threadpool_count=1, x_bf16=x, topk_ids=ids,
+                           topk_weights=weights, layer_idx=layer)
+    return got, (x, ids, weights)
 
 
 @pytest.mark.parametrize("method,kt_method", [("bf16", "BF16"), ("fp8", "FP8"), ("rawint4", "RAWINT4")])
 def test_ktkernel_native_methods_run_our_outputs(tiny_model, tmp_path, method, kt_method):
     """`ktconvert cpu --method bf16|fp8|rawint4` of a whole tiny model, loaded by kt-kernel's native backends: its
-    forward matches a float reference built from the decoded output weights."""
+    forward matches a float reference built from the decoded output weights (RAWINT4: decoded by
+    compressed-tensors, within 2 %)."""
     from ktconvert.formats.hf_source import HFSource
     from ktconvert.formats.decoders import decode_matrix, detect_scheme
     from ktconvert.formats.safetensors_reader import Checkpoint
     from ktconvert.cpu.convert import convert_cpu
-    from ktconvert.quant.bf16 import bf16_bits_to_f32
 
-    if kt_method == "RAWINT4" and rawint4_skip_reason():
-        pytest.skip(rawint4_skip_reason())
+    reason = rawint4_skip_reason() if kt_method == "RAWINT4" else native_skip_reason(kt_method)
+    if reason:
+        pytest.skip(reason)
     model = tiny_model("deepseek_v3")
     info = HFSource.open(model).info
     out = tmp_path / method
-    convert_cpu(model, out, method=method, group_size=128)
+    convert_cpu(model, out, method=method)
     layer = info.moe_layers[-1]
+    got, (x, ids, weights) = _native_forward(out, kt_method, info, layer)
     if kt_method == "RAWINT4":
-        got = _rawint4_forward(out, info, layer, tmp_path, method)
-        x, ids, weights = (np.load(tmp_path / f"{method}-{k}.npy") for k in ("x", "ids", "w"))
+        mats = dict(zip(("gate", "up", "down"), ct_decoded_experts(out, layer, info.n_experts)))
     else:
-        from ktconvert.quant.bf16 import f32_to_bf16_bits
-
-        rng = np.random.default_rng(7)
-        x = f32_to_bf16_bits(rng.standard_normal((8, info.hidden)).astype(np.float32))
-        ids = np.stack([rng.choice(info.n_experts, 2, replace=False) for _ in range(8)])
-        weights = rng.random((8, 2)).astype(np.float32)
-        got = ktkernel_forward(out, kt_method, num_experts=info.n_experts, hidden=info.hidden,
-                               intermediate=info.intermediate, threadpool_count=1, x_bf16=x, topk_ids=ids,
-                               topk_weights=weights, layer_idx=layer)
-    ck = Checkpoint.open(out)
-    scheme = detect_scheme(ck.config)
-    mats = {p: np.stack([bf16_bits_to_f32(decode_matrix(ck, f"model.layers.{layer}.mlp.experts.{e}.{p}_proj", scheme))
-                         for e in range(info.n_experts)]) for p in ("gate", "up", "down")}
+        ck = Checkpoint.open(out)
+        scheme = detect_scheme(ck.config)
+        mats = {p: np.stack([bf16_bits_to_f32(decode_matrix(ck, f"model.layers.{layer}.mlp.experts.{e}.{p}_proj",
+                                                            scheme)) for e in range(info.n_experts)])
+                for p in ("gate", "up", "down")}
     want = reference_moe_forward(bf16_bits_to_f32(x), ids, weights, mats["gate"], mats["up"], mats["down"])
-    assert relative_l2(got, want) < 0.05
+    assert relative_l2(got, want) < (0.02 if kt_method == "RAWINT4" else 0.05)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from ktkernel_util import ktkernel_skip_reason, ktkernel_write_kt, read_kt_tree
+from ktkernel_util import ktkernel_load_experts, ktkernel_skip_reason, ktkernel_write_kt, read_kt_tree
 
 pytestmark = pytest.mark.ktkernel
 
@@ -22,21 +22,6 @@ def _needs_ktkernel():
     reason = ktkernel_skip_reason("AMXINT4")
     if reason:
         pytest.skip(reason)
-
-
-def _ktkernel_layer(path, layer: int, prefix: str):
-    """kt-kernel's own loader on the fused checkpoint: BF16 bits gate/up [E, I, H], down [E, H, I]."""
-    import numpy as np
-    import torch
-    from kt_kernel.utils.loader import BF16SafeTensorLoader
-
-    loader = BF16SafeTensorLoader(str(path))
-    try:
-        mats = loader.load_experts(f"{prefix}layers.{layer}")
-    finally:
-        loader.close_all_handles()
-    return {p: np.stack([t.contiguous().view(torch.int16).numpy().view(np.uint16) for t in mats[p]])
-            for p in ("gate", "up", "down")}
 
 
 @pytest.mark.parametrize("model_type,method,numa", [("qwen3_moe", "amxint4", 2), ("deepseek_v3", "amxint8", 1),
@@ -54,7 +39,7 @@ def test_ktkernel_on_fused_checkpoint_equals_ours(tiny_model, tmp_path, model_ty
     convert_cpu(fused, ours, method=method, numa=numa, layout="kt", threads=2)
     theirs = tmp_path / "theirs"
     for layer in src.info.moe_layers:   # "model.layers.L": the loader tries "model.language_model.layers.L" itself
-        mats = _ktkernel_layer(fused, layer, "model.")
+        mats = ktkernel_load_experts(fused, f"model.layers.{layer}")
         assert mats["gate"].shape == (src.info.n_experts, src.info.intermediate, src.info.hidden)
         ktkernel_write_kt(theirs, method.upper(), mats["gate"], mats["up"], mats["down"], numa, layer_idx=layer)
     want, got = read_kt_tree(theirs), read_kt_tree(ours)

@@ -52,10 +52,12 @@ def test_every_registered_method_is_complete():
 
 def test_group_sizes_are_validated_and_listed():
     raw = METHODS.get("rawint4")
-    assert raw.configured(64).group_size == 64 and raw.configured(None) is raw
-    with pytest.raises(UsageError) as info:
-        raw.configured(100)
-    assert "expected 32 or 64 or 128, found 100" in str(info.value) and info.value.exit_code == EXIT_USAGE
+    assert raw.configured(32) is raw and raw.configured(None) is raw and raw.group_size == 32
+    for size in (64, 100, 128):
+        with pytest.raises(UsageError) as info:
+            raw.configured(size)
+        assert f"expected 32, found {size}" in str(info.value) and info.value.exit_code == EXIT_USAGE
+        assert "kt-kernel 0.7.2" in str(info.value)
     assert METHODS.get("amxint8").configured(64) is METHODS.get("amxint8")   # no groups: the value is unused
     with pytest.raises(UsageError, match="does not write LLAMAFILE"):
         METHODS.get("llamafile").configured()
@@ -66,8 +68,36 @@ def test_cpu_rawint4_bad_group_size_is_a_usage_error_before_writing(tiny_model, 
     result = CliRunner().invoke(cli, ["cpu", str(tiny_model("qwen3_moe")), str(out), "--method", "rawint4",
                                       "--group-size", "100", "--quiet"])
     assert result.exit_code == EXIT_USAGE, result.output
-    assert "unsupported group size for RAWINT4" in result.output and "32 or 64 or 128" in result.output
-    assert "NUMA" not in result.output and not out.exists()
+    assert "unsupported group size for RAWINT4" in result.output and "expected 32, found 100" in result.output
+    assert "kt-kernel 0.7.2" in result.output and "NUMA" not in result.output and not out.exists()
+
+
+@pytest.mark.parametrize("size", ["64", "128"])
+def test_cpu_rawint4_refuses_group_sizes_kt_kernel_cannot_run(tiny_model, tmp_path, size):
+    """kt-kernel 0.7.2's RAWINT4 returns garbage / NaN at group 64 / 128: refused (exit 2) before OUT exists, by
+    plan as by cpu, naming the kt-kernel limit."""
+    out = tmp_path / "out"
+    for cmd in (["cpu", str(tiny_model("qwen3_moe")), str(out)], ["plan", str(tiny_model("qwen3_moe"))]):
+        result = CliRunner().invoke(cli, cmd + ["--method", "rawint4", "--group-size", size, "--quiet"]
+                                    if cmd[0] == "cpu" else cmd + ["--method", "rawint4", "--group-size", size])
+        assert result.exit_code == EXIT_USAGE, result.output
+        assert f"expected 32, found {size}" in result.output and "kt-kernel 0.7.2" in result.output
+    assert not out.exists()
+
+
+def test_rawint4_default_group_size_is_32(tiny_model, tmp_path):
+    """Without --group-size rawint4 writes group 32 (weight_scale [n, k/32]), the size kt-kernel runs."""
+    import json
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["cpu", str(tiny_model("qwen3_moe")), str(out), "--method", "rawint4",
+                                      "--quiet"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "ktconvert.json").read_text())
+    assert manifest["group_size"] == 32
+    config = json.loads((out / "config.json").read_text())
+    group = next(iter(config["quantization_config"]["config_groups"].values()))
+    assert group["weights"]["group_size"] == 32
 
 
 @pytest.mark.parametrize("name", ["amxint4", "fp8"])
@@ -121,3 +151,20 @@ def test_cpu_rawint4_says_it_needs_amx_where_the_cpu_lacks_it(tiny_model, tmp_pa
     result = CliRunner().invoke(cli, ["cpu", str(tiny_model("qwen3_moe")), str(tmp_path / "raw2"), "--method",
                                       "rawint4", "--quiet"])
     assert result.exit_code == 0 and "AMX" not in result.stdout
+
+
+@pytest.mark.parametrize("method", ["bf16", "rawint4", "fp8"])
+@pytest.mark.parametrize("quant", ["mse", "gptq"])
+def test_a_quantizer_the_method_does_not_take_is_refused_before_out_exists(tiny_model, tmp_path, method, quant):
+    """--quant mse / gptq with an in-place method used to write --quant rtn's bytes and record the option: now
+    exit 2 naming what works, before OUT exists, in cpu and plan alike."""
+    calib = tmp_path / "c.jsonl"
+    calib.write_text('{"input_ids": [1, 2, 3]}\n')
+    extra = ["--calibration", str(calib)] if quant == "gptq" else []
+    out = tmp_path / "out"
+    for cmd in (["cpu", str(tiny_model("qwen3_moe")), str(out), *extra], ["plan", str(tiny_model("qwen3_moe"))]):
+        result = CliRunner().invoke(cli, cmd + ["--method", method, "--quant", quant])
+        assert result.exit_code == EXIT_USAGE, result.output
+        assert f"--quant {quant} does not apply to --method {method}; expected rtn" in result.output
+    assert not out.exists()
+    assert METHODS.get("amxint4").quants == ("rtn", "mse", "gptq") and METHODS.get(method).quants == ("rtn",)

@@ -17,7 +17,7 @@ def outputs(tiny_model, tmp_path_factory):
     outs = {}
     for method in ("bf16", "rawint4", "fp8"):
         out = tmp_path_factory.mktemp("inplace") / method
-        convert_cpu(model, out, method=method, numa=2, group_size=64)
+        convert_cpu(model, out, method=method, numa=2)
         outs[method] = out
     return model, outs
 

@@ -128,10 +128,15 @@ def load_activation(path, n_layers: int | None = None, n_experts: int | None = N
         raise InputError("SGLang-KT reads activation counts only from a file whose name ends in .pt",
                          file=str(path), found=path.suffix or "no suffix")
     check_regular(path, "activation counts file")
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise InputError("activation counts file too large to be counts", file=str(path),
+                         expected=f"at most {MAX_FILE_BYTES} bytes", found=f"{size} bytes")
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError, ValueError) as exc:
-        raise InputError(f"cannot load the file as SGLang-KT does (torch.load weights_only=True): {exc}",
+    except Exception as exc:  # noqa: BLE001 - anything torch / pickle raises on a file it refuses
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise InputError(f"cannot load the file as SGLang-KT does (torch.load weights_only=True): {reason}",
                          file=str(path)) from None
     meta = {}
     if isinstance(data, dict):
@@ -148,4 +153,36 @@ def load_activation(path, n_layers: int | None = None, n_experts: int | None = N
         if want is not None and want != got:
             raise InputError(f"activation counts do not fit the model: {what} differs", file=str(path),
                              tensor=COUNT_KEY, expected=str(want), found=str(got))
+    _check_counts(data, path)
     return ExpertActivation(data.sum(dim=0).float().numpy(), meta)
+
+
+MAX_FILE_BYTES = 64 << 20     # counts of 8 snapshots x 256 layers x 4096 experts in int64: far larger than real
+
+
+def _check_counts(data, path: Path) -> None:
+    """Counts a router can produce: integers (or whole-number floats) >= 0, finite, each element stored once (a
+    stride-0 view would make a tiny file cost minutes of summing)."""
+    import torch
+
+    where = dict(file=str(path), tensor=COUNT_KEY)
+    allowed = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+               torch.float32, torch.float64)
+    if data.dtype not in allowed:
+        raise InputError("activation counts must be integers", expected="an integer or float tensor",
+                         found=str(data.dtype).replace("torch.", ""), **where)
+    if data.numel() * data.element_size() > data.untyped_storage().nbytes():
+        raise InputError("activation counts tensor repeats its storage (a strided view, not counts)",
+                         expected=f"{data.numel()} stored elements", found=f"{list(data.stride())} strides", **where)
+    if data.numel() * data.element_size() > MAX_FILE_BYTES:
+        raise InputError("activation counts tensor too large", expected=f"at most {MAX_FILE_BYTES} bytes",
+                         found=f"{data.numel() * data.element_size()} bytes", **where)
+    if data.is_floating_point():
+        bad = ~torch.isfinite(data) | (data < 0) | (data != torch.round(data))
+        if bool(bad.any()):
+            value = data[bad].flatten()[0].item()
+            raise InputError("activation counts must be whole numbers >= 0 (token counts)",
+                             expected="finite, non-negative, integral values", found=repr(value), **where)
+    elif bool((data < 0).any()):
+        raise InputError("activation counts must be >= 0 (token counts)", expected="non-negative values",
+                         found=repr(data[data < 0].flatten()[0].item()), **where)

@@ -9,6 +9,7 @@ OUT.pt (``counts.write_activation``), optionally with an HTML picture (``activat
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ktconvert import __version__
@@ -136,7 +137,7 @@ def _check_targets(out: Path, targets: list[Path], force: bool) -> None:
         raise OutputError("SGLang-KT reads activation counts only from a file whose name ends in .pt",
                           file=str(out), found=out.suffix or "no suffix")
     for path in targets:
-        if path.exists() and not force:
+        if os.path.lexists(path) and not force:       # a symlink too: replaced with --force, never followed
             raise OutputError("file exists", file=str(path), hint="pass --force to overwrite it")
         if not path.parent.is_dir():
             raise OutputError("folder does not exist", file=str(path.parent))

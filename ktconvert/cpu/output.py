@@ -12,13 +12,19 @@ from ktconvert.output import Output
 
 class LayerConsumer:
     """One layer of a CPU output: each expert matrix is written by the method (NUMA split + quantize + tile, or
-    encoded whole for in-place methods) into the sink's layer writer."""
+    encoded whole for in-place methods) into the sink's layer writer; with `carry` the source's stored tensors
+    are written as they are instead (methods' carry_over)."""
 
-    def __init__(self, writer, method, numa: int, quant: str):
-        self.writer, self.method, self.numa, self.quant = writer, method, numa, quant
+    def __init__(self, writer, method, numa: int, quant: str, carry: bool = False):
+        self.writer, self.method, self.numa, self.quant, self.carry = writer, method, numa, quant, carry
 
-    def put_matrix(self, proj: str, expert: int, w, where: str) -> None:
-        """w: uint16 BF16 bits, gate/up [I, H], down [H, I]."""
+    def put_matrix(self, proj: str, expert: int, w, where: str, stored=None) -> None:
+        """w: uint16 BF16 bits, gate/up [I, H], down [H, I]; stored: () -> {suffix: array} of the matrix as the
+        source stores it."""
+        if self.carry:
+            with profile.span("copy.cpu", w.nbytes):
+                self.writer.put_stored(proj, expert, self.method.carried(stored()))
+            return
         with profile.span("quantize.cpu", w.nbytes):
             self.method.write_matrix(self.writer, proj, expert, w, numa=self.numa, quant=self.quant, where=where)
 
@@ -42,6 +48,9 @@ class CpuOutput(Output):
         self.run_notes: list[str] = []
         self.run_details: dict = {}
         self.manifest_extra: dict = {}   # ktconvert.json keys a calibrated run adds ("gptq", gptq/cpu.py)
+        # the source's experts already are this method's tensors: copied byte for byte (None: quantized here)
+        self.carried_over = None if plan.options.quant == "gptq" else \
+            self.method.carry_over(self.source, self.all_layers)
 
     def open(self) -> bool:
         if not super().open():
@@ -57,7 +66,8 @@ class CpuOutput(Output):
         return f"convert {self.method.kt_method} T={self.options.numa}"
 
     def begin_layer(self, layer: int) -> LayerConsumer:
-        return LayerConsumer(self.sink.begin_layer(layer), self.method, self.options.numa, self.options.quant)
+        return LayerConsumer(self.sink.begin_layer(layer), self.method, self.options.numa, self.options.quant,
+                             carry=self.carried_over is not None)
 
     def finish_files(self) -> LayerResult:
         """The dense shard (include_dense), the index, config (with the method's quantization_config where it has
@@ -74,10 +84,18 @@ class CpuOutput(Output):
         o = self.options
         return {"method": self.method.kt_method, "numa": o.numa, "layout": o.layout, "quant": o.quant,
                 "include_dense": o.include_dense, "flags": self.method.flags(o.numa),
-                "extra": {**self.method.manifest_fields(), **self.manifest_extra}}
+                "extra": {**self.method.manifest_fields(), **self.manifest_extra, **self._carry_field()}}
+
+    def _carry_field(self) -> dict:
+        if self.carried_over is None:
+            return {}
+        return {"carried_over": {"source_format": self.carried_over, "quant": "not applied: the routed experts' "
+                                 "stored bytes are copied unchanged"}}
 
     def notes(self) -> list[str]:
-        return self.run_notes + self.method.runtime_notes(cpu_flags())
+        carried = [f"routed experts carried over byte for byte ({self.carried_over}), not requantized"] \
+            if self.carried_over else []
+        return carried + self.run_notes + self.method.runtime_notes(cpu_flags())
 
     def details(self) -> dict:
         return dict(self.run_details)

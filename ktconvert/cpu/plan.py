@@ -32,8 +32,8 @@ GPTQ_DAMPENING, GPTQ_MIN_TOKENS = GptqOptions.dampening, SelectionOptions.min_to
 class CpuOptions(Options):
     """What a CPU output is: method (a registered CPU method: amxint4, amxint8, bf16, fp8, rawint4), numa (T, =
     SGLang's --kt-threadpool-count), layout ("safetensors" merged shards or the "kt" tree), quant (the per-row
-    quantizer: "rtn", "mse", or "gptq" with calibration, a JSON-lines file), group_size (rawint4: 32, 64 or 128;
-    None = 128), include_dense (also the non-expert tensors), include_mtp (also the MTP layers' experts),
+    quantizer: "rtn", "mse", or "gptq" with calibration, a JSON-lines file), group_size (rawint4: 32,
+    the only size kt-kernel 0.7.2 runs; None = the method's default), include_dense (also the non-expert tensors), include_mtp (also the MTP layers' experts),
     allow_drop_bias (convert although non-zero expert biases are dropped); with gptq: dampening (GPTQ's relative
     Hessian dampening) and min_tokens (routed calibration tokens an expert needs before GPTQ is tried;
     ktconvert.gptq.holdout)."""
@@ -54,7 +54,12 @@ class CpuOptions(Options):
 
     def check(self) -> None:
         """UsageError for a method, group size, layout or quantizer that cannot work together."""
-        self.method_class()
+        method = self.method_class()
+        if self.quant in ROW_QUANT.names() + ["gptq"] and self.quant not in method.quants:
+            raise UsageError(f"--quant {self.quant} does not apply to --method {method.name}",
+                             expected=" or ".join(method.quants), found=self.quant,
+                             hint=f"{method.kt_method} is written without a quantizer choice" if method.quants ==
+                             ("rtn",) else None)
         self._check_quant()
 
     def method_class(self) -> type[CpuMethod]:
@@ -139,6 +144,8 @@ def plan_cpu(src, options: CpuOptions, out=None, threads: int | None = None) -> 
     else:
         sizes.hf_tensor_files(report, layers, method)
     report.update(sizes.peak_ram(source, H, I, T, threads))
+    if out:
+        input.check_output(out)
     _add_disk(report, source, out)
     report["notes"] += _notes(source, method, info, options)
     return CpuPlan(input, options, method, layers, report)
@@ -151,6 +158,11 @@ def _notes(source, method, info, options: CpuOptions) -> list[str]:
                      "(`cpu` refuses non-zero biases unless --allow-drop-bias)")
     if info.mtp_layers and not options.include_mtp and source.present_mtp_layers():
         notes.append(f"MTP layers {list(source.present_mtp_layers())} not converted (--include-mtp)")
+    carried = None if options.quant == "gptq" else \
+        method.carry_over(source, source.all_layers(options.include_mtp))
+    if carried:
+        notes.append(f"the routed experts are already {method.kt_method}'s tensors ({carried}): carried over "
+                     "byte for byte, not requantized")
     return notes + method.runtime_notes(cpu_flags())
 
 

@@ -137,6 +137,17 @@ class Source:
         """Bytes of one MatrixJob (uint8, exactly its range) -> {proj: uint16 BF16 bits in HF orientation}."""
         raise NotImplementedError
 
+    def stored_specs(self, layer: int, expert: int) -> dict | None:
+        """{proj: {suffix: (safetensors dtype, shape)}} of one expert's matrices as the source stores them, each its
+        own tensors named ``<module>.<suffix>`` (headers only); None where they are not stored that way (fused
+        tensors, GGUF). An output whose tensors these already are copies them (methods' carry_over)."""
+        return None
+
+    def stored_arrays(self, job, raw) -> dict:
+        """{suffix: array} of one per-expert MatrixJob's stored tensors exactly as stored (its bytes `raw` plus
+        the partner tensors read here); only for sources whose stored_specs are not None."""
+        raise NotImplementedError
+
     def read_expert(self, layer: int, expert: int) -> ExpertWeights:
         """One expert, read on its own (verification): gate/up [I, H], down [H, I] + float32 biases."""
         raise NotImplementedError

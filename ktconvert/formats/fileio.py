@@ -11,11 +11,20 @@
   ``copy_hashed`` copies a file and hashes the bytes it copies (one read).
 * ``write_atomic(path, data)``: written as ``.NAME.partial`` in the same folder, renamed when complete
   (``temp_path_for``), fsynced with its folder (``fsync_dir``) unless the caller fsyncs in bulk.
+* No write ever goes through a symlink (someone able to create files in a shared OUT could otherwise make a
+  root-run ktconvert clobber any file): every writer creates its files with ``NewFile`` (a temporary name made
+  ``O_CREAT|O_EXCL|O_NOFOLLOW`` after whatever stood there was removed, a link itself and never its target; every
+  step taken relative to the folder's descriptor, ``open_dir``; renamed over the final name, which replaces a link
+  standing there instead of writing through it), ``create_new`` for a file that is not renamed, and ``open_lock``
+  for OUT's lock file (a symlink there is refused). A refusal is an OutputError naming the path.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,29 +141,33 @@ def hash_file(path, content_git: bool = False, kind: str = "read.output") -> tup
     return (size, *hasher.hexdigests())
 
 
-def copy_hashed(source, target) -> tuple[int, str, str]:
-    """Copy regular file `source` (InputError otherwise) to the new file `target`, fsynced, in one sequential read
-    whose bytes are also hashed: (size, sha256 hex, git blob id hex) of what was copied. OutputError (target
-    removed) when it cannot be written."""
+def copy_hashed(source, target, check=None, within=None) -> tuple[int, str, str]:
+    """Copy regular file `source` (InputError otherwise) to `target` by way of its temporary name (``NewFile``:
+    never through a symlink; `within`: as NewFile's), fsynced, in one sequential read whose bytes are also hashed:
+    (size, sha256 hex, git blob id hex) of what was copied. check(sha256), when given, runs before the rename and
+    may raise (the temporary is then removed, `target` untouched). OutputError when it cannot be written."""
     source, target = Path(source), Path(target)
     size = check_regular(source, "file").st_size
     hasher = FileHasher(size)
+    new = NewFile(target, within=within)
     try:
-        with open(target, "wb", buffering=0) as fh, ThreadPoolExecutor(1) as pool:
+        with os.fdopen(new.fd, "wb", buffering=0, closefd=False) as fh, ThreadPoolExecutor(1) as pool:
             for chunk in _read_chunks(source, size):
                 hashed = pool.submit(hasher.update, chunk)      # hashlib releases the GIL: hash while writing
                 with profile.span("write", len(chunk)):
                     fh.write(chunk)
                 hashed.result()                                 # before the next read reuses the buffer
-            with profile.span("fsync"):
-                os.fsync(fh.fileno())
+        digests = hasher.hexdigests()
+        if check is not None:
+            check(digests[0])
+        new.commit()
     except OSError as exc:
-        target.unlink(missing_ok=True)
+        new.discard()
         raise OutputError(f"cannot write file ({exc.strerror})", file=str(target)) from None
     except BaseException:
-        target.unlink(missing_ok=True)
+        new.discard()
         raise
-    return (size, *hasher.hexdigests())
+    return (size, *digests)
 
 
 def hash_safetensors(path, header: ShardHeader | None = None,
@@ -218,23 +231,190 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data, durable: bool = True) -> None:
-    """Write bytes-like `data` to `path` via ``.NAME.partial`` in the same folder, then rename.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+REFUSED = "refusing to write through it"
+
+
+def open_dir(path, within=None) -> int:
+    """A read-only descriptor of folder `path`, to create, rename and remove names in (``dir_fd=``): whatever the
+    path names later, the steps taken through the descriptor stay in this folder. The path's own symlinks are
+    followed (OUT may be a link its owner made), unless `within` is given: `path` then lies inside folder `within`
+    and each folder below `within` is opened without following a symlink, created when missing (OutputError naming
+    one that is a symlink or no folder)."""
+    if within is None:
+        try:
+            return os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+        except OSError as exc:
+            raise OutputError(f"cannot open folder ({exc.strerror})", file=str(path)) from None
+    fd, current = open_dir(within), Path(within)
+    try:
+        for part in Path(path).relative_to(within).parts:
+            current = current / part
+            try:
+                os.mkdir(part, dir_fd=fd)       # never follows: a symlink standing there is left for the open
+            except FileExistsError:
+                pass
+            try:
+                inner = os.open(part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise OutputError(f"folder is a symlink or not a folder; {REFUSED}", file=str(current),
+                                      hint="remove it (ktconvert never makes one)") from None
+                raise OutputError(f"cannot open folder ({exc.strerror})", file=str(current)) from None
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def remove_name(path, dir_fd: int | None = None) -> None:
+    """Remove whatever stands at `path` (its name inside folder `dir_fd` when given): a file, or a symlink itself,
+    never what it points to; nothing there is fine. OutputError when it is a folder or cannot be removed."""
+    try:
+        os.unlink(Path(path).name if dir_fd is not None else path, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno in (errno.EISDIR, errno.EPERM):
+            try:
+                is_dir = stat.S_ISDIR(os.lstat(Path(path).name if dir_fd is not None else path,
+                                               dir_fd=dir_fd).st_mode)
+            except OSError:
+                is_dir = False
+            if is_dir:
+                raise OutputError("a folder stands at a file's name", file=str(path), hint="remove it") from None
+        raise OutputError(f"cannot remove what stands at a file's name ({exc.strerror})", file=str(path),
+                          hint="remove it") from None
+
+
+def remove_tree(path) -> None:
+    """Remove whatever stands at `path`: a folder with everything in it (``shutil.rmtree``, which follows no
+    symlink inside), a file, or a symlink (the link itself, never its target); nothing there is fine."""
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return
+    if is_dir:
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def create_new(path, flags: int = os.O_WRONLY, mode: int = 0o644, dir_fd: int | None = None) -> int:
+    """A descriptor of the new, empty file `path` (its name inside folder `dir_fd` when given): whatever stood
+    there is removed first (``remove_name``: a symlink itself, never its target), then the file is created
+    ``O_CREAT|O_EXCL|O_NOFOLLOW``, so nothing put there meanwhile can redirect the write: OutputError naming it
+    (like any failure to create it)."""
+    name = Path(path).name if dir_fd is not None else path
+    remove_name(path, dir_fd)
+    try:
+        return os.open(name, flags | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode, dir_fd=dir_fd)
+    except FileExistsError:
+        raise OutputError(f"a file or symlink appeared at this name while it was being created; {REFUSED}",
+                          file=str(path), hint="something else writes this folder: stop it") from None
+    except OSError as exc:
+        raise OutputError(f"cannot create file ({exc.strerror})", file=str(path)) from None
+
+
+def open_lock(path) -> int:
+    """A read-write descriptor of lock file `path`, created when missing, never through a symlink: OutputError
+    naming it when it is a symlink, not a regular file, or a hard link of another file (the lock is truncated to the
+    holder's pid). Other OSErrors of the open are raised as they are."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise OutputError(f"lock file is a symlink; {REFUSED}", file=str(path),
+                          hint="remove it (ktconvert never makes one)") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:       # 0: its holder just removed it (the caller retries)
+        os.close(fd)
+        raise OutputError(f"lock file is not a regular file of its own; {REFUSED}", file=str(path),
+                          found="a hard link" if stat.S_ISREG(st.st_mode) else "not a regular file",
+                          hint="remove it (ktconvert never makes one)")
+    return fd
+
+
+class NewFile:
+    """File `path` being created by way of the temporary name `temp` (default ``temp_path_for(path)``, in the same
+    folder), never through a symlink: the folder is opened once (``open_dir(path.parent, within)``) and every step is
+    taken relative to its descriptor; the temporary is ``create_new``'s; ``commit`` renames it over `path` (a symlink
+    standing there is replaced itself, never followed), ``discard`` removes it (`path` untouched)::
+
+        new = NewFile(path, os.O_RDWR)     # new.fd: the temporary, open with these flags
+        ... write new.fd ...; new.commit()   # or new.discard() on failure
+    """
+
+    def __init__(self, path, flags: int = os.O_WRONLY, temp=None, within=None, mode: int = 0o644):
+        self.path = Path(path)
+        self.temp = temp_path_for(self.path) if temp is None else Path(temp)
+        if self.temp.parent != self.path.parent:
+            raise ValueError(f"temporary {self.temp} is not beside {self.path}")
+        self.dir_fd: int | None = open_dir(self.path.parent, within)
+        try:
+            self.fd: int | None = create_new(self.temp, flags, mode, dir_fd=self.dir_fd)
+        except BaseException:
+            os.close(self.dir_fd)
+            raise
+
+    def commit(self, durable: bool = True, synced: bool = False) -> None:
+        """Close the temporary and rename it over `path`. durable: fsync the file (unless `synced`: the caller
+        did) before, the folder after. OSError as raised (the temporary removed)."""
+        try:
+            if durable and not synced:
+                with profile.span("fsync"):
+                    os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = None
+            os.replace(self.temp.name, self.path.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        except BaseException:
+            self.discard()
+            raise
+        try:
+            if durable:
+                with profile.span("fsync"):
+                    os.fsync(self.dir_fd)
+        except OSError:
+            pass
+        finally:
+            os.close(self.dir_fd)
+            self.dir_fd = None
+
+    def discard(self) -> None:
+        """Close and remove the temporary (idempotent; `path` is never touched)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.dir_fd is not None:
+            try:
+                os.unlink(self.temp.name, dir_fd=self.dir_fd)
+            except OSError:
+                pass
+            os.close(self.dir_fd)
+            self.dir_fd = None
+
+
+def write_atomic(path: Path, data, durable: bool = True, temp=None, within=None) -> None:
+    """Write bytes-like `data` to `path` via ``.NAME.partial`` (or `temp`) in the same folder, then rename
+    (``NewFile``: never through a symlink; `within`: as there).
 
     durable: fsync the file before and its folder after the rename (False: the caller fsyncs later, in bulk).
     """
-    tmp = temp_path_for(path)
+    path = Path(path)
+    new = NewFile(path, temp=temp, within=within)
     try:
-        with open(tmp, "wb") as fh:
+        with os.fdopen(new.fd, "wb", closefd=False) as fh:
             with profile.span("write", memoryview(data).nbytes):
                 fh.write(data)
-            if durable:
-                fh.flush()
-                with profile.span("fsync"):
-                    os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        new.commit(durable)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        new.discard()
         raise OutputError(f"cannot write file ({exc.strerror})", file=str(path)) from None
-    if durable:
-        fsync_dir(path.parent)
+    except BaseException:
+        new.discard()
+        raise

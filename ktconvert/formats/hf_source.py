@@ -366,6 +366,23 @@ class HFSource(Source):
         names = self.info.expert_names(layer, e)
         return [(names[p], None, (p,), None) for p in PROJS]
 
+    def stored_specs(self, layer: int, expert: int) -> dict | None:
+        if self.required_layout(layer).kind != "per_expert":
+            return None
+        out = {}
+        for proj, name in self.info.expert_names(layer, expert).items():
+            base = _base_of(name)
+            out[proj] = decoders.stored_specs(self.checkpoint, base, self._locate(base, None))
+            if out[proj] is None:
+                return None
+        return out
+
+    def stored_arrays(self, job, raw) -> dict:
+        name, index0, refs, role = job.key
+        if index0 is not None or role is not None:
+            raise InputError("a fused expert tensor is not stored per expert", tensor=name)
+        return decoders.stored_arrays(self.checkpoint, _base_of(name), refs, raw)
+
     def decode(self, job, raw: np.ndarray) -> dict[str, np.ndarray]:
         """Bytes of one MatrixJob -> {proj: uint16 BF16 bits in HF orientation}."""
         name, index0, refs, role = job.key

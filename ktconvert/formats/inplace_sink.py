@@ -10,7 +10,7 @@ Every shard goes through ``StreamingSafetensorsWriter`` (temp name, atomic renam
 
 Use::
 
-    sink = InplaceSink(out_dir, METHODS.get("rawint4").configured(64), layers, n_experts, hidden, inter)
+    sink = InplaceSink(out_dir, METHODS.get("rawint4").configured(32), layers, n_experts, hidden, inter)
     w = sink.begin_layer(L); w.put_matrix(proj, e, w_bf16) ...; files, tensors = w.finish()
     records = sink.finalize(copy_from=source_dir)
 
@@ -96,6 +96,13 @@ class InplaceLayerWriter:
             raise ShapeError("expert matrix has the wrong shape", tensor=base, expected=str(list(want)),
                              found=str(list(w_bf16.shape)))
         for suffix, array in self.sink.method.encode(w_bf16, where=base).items():
+            self.writer.write(f"{base}.{suffix}", array)
+
+    def put_stored(self, proj: str, expert: int, tensors: dict) -> None:
+        """Write one expert matrix's tensors as given ({suffix: array}, already this method's: a carried-over
+        source's bytes)."""
+        base = EXPERT_PREFIX.format(L=self.layer, E=expert, proj=PROJ_NAMES[proj])
+        for suffix, array in tensors.items():
             self.writer.write(f"{base}.{suffix}", array)
 
     def finish(self) -> LayerResult:

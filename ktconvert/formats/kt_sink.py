@@ -27,7 +27,8 @@ import numpy as np
 
 from ktconvert import profile
 from ktconvert.errors import OutputError
-from ktconvert.formats.fileio import FileRecord, LayerResult, fsync_dir, hash_bytes, write_atomic, write_record
+from ktconvert.formats.fileio import (FileRecord, LayerResult, fsync_dir, hash_bytes, open_dir, remove_tree,
+                                      write_atomic, write_record)
 from ktconvert.formats.safetensors_reader import parse_header
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter, tensor_nbytes
 from ktconvert.layouts.naming import INDEX_NAME, PROJS, dense_key, kt_relpath, merged_key, part_shape, shard_name
@@ -158,8 +159,8 @@ class KtSink:
         for entry in self.out_dir.iterdir():
             if entry.name.startswith(".") and entry.name.endswith(".partial") and entry.is_file():
                 entry.unlink()
-            elif re.fullmatch(r"_layer_\d+\.(partial|old)", entry.name) and entry.is_dir():
-                shutil.rmtree(entry)
+            elif re.fullmatch(r"_layer_\d+\.(partial|old)", entry.name) and (entry.is_dir() or entry.is_symlink()):
+                remove_tree(entry)              # a symlink there: the link itself
 
 
 def copy_sources(copy_from) -> dict[str, Path]:
@@ -241,10 +242,9 @@ class KtLayerWriter(LayerWriter):
         super().__init__(sink, layer)
         self.final_dir = sink.out_dir / f"_layer_{layer}"
         self.partial_dir = sink.out_dir / f"_layer_{layer}.partial"
-        if self.partial_dir.exists():
-            shutil.rmtree(self.partial_dir)
-        for t in range(sink.numa):
-            (self.partial_dir / f"_numa_{t}").mkdir(parents=True)
+        remove_tree(self.partial_dir)           # a stale one; a symlink there: the link itself
+        for t in range(sink.numa):              # made, and opened from OUT down, never through a symlink
+            os.close(open_dir(self.partial_dir / f"_numa_{t}", within=sink.out_dir))
         self.records: list[FileRecord] = []
 
     def put(self, proj: str, expert: int, t: int, blob, scale) -> None:
@@ -256,7 +256,8 @@ class KtLayerWriter(LayerWriter):
             self.tensors[merged_key(self.layer, proj, expert, t, key_part)] = self.records[-1].sha256
 
     def _write_file(self, rel: str, data: memoryview) -> None:
-        write_atomic(self.partial_dir / Path(rel).relative_to(f"_layer_{self.layer}"), data, durable=False)
+        write_atomic(self.partial_dir / Path(rel).relative_to(f"_layer_{self.layer}"), data, durable=False,
+                     within=self.sink.out_dir)
         self.records.append(FileRecord(rel, *hash_bytes(data)))
 
     def finish(self) -> LayerResult:
@@ -287,14 +288,12 @@ class KtLayerWriter(LayerWriter):
 
     def _swap_into_place(self) -> None:
         old = self.sink.out_dir / f"_layer_{self.layer}.old"
-        if self.final_dir.exists():
-            if old.exists():
-                shutil.rmtree(old)
+        if os.path.lexists(self.final_dir):     # renamed aside (a symlink: the link itself)
+            remove_tree(old)
             os.replace(self.final_dir, old)
         os.replace(self.partial_dir, self.final_dir)
         fsync_dir(self.sink.out_dir)
-        if old.exists():
-            shutil.rmtree(old)
+        remove_tree(old)
 
     def abort(self) -> None:
         shutil.rmtree(self.partial_dir, ignore_errors=True)

@@ -32,7 +32,7 @@ import numpy as np
 
 from ktconvert import profile
 from ktconvert.errors import OutputError
-from ktconvert.formats.fileio import FileRecord, LayerResult, fsync_dir, temp_path_for
+from ktconvert.formats.fileio import FileRecord, LayerResult, NewFile, temp_path_for
 from ktconvert.formats.ordered_hash import OrderedFileHash
 
 # safetensors Dtype enum order (increasing alignment). Data are sorted by this rank, descending.
@@ -92,7 +92,8 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 class StreamingSafetensorsWriter:
     """Write one .safetensors file tensor by tensor, in any order, without holding it in memory.
 
-    path:     final file name; data go to ``temp_path_for(path)`` until ``close()`` renames it into place.
+    path:     final file name; data go to ``temp_path_for(path)`` until ``close()`` renames it into place
+              (``fileio.NewFile``: never through a symlink standing at either name).
     specs:    [(name, dtype, shape)], dtype a safetensors name ("I8", "F32", "BF16", ...); every tensor must be
               written exactly once with ``write(name, array)``.
     metadata: the ``__metadata__`` map (str -> str) or None (no ``__metadata__`` entry).
@@ -127,12 +128,14 @@ class StreamingSafetensorsWriter:
         self.git_sha1: str | None = None
         self.read_back = 0      # bytes the file hash had to read back (pieces that arrived far out of file order)
         self._fd: int | None = None
+        self._new: NewFile | None = None
         self._hash: OrderedFileHash | None = None
         self._open(header)
 
     def _open(self, header: bytes) -> None:
+        self._new = NewFile(self.path, os.O_RDWR)         # OutputError naming the temporary when refused
+        self._fd = self._new.fd
         try:
-            self._fd = os.open(self.temp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             _pwrite_all(self._fd, memoryview(header), 0)
             os.ftruncate(self._fd, self.size)
             _preallocate(self._fd, self.size)
@@ -212,14 +215,11 @@ class StreamingSafetensorsWriter:
                 with profile.span("fsync", self.size):
                     os.fsync(self._fd)
                 _drop_cached(self._fd)
-            os.close(self._fd)
             self._fd = None
-            os.replace(self.temp_path, self.path)
+            self._new.commit(durable=self.fsync_and_hash, synced=True)   # the folder fsynced when durable
         except OSError as exc:
             self.abort()
             raise OutputError(f"cannot finish output file ({exc.strerror})", file=str(self.path)) from None
-        if self.fsync_and_hash:
-            fsync_dir(self.path.parent)
 
     def record(self, name: str | None = None) -> FileRecord:
         """The closed file's FileRecord, listed as `name` (its path relative to the output folder; default: the
@@ -232,13 +232,9 @@ class StreamingSafetensorsWriter:
 
     def abort(self) -> None:
         """Close and delete the temporary file (the final name is never touched)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        try:
-            os.unlink(self.temp_path)
-        except FileNotFoundError:
-            pass
+        self._fd = None
+        if self._new is not None:
+            self._new.discard()
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
         return self

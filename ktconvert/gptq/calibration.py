@@ -14,20 +14,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ktconvert.errors import InputError
+from ktconvert.errors import InputError, UsageError
 from ktconvert.safe_read import parse_json
 
+MAX_LINE_BYTES = 16 << 20   # one calibration sample's JSON line (2048 tokens of text is ~10 KB): refused beyond
 
-def read_jsonl(path) -> list[dict]:
-    """The file's records in order; InputError naming the file and line on anything else."""
+
+def read_jsonl(path, limit: int | None = None) -> list[dict]:
+    """The file's records in order (the first `limit` when given: the rest is not read); InputError naming the
+    file and line on anything else: a line over MAX_LINE_BYTES (refused before it is read whole), bytes that are
+    not UTF-8, JSON that is not one sample."""
     path = Path(path)
     if not path.is_file():
         raise InputError("calibration file not found", file=str(path))
     records = []
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_LINE_BYTES + 1), b""), 1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise InputError(f"calibration line {lineno} is longer than one sample can be", file=path.name,
+                                 expected=f"at most {MAX_LINE_BYTES} bytes per line", found="more")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(f"calibration line {lineno} is not UTF-8 text", file=path.name,
+                                 found=f"byte 0x{raw[exc.start]:02x} at column {exc.start + 1}") from None
             if not line.strip():
                 continue
+            if limit is not None and len(records) >= limit:
+                break
             rec = parse_json(line, what=f"calibration line {lineno}", file=path.name)
             if not isinstance(rec, dict) or not ("text" in rec or "input_ids" in rec):
                 raise InputError(f"calibration line {lineno} has neither 'text' nor 'input_ids'", file=path.name,
@@ -67,16 +81,21 @@ def load_samples(path, model_dir, max_length: int = 2048, num_samples: int | Non
                  vocab_size: int | None = None) -> list:
     """Calibration samples as 1-D torch int64 tensors (at most `num_samples`, each at most `max_length` tokens).
 
-    Token ids outside [0, vocab_size) raise InputError naming the line."""
+    Token ids outside [0, vocab_size) raise InputError naming the line; a max_length or num_samples below 1
+    UsageError."""
     import torch
 
-    records = read_jsonl(path)[:num_samples]
+    for name, value in (("--max-length", max_length), ("--num-samples", num_samples)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"{name} must be a whole number of at least 1", expected=">= 1", found=repr(value))
+    records = read_jsonl(path, num_samples)
     tokenizer = None
     samples = []
     for i, rec in enumerate(records, 1):
         if "input_ids" in rec:
             ids = rec["input_ids"]
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in ids):
                 raise InputError(f"calibration sample {i}: input_ids must be a non-empty list of integers",
                                  file=Path(path).name, found=str(ids)[:80])
         else:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from ktconvert.errors import ResumeMismatchError
+from ktconvert.formats.fileio import NewFile
 from ktconvert.formats.out_manifest import STREAM_STATE_NAME
 
 SAVE_EVERY_S = 300.0   # default spacing of the saves (seconds of stream work between two)
@@ -77,11 +78,14 @@ class StreamState:
         tmp = self.path.with_name(self.path.name + ".tmp")
         state = {"layer": stream.done, "hidden": list(stream.hidden), "digest": self.digest,
                  "summaries": json.dumps({str(k): v for k, v in sorted(summaries.items())})}
-        with open(tmp, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
+        new = NewFile(self.path, temp=tmp)      # never written through a symlink (fileio.NewFile)
+        try:
+            with os.fdopen(new.fd, "wb", closefd=False) as fh:
+                torch.save(state, fh)
+            new.commit()
+        except BaseException:
+            new.discard()
+            raise
         self.last_save = time.monotonic()
 
 

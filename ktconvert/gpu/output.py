@@ -49,7 +49,7 @@ class GpuLayerWriter:
             self.writer.abort()
             raise
 
-    def put_matrix(self, proj: str, expert: int, w, where: str) -> None:
+    def put_matrix(self, proj: str, expert: int, w, where: str, stored=None) -> None:
         """RTN-quantize one routed expert matrix (uint16 BF16 bits, HF orientation) and write its tensors."""
         opts = self.output.options
         with profile.span("quantize.gpu", w.nbytes):

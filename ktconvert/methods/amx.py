@@ -29,6 +29,7 @@ class AmxMethod(CpuMethod):
     n_block: ClassVar[int] = 0
     n_multiple: ClassVar[int] = tiles.N_STEP
     layouts: ClassVar[tuple[str, ...]] = ("safetensors", "kt")
+    quants: ClassVar[tuple[str, ...]] = ("rtn", "mse", "gptq")
     rtn_bound: ClassVar[float] = 0.0   # |w_deq - w| <= rtn_bound * d for round-to-nearest (kt-format §2.1/2.2)
     _quantize_rows: ClassVar[Callable]
     _dequantize_rows: ClassVar[Callable]

@@ -40,8 +40,10 @@ class CpuMethod:
     n_multiple: ClassVar[int] = 1
     k_multiple: ClassVar[int] = 1
     layouts: ClassVar[tuple[str, ...]] = ("safetensors",)
+    quants: ClassVar[tuple[str, ...]] = ("rtn",)  # the --quant values it applies ("rtn": plain conversion)
     group_sizes: ClassVar[tuple[int, ...]] = ()   # the --group-size values that work (empty: no groups)
     group_size: ClassVar[int | None] = None
+    group_size_limit: ClassVar[str] = ""     # why group_sizes is what it is, said when another size is refused
     thresholds: ClassVar[dict] = {}          # verification limits against the source (relative L2, cosine)
 
     def __init_subclass__(cls, **kwargs):
@@ -63,13 +65,20 @@ class CpuMethod:
             return cls
         if group_size not in cls.group_sizes:
             raise UsageError(f"unsupported group size for {cls.kt_method}",
-                             expected=" or ".join(map(str, cls.group_sizes)), found=str(group_size))
+                             expected=" or ".join(map(str, cls.group_sizes)), found=str(group_size),
+                             hint=cls.group_size_limit or None)
         return type(f"{cls.__name__}G{group_size}", (cls,), {"group_size": group_size, "k_multiple": group_size})
 
     @classmethod
     def from_manifest(cls, manifest: dict) -> type["CpuMethod"]:
-        """The method a ``ktconvert.json`` records (with its group size)."""
-        return METHODS.get(manifest["method"]).configured(manifest.get("group_size"))
+        """The method a ``ktconvert.json`` records (with its group size). A positive group size the method no longer
+        writes is still read: the files are what they are, and verify says what kt-kernel makes of them (RAWINT4:
+        verification.numeric_rawint4). Anything else configured() refuses is refused here too."""
+        method = METHODS.get(manifest["method"])
+        size = manifest.get("group_size")
+        if method.writable and method.group_sizes and type(size) is int and size > 0 and size != method.group_size:
+            return type(f"{method.__name__}G{size}", (method,), {"group_size": size, "k_multiple": size})
+        return method.configured(size)
 
     @classmethod
     def manifest_fields(cls) -> dict:
@@ -125,11 +134,13 @@ class CpuMethod:
         failed = [c for c in checks if not c["ok"]]
         if failed:
             good = cls.valid_numa(hidden, inter)
-            hint = (f"use --numa {' or '.join(map(str, good))}" if good else
-                    f"no NUMA count works for {cls.name} with H={hidden}, I={inter}")
+            if not good:    # the model's shape, not the NUMA count: say so, offer no --numa
+                raise ShapeError(f"--method {cls.name} cannot store this model's experts (H={hidden}, I={inter}) "
+                                 "with any --numa", expected=failed[0]["check"], found=failed[0]["detail"],
+                                 hint="choose another --method (`ktconvert inspect SRC` lists what works)")
             raise ShapeError(f"--numa {numa} cannot work for --method {cls.name} (H={hidden}, I={inter})",
                              expected=failed[0]["check"], found=failed[0]["detail"],
-                             hint=hint + f"; valid NUMA counts: {good}")
+                             hint=f"use --numa {' or '.join(map(str, good))}; valid NUMA counts: {good}")
         return checks
 
     # ---------------------------------------------------------------- sizes
@@ -164,12 +175,19 @@ class CpuMethod:
         """What kt-kernel needs to run this method that this CPU (its /proc/cpuinfo flags) lacks."""
         if cls.needs_amx and not {"amx_tile", "amx_int8"} <= set(cpu_flags):
             return [f"kt-kernel 0.7.2's {cls.kt_method} backend needs AMX (amx_tile, amx_int8), which this CPU "
-                    "lacks: there it returns NaN; run the output on an AMX CPU (Sapphire Rapids or later)"]
+                    "lacks: without AMX its avx2 build crashes (SIGSEGV) and AVX-512 hosts returned NaN (measured); "
+                    "run the output on an AMX CPU (Sapphire Rapids or later)"]
         return []
 
     @classmethod
     def reads_as_is(cls, source) -> str | None:
         """How kt-kernel reads `source` (an opened formats.base.Source) as is with this method, or None."""
+        return None
+
+    @classmethod
+    def carry_over(cls, source, layers) -> str | None:
+        """Why `source`'s routed experts of `layers` are already stored as this method's output tensors, so they are
+        copied byte for byte instead of decoded and quantized again (and what it is); None where they are not."""
         return None
 
     @classmethod

@@ -7,7 +7,7 @@ one tensor set per expert matrix:
 * ``bf16``    -> ``weight`` BF16 [n, k]                                           (BF16SafeTensorLoader)
 * ``rawint4`` -> ``weight_packed`` I32 [n, k/8], ``weight_scale`` BF16 [n, k/gs], ``weight_shape`` I64 [2]:
                  compressed-tensors pack-quantized symmetric INT4, RTN exactly as llmcompressor W4A16
-                 (CompressedSafeTensorLoader; group size from ``--group-size``, default 128)
+                 (CompressedSafeTensorLoader; group size 32, the only one kt-kernel 0.7.2 runs)
 * ``fp8``     -> ``weight`` F8_E4M3 [n, k], ``weight_scale_inv`` F32 [n/128, k/128]: DeepSeek block FP8,
                  s = amax/448 (FP8SafeTensorLoader; kt-kernel hard-codes 128x128 blocks)
 
@@ -34,6 +34,7 @@ class InplaceMethod(CpuMethod):
     them with the input decoders."""
 
     needs_conversion: ClassVar[bool] = False
+    stored_aliases: ClassVar[dict[str, str]] = {}   # source tensor suffix -> output suffix of the same bytes
 
     @classmethod
     def tensor_specs(cls, n: int, k: int) -> TensorSpecs:
@@ -69,6 +70,37 @@ class InplaceMethod(CpuMethod):
     def _reads_experts(cls, source) -> str | None:
         """Whether kt-kernel's loader for this method reads the source's routed experts as stored."""
         return None
+
+    @classmethod
+    def carry_over(cls, source, layers) -> str | None:
+        """The source's format (kt-kernel's loader reads it as this method) and every routed expert matrix of
+        `layers` stored per expert as exactly this method's tensors (dtype and shape, headers only)."""
+        what = cls._reads_experts(source)
+        if not what:
+            return None
+        I, H = source.info.intermediate, source.info.hidden
+        dims = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+        for layer in layers:
+            for e in range(source.info.n_experts):
+                stored = source.stored_specs(layer, e)
+                if stored is None or any(cls._renamed(stored[p], *dims[p]) is None for p in dims):
+                    return None
+        return what
+
+    @classmethod
+    def _renamed(cls, stored: dict, n: int, k: int) -> dict[str, str] | None:
+        """{source suffix: output suffix} when `stored` ({suffix: (dtype, shape)}) are exactly tensor_specs(n, k)."""
+        want = {suffix: (dtype, tuple(shape)) for suffix, dtype, shape in cls.tensor_specs(n, k)}
+        names = {suffix: cls.stored_aliases.get(suffix, suffix) for suffix in stored}
+        if sorted(names.values()) != sorted(want) or any(stored[s] != want[o] for s, o in names.items()):
+            return None
+        return names
+
+    @classmethod
+    def carried(cls, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A stored matrix's tensors ({suffix: array} as the source holds them) under this method's suffixes
+        (carry_over checked their dtypes and shapes from the headers; the shard writer checks both again)."""
+        return {cls.stored_aliases.get(suffix, suffix): array for suffix, array in arrays.items()}
 
     @classmethod
     def open_sink(cls, out_dir, layers, info, numa: int, layout: str, include_dense: bool) -> InplaceSink:
@@ -118,9 +150,13 @@ class RawInt4(InplaceMethod):
 
     name, aliases, kt_method, file_prefix = "rawint4", ("raw-int4",), "RAWINT4", "RAWINT4"
     needs_amx = True                   # kt-kernel 0.7.2: NaN on AVX-512 without AMX (ecosystem-notes "Measured later")
-    group_sizes: ClassVar[tuple[int, ...]] = (32, 64, 128)
-    group_size: ClassVar[int] = 128
-    k_multiple: ClassVar[int] = 128
+    # kt-kernel 0.7.2 runs RAWINT4 (the Kimi-K2 format) at group 32 only: measured on an AMX host, its forward on
+    # g64 files is off by rel L2 4.19 and on g128 files NaN / 1e17-1e29, on llmcompressor's own W4A16 files too
+    group_sizes: ClassVar[tuple[int, ...]] = (32,)
+    group_size: ClassVar[int] = 32
+    group_size_limit: ClassVar[str] = ("kt-kernel 0.7.2's RAWINT4 backend runs group size 32 only (at 64 and 128 "
+                                       "its forward returns garbage or NaN, measured)")
+    k_multiple: ClassVar[int] = 32
     thresholds = {"moe_rel_l2": 0.6}   # group-wise INT4, measured 0.34 (g64) on the tiny heavy-tailed models
 
     @classmethod
@@ -160,6 +196,7 @@ class Fp8Inplace(InplaceMethod):
     name, aliases, kt_method, file_prefix = "fp8", ("fp8-block",), "FP8", "FP8"
     block: ClassVar[tuple[int, int]] = (128, 128)
     k_multiple: ClassVar[int] = 128
+    stored_aliases = {"weight_scale": "weight_scale_inv"}   # compressed-tensors' block scale: the same multiplier
     thresholds = {"moe_rel_l2": 0.1}   # block FP8, measured 0.045 on the tiny heavy-tailed models
 
     @classmethod

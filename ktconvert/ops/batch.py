@@ -22,16 +22,19 @@ Job file (see examples/jobs.toml)::
         revision = "main"           # optional; private, endpoint optional too
 
 Every conversion runs with resume on (a rerun continues or skips a finished output; publishing resumes too).
+A bundle path may not lie inside a local source or an output folder (refused when the job file is read); a file
+already at a bundle path is replaced only when it is that output's bundle from an earlier run (OutputError else).
 A failed job stops the run unless keep_going. The summary holds per job: status (ok / failed / skipped), wall time,
 bytes written, each output's files root (sha256 over its manifest's sorted "path sha256" lines) and remote URLs.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from ktconvert.cpu.plan import CpuOptions, plan_cpu
-from ktconvert.errors import EXIT_ERROR, InputError, KtConvertError
+from ktconvert.errors import EXIT_ERROR, InputError, KtConvertError, OutputError
 from ktconvert.inputs import open_input
 from ktconvert.vocabulary import choices, choose
 from ktconvert.toml_schema import Field, check_table as _check_table, read_toml
@@ -71,7 +74,24 @@ def load_jobs(path) -> list[dict]:
     twice = next((n for n in names if names.count(n) > 1), None)
     if twice is not None:
         raise InputError(f"job name {twice!r} is used twice (the summary is keyed by name)", file=str(path))
+    _check_bundle_paths(jobs, path)
     return jobs
+
+
+def _check_bundle_paths(jobs: list[dict], path: Path) -> None:
+    """InputError naming the job when a bundle path is (inside) a local source or an output folder of the job file:
+    writing it there would replace a source file (or put a stray file into an output)."""
+    roots = [("source", Path(job["source"]).resolve()) for job in jobs if "://" not in job["source"]]
+    roots += [("output folder", Path(output["out"]).resolve()) for job in jobs for output in job["outputs"]]
+    for job in jobs:
+        for output in job["outputs"]:
+            if not output["bundle"]:
+                continue
+            bundle = Path(output["bundle"]).resolve()
+            for what, root in roots:
+                if bundle == root or root in bundle.parents:
+                    raise InputError(f"job {job['name']}: 'bundle' lies inside a {what}", file=str(path),
+                                     expected=f"a path outside {root}", found=output["bundle"])
 
 
 def _table(value, path: Path, where: str) -> dict:
@@ -218,10 +238,15 @@ def _run_output(source: str, output: dict, progress) -> dict:
               "numa": manifest.get("numa"), "bytes": sum(int(e["bytes"]) for e in manifest["files"].values()),
               "files_root": files_digest(manifest["files"]), "remotes": [], "bundle": None}
     if output["bundle"]:
-        from ktconvert.ops.bundle import bundle
+        from ktconvert.ops.bundle import bundle, bundled_manifest
 
-        Path(output["bundle"]).parent.mkdir(parents=True, exist_ok=True)
-        record["bundle"] = bundle(output["out"], output["bundle"], progress=progress)
+        dest = Path(output["bundle"])
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        again = bundled_manifest(dest) == (Path(output["out"]) / "ktconvert.json").read_bytes()   # a rerun's
+        if os.path.lexists(dest) and not again:
+            raise OutputError("bundle path exists and is not this output's bundle", file=str(dest),
+                              hint="remove it, or name another 'bundle' path in the job file")
+        record["bundle"] = bundle(output["out"], dest, progress=progress, force=again)
     for target in output["publish"]:
         remote = publish(output["out"], target["repo"], hub=target.get("hub", "hf"), revision=target.get("revision"),
                          private=bool(target.get("private", False)), endpoint=target.get("endpoint"),

@@ -3,7 +3,9 @@
 `bundle(out, dest)` streams `ktconvert.json` and then every file it lists (sorted) through `tarfile` stream mode into a
 `zstandard` stream writer; members carry fixed metadata (mtime 0, uid/gid 0, mode 0644, no user names, PAX format) and
 the zstd frame has a content checksum, so the same folder gives the same bytes. File bytes are hashed while they
-stream and compared with the manifest: a corrupted folder never becomes a bundle. `verify_bundle(path)` checks every
+stream and compared with the manifest: a corrupted folder never becomes a bundle. An existing `dest` (a symlink
+included) is refused unless `force`; the bundle is written as `.NAME.partial` beside it and renamed over it, never
+written through a symlink (``fileio.NewFile``). `verify_bundle(path)` checks every
 member's size, sha256 and git blob SHA-1 against the embedded manifest while streaming, without extracting.
 `unbundle(path, dest)` restores into a temporary folder beside `dest`, refusing unsafe member names, verifying as it
 writes, and renames it into place only when every file matched. Memory: one read chunk.
@@ -14,11 +16,12 @@ import io
 import os
 import re
 import shutil
+import stat
 import tarfile
 from pathlib import Path
 
-from ktconvert.errors import OutputError, VerifyError
-from ktconvert.formats.fileio import FileHasher
+from ktconvert.errors import KtConvertError, OutputError, VerifyError
+from ktconvert.formats.fileio import FileHasher, NewFile, create_new, open_dir
 from ktconvert.ops.hub import files_digest
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, open_regular, parse_json, unsafe_name
 
@@ -63,9 +66,10 @@ def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
-def bundle(out, dest, level: int = DEFAULT_LEVEL, progress=None) -> dict:
+def bundle(out, dest, level: int = DEFAULT_LEVEL, progress=None, force: bool = False) -> dict:
     """Write folder `out` (with its ktconvert.json) to `dest` (.tar.zst). Returns {"path", "files", "bytes_in",
-    "bytes_out", "ratio"} (ratio = bytes_out / bytes_in). VerifyError if a file differs from the manifest."""
+    "bytes_out", "ratio"} (ratio = bytes_out / bytes_in). VerifyError if a file differs from the manifest;
+    OutputError when `dest` exists (anything there, a symlink too) and not `force`, or is a folder."""
     import zstandard
 
     from ktconvert.formats.out_manifest import load_manifest
@@ -73,14 +77,19 @@ def bundle(out, dest, level: int = DEFAULT_LEVEL, progress=None) -> dict:
 
     progress = progress or Progress()
     out, dest = Path(out), Path(dest)
+    if os.path.isdir(dest) and not os.path.islink(dest):
+        raise OutputError("bundle destination is a folder", file=str(dest), hint="name the .tar.zst file to write")
+    if os.path.lexists(dest) and not force:
+        raise OutputError("bundle destination exists", file=str(dest), hint="pass --force to replace it")
     manifest = load_manifest(out)
     manifest_raw = (out / MANIFEST_NAME).read_bytes()
     files = manifest["files"]
     total = len(manifest_raw) + sum(int(e["bytes"]) for e in files.values())
-    tmp = dest.with_name(f".{dest.name}.partial")
     progress.start(total, len(files) + 1, f"bundle {dest.name}")
+    new = None
     try:
-        with open(tmp, "wb") as raw:
+        new = NewFile(dest)                     # .NAME.partial, never through a symlink
+        with os.fdopen(new.fd, "wb", closefd=False) as raw:
             cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, threads=0)
             with cctx.stream_writer(raw, closefd=False) as zstream:
                 with tarfile.open(fileobj=zstream, mode="w|", format=tarfile.PAX_FORMAT) as tar:
@@ -90,14 +99,16 @@ def bundle(out, dest, level: int = DEFAULT_LEVEL, progress=None) -> dict:
                         _add_checked(tar, out, rel, files[rel], manifest["format_version"] == 1)
                         progress.advance(int(files[rel]["bytes"]), 1, rel)
             raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+        size = os.fstat(new.fd).st_size
+        new.commit()                            # replaces what stands at dest (a symlink itself, not its target)
+    except BaseException as exc:
+        if new is not None:
+            new.discard()
+        if isinstance(exc, OSError):
+            raise OutputError(f"cannot write bundle ({exc.strerror})", file=str(dest)) from None
         raise
     finally:
         progress.close()
-    size = dest.stat().st_size
     return {"path": str(dest), "files": len(files) + 1, "bytes_in": total, "bytes_out": size,
             "ratio": round(size / total, 4) if total else 1.0}
 
@@ -239,6 +250,23 @@ def _read_manifest(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) ->
     return tar.extractfile(member).read(MAX_MANIFEST_BYTES + 1)
 
 
+def bundled_manifest(path) -> bytes | None:
+    """The ktconvert.json bytes bundle `path` starts with (its other members unread); None when `path` is missing,
+    a symlink, not a regular file or not a readable bundle."""
+    import zstandard
+
+    path = Path(path)
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        fh, stream = _open_stream(path)
+        with fh, stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+            member = tar.next()
+            return _read_manifest(tar, member, path) if member is not None and member.isfile() else None
+    except (OSError, KtConvertError, zstandard.ZstdError, tarfile.TarError, EOFError):
+        return None
+
+
 def _hash_stream(fileobj, size: int, sink=None, content_git: bool = False) -> dict:
     """Hash (and copy to `sink`) at most `size` bytes of `fileobj`."""
     reader = _HashingReader(fileobj, size, content_git)
@@ -290,9 +318,13 @@ def unbundle(path, dest, progress=None) -> dict:
 
     def write_member(name: str, fobj, size: int, content_git: bool) -> dict:
         target = tmp / name
+        folder = open_dir(target.parent, within=tmp)    # its folders made, none followed as a symlink
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "xb") as out:
+            fd = create_new(target, dir_fd=folder)
+        finally:
+            os.close(folder)
+        try:
+            with os.fdopen(fd, "wb") as out:
                 return _hash_stream(fobj, size, out, content_git)
         except OSError as exc:
             raise OutputError(f"cannot write bundle member ({exc.strerror})", file=str(dest), tensor=name) from None
@@ -301,7 +333,8 @@ def unbundle(path, dest, progress=None) -> dict:
         report, raw = _walk(path, write_member, progress, strict=True)
         if not report["ok"]:
             raise VerifyError(f"bundle does not verify: {report['problems'][0]}", file=str(path))
-        (tmp / MANIFEST_NAME).write_bytes(raw)
+        with os.fdopen(create_new(tmp / MANIFEST_NAME), "wb") as fh:
+            fh.write(raw)
         if dest.exists():
             dest.rmdir()
         os.replace(tmp, dest)

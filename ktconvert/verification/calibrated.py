@@ -112,8 +112,13 @@ def check_calibrated(out, manifest: dict, source, calibration, *, compare=None, 
     "layers": [row per layer], "overall": {name: rel L2}, "thresholds", "verification"}."""
     report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run", "probe": PROBE}
     try:
-        stream, outputs, chosen, calib = _open(out, manifest, source, calibration, compare, layers, max_length,
-                                               num_samples, folder, device)
+        src = _open_source(source)
+    except KtConvertError as exc:
+        report["problems"].append(str(exc))
+        return report
+    samples, calib = _samples(calibration, src, max_length, num_samples)   # a bad file is bad input: exit 3
+    try:
+        stream, outputs, chosen = _open(out, manifest, src, samples, compare, layers, folder, device)
     except KtConvertError as exc:
         report["problems"].append(str(exc))
         return report
@@ -127,14 +132,31 @@ def check_calibrated(out, manifest: dict, source, calibration, *, compare=None, 
     return _finish(report)
 
 
-def _open(out, manifest, source, calibration, compare, layers, max_length, num_samples, folder, device):
+def _open_source(source):
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.gptq.calibration import load_samples
 
     if source is None:
         raise InputError("--calibration needs --source: the calibration tokens run through the source model",
                          expected="--source SRC (the HF checkpoint OUT was converted from)")
-    src = source if isinstance(source, HFSource) else HFSource.open(source)
+    return source if isinstance(source, HFSource) else HFSource.open(source)
+
+
+def _samples(calibration, src, max_length, num_samples) -> tuple[list, dict]:
+    """(token tensors, the report's "calibration" entry) of a jsonl path or a list of tensors; InputError /
+    UsageError (raised, not reported: bad input) for a file that is not calibration samples."""
+    from ktconvert.gptq.calibration import load_samples
+
+    if isinstance(calibration, list):
+        samples, calib = calibration, {"file": None, "samples": len(calibration)}
+    else:
+        samples = load_samples(calibration, src.root, max_length=max_length, num_samples=num_samples,
+                               vocab_size=src.info.config.get("vocab_size"))
+        calib = {"file": str(calibration), "samples": len(samples)}
+    calib["tokens"] = int(sum(len(s) for s in samples))
+    return samples, calib
+
+
+def _open(out, manifest, src, samples, compare, layers, folder, device):
     readers = {"out": CpuMethod.from_manifest(manifest).expert_reader(out, manifest, folder)}
     outputs = {"out": str(out)}
     if compare is not None:
@@ -144,14 +166,7 @@ def _open(out, manifest, source, calibration, compare, layers, max_length, num_s
         outputs["compare"] = str(compare)
     _same_model(_source_model(src), manifest, out)
     chosen = choose_layers([int(x) for x in manifest["model"]["layers"]], layers)
-    samples = calibration
-    calib = {"file": None, "samples": len(samples) if isinstance(samples, list) else None}
-    if not isinstance(calibration, list):
-        samples = load_samples(calibration, src.root, max_length=max_length, num_samples=num_samples,
-                               vocab_size=src.info.config.get("vocab_size"))
-        calib = {"file": str(calibration), "samples": len(samples)}
-    calib["tokens"] = int(sum(len(s) for s in samples))
-    return ErrorStream(src, samples, readers, chosen, device), outputs, chosen, calib
+    return ErrorStream(src, samples, readers, chosen, device), outputs, chosen
 
 
 def _source_model(src) -> dict:

@@ -383,11 +383,18 @@ def _layer_metrics(acc: _Layer, with_source: bool, kt_method: str) -> dict:
     return row
 
 
+def kernel_problems(row: dict) -> list[str]:
+    """The line for a layer row whose native runtime ("kernel_rel": projections, "moe_kernel_rel": MoE output)
+    differs from numpy's dequantized weights by more than KERNEL_TOL (NaN included)."""
+    bad = [v for v in (row.get("kernel_rel", 0.0), row.get("moe_kernel_rel", 0.0)) if not v <= KERNEL_TOL]
+    if bad:
+        return [f"native runtime differs from numpy's dequantized weights: relative L2 {max(bad):.3g} > {KERNEL_TOL} "
+                f"(kernel or layout bug)"]
+    return []
+
+
 def _threshold_problems(row: dict, thresholds: dict) -> list[str]:
-    problems = []
-    if row.get("kernel_rel", 0) > KERNEL_TOL or row.get("moe_kernel_rel", 0) > KERNEL_TOL:
-        problems.append(f"native runtime differs from numpy's dequantized weights: relative L2 "
-                        f"{max(row['kernel_rel'], row['moe_kernel_rel']):.3g} > {KERNEL_TOL} (kernel or layout bug)")
+    problems = kernel_problems(row)
     if "moe_rel_l2" not in row:
         return problems
     worst = ", ".join(f"expert {w['expert']} ({w['rel_l2']:.3g})" for w in row["worst_experts"])

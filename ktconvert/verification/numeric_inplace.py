@@ -5,6 +5,11 @@ each sampled expert matrix with the input decoders (``formats/decoders``: compre
 dequantization, the same code that reads such checkpoints as inputs) and compares, with ``source``, against the
 source weights: relative L2 and cosine per projection and of the layer's MoE output on seeded random activations.
 Without a source only decodability, finiteness and the hashes of what was read are checked.
+
+RAWINT4 goes further (``numeric_rawint4``): the group size kt-kernel infers and whether kt-kernel 0.7.2 runs it, and
+the layer's MoE forward through the native runtime on the files' bytes, split into NUMA parts as kt-kernel splits
+them, against numpy's exact dequantization (to fp32 summation accuracy) and, with a source, against the source's
+("runtime_moe_rel_l2", next to the decoded output's moe_rel_l2, which the limit applies to as for every method).
 """
 from __future__ import annotations
 
@@ -16,17 +21,23 @@ from ktconvert.errors import InputError, KtConvertError, VerifyError
 from ktconvert.formats.inplace_sink import EXPERT_PREFIX, PROJ_NAMES
 from ktconvert.formats.decoders import decode_matrix, detect_scheme, validate_matrix
 from ktconvert.quant.bf16 import bf16_bits_to_f32
+from ktconvert.verification import numeric_rawint4
 from ktconvert.verification.folder import OutputFolder
-from ktconvert.verification.numeric_amx import (PROBE, choose_experts, choose_layers, numeric_options, open_checked_source, rel_l2,
-                                          silu_mul, source_mismatch)
+from ktconvert.verification.numeric_amx import (PROBE, choose_experts, choose_layers, kernel_problems,
+                                                numeric_options, open_checked_source, rel_l2, silu_mul,
+                                                source_mismatch)
 
 
 
 def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=None, experts="4",
-                           threshold=None, seed: int = 0, folder: OutputFolder | None = None, *, method) -> dict:
+                           threshold=None, seed: int = 0, folder: OutputFolder | None = None, *, method,
+                           impl: str | None = None, threads: int | None = None) -> dict:
     """{"ok", "problems", "summary", "probe": "random", "layers": [{layer, experts, weight_rel_l2 (the worst
     matrix), with a source also moe_rel_l2, gate_rel_l2 / up_rel_l2 / down_rel_l2 (over the sampled experts) and
     expert_errors [{expert, rel_l2 of its output}]}]} for an in-place output folder (see module doc).
+    RAWINT4 where the native runtime runs: also "variant" and "thresholds" at the top and kernel_rel /
+    moe_kernel_rel (and with a source runtime_moe_rel_l2) per layer, as numeric_amx reports them (impl, threads:
+    the runtime's, as there).
     folder: the folder's verification.folder.OutputFolder when already walked (its shard headers are reused);
     method: the manifest's CPU method (its thresholds["moe_rel_l2"] is the default MoE-output limit)."""
     tokens, layers, experts, threshold = numeric_options(tokens, layers, experts, threshold)
@@ -37,6 +48,7 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
         model = manifest["model"]
         all_layers = [int(x) for x in model["layers"]]
         dims = (int(model["hidden"]), int(model["intermediate"]), int(model["experts"]))
+        runtime = numeric_rawint4.Runtime(manifest, method, impl, threads) if numeric_rawint4.applies(method) else None
     except KtConvertError as exc:
         report["problems"].append(str(exc))
         return report
@@ -57,14 +69,18 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     rng = np.random.default_rng(seed)
     for layer in chosen:
         sample = choose_experts(rng, dims[2], experts)
-        row = _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng)
+        row = _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng, runtime)
         if src is not None and row["moe_rel_l2"] > limit:
             row["problems"].append(f"MoE output rel L2 {row['moe_rel_l2']:.4g} above the limit {limit:g}")
         report["layers"].append(row)
         report["problems"].extend(f"layer {layer}: {p}" for p in row.pop("problems"))
+    if runtime is not None:
+        report["problems"] = list(runtime.problems) + report["problems"]
+        report.update(runtime.report_fields(limit))
     report["ok"] = not report["problems"]
     worst = max((r.get("moe_rel_l2", 0.0) for r in report["layers"]), default=0.0)
     report["summary"] = (f"{len(report['layers'])} layer(s), decoded and hashed"
+                         + (runtime.summary(report["layers"]) if runtime is not None else "")
                          + (f"; MoE vs source rel L2 max {worst:.4g} (limit {limit:g})" if src else ""))
     return report
 
@@ -89,9 +105,10 @@ def expert_reader(out, manifest: dict, folder: OutputFolder | None = None):
     return read
 
 
-def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng) -> dict:
+def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng, runtime=None) -> dict:
     hidden, inter = int(manifest["model"]["hidden"]), int(manifest["model"]["intermediate"])
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    forward = runtime.layer(ck, layer, x, sample) if runtime is not None else None
     got_y = np.zeros((tokens, hidden), np.float64)
     ref_y = np.zeros((tokens, hidden), np.float64)
     row = {"layer": layer, "experts": list(sample), "problems": [], "weight_rel_l2": 0.0}
@@ -100,6 +117,8 @@ def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng) -> dict:
     for e in sample:
         try:
             mats = _decoded_expert(ck, scheme, manifest, layer, e, (hidden, inter), row["problems"])
+            if forward is not None:
+                forward.expert(e)
         except KtConvertError as exc:      # a tensor of the output missing, misshapen or undecodable
             row["problems"].append(str(exc))
             continue
@@ -120,6 +139,9 @@ def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng) -> dict:
         row["moe_rel_l2"] = rel_l2(got_y, ref_y)
         row.update({f"{p}_rel_l2": float(np.sqrt(d2 / w2)) if w2 > 0 else 0.0 for p, (d2, w2) in energy.items()})
         row["expert_errors"] = experts
+    if forward is not None:
+        row.update(forward.metrics(ref_y if src is not None else None))
+        row["problems"] += kernel_problems(row)
     return row
 
 

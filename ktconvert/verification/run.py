@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from ktconvert.errors import InputError, ShapeError, UnknownNameError
+from ktconvert.errors import InputError, ShapeError, UnknownNameError, UsageError
 from ktconvert.extras import require
 from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.gpu import verify as gpu_verify
@@ -72,9 +72,13 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
         _add_report(result, "numerics", _calibrated(out, manifest, kind, source, calibration, compare, layers,
                                                     threshold, folder))
     elif kind == "cpu" and manifest.get("method", "") in METHODS:
-        method = CpuMethod.from_manifest(manifest)
-        report = method.check_numerics(out, manifest, source, tokens, layers, experts, threshold, folder=folder)
-        report["summary"] = f"on random probes: {report.get('summary', '')}"
+        try:
+            method = CpuMethod.from_manifest(manifest)
+        except (UsageError, TypeError) as exc:      # e.g. a group size that is not a number
+            report = {"ok": False, "problems": [f"ktconvert.json: cannot read the method's options ({exc})"]}
+        else:
+            report = method.check_numerics(out, manifest, source, tokens, layers, experts, threshold, folder=folder)
+            report["summary"] = f"on random probes: {report.get('summary', '')}"
         _add_report(result, "numerics", report)
     if remote is not None:
         _add_report(result, "remote", ops_hub.verify_remote(manifest, remote, hub, revision, endpoint))

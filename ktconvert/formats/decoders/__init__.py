@@ -8,7 +8,8 @@ decoders. A new quantized input is one Decoder subclass in a module imported her
 from ktconvert.formats.decoders import fp8, mxfp4, packed, plain  # noqa: F401  (register the decoders)
 from ktconvert.formats.decoders.base import (DECODERS, Decoder, MatrixRefs, QuantGroup, QuantScheme, config_summary,
                                              decode_matrix, detect_scheme, has_weight, input_format, locate,
-                                             validate_matrix)
+                                             stored_arrays, stored_specs, validate_matrix)
 
 __all__ = ["DECODERS", "Decoder", "MatrixRefs", "QuantGroup", "QuantScheme", "config_summary", "decode_matrix",
-           "detect_scheme", "has_weight", "input_format", "locate", "validate_matrix"]
+           "detect_scheme", "has_weight", "input_format", "locate", "stored_arrays", "stored_specs",
+           "validate_matrix"]

@@ -312,6 +312,23 @@ def _primary_array(checkpoint, refs: MatrixRefs, raw: np.ndarray | None) -> np.n
                          dtype=np.dtype(DTYPES[ref.dtype][1])).reshape(shape)
 
 
+def stored_specs(checkpoint, base_name: str, refs: MatrixRefs) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """{suffix: (safetensors dtype, shape)} of the tensors one per-expert matrix `base_name` is stored as (its
+    primary and partners, named ``<base_name>.<suffix>``), from the headers; None for a fused tensor's slice."""
+    names = [refs.primary, *refs.partners.values()]
+    if refs.index0 is not None or not all(n.startswith(base_name + ".") for n in names):
+        return None
+    return {n[len(base_name) + 1:]: (checkpoint.tensors[n].dtype, tuple(checkpoint.tensors[n].shape)) for n in names}
+
+
+def stored_arrays(checkpoint, base_name: str, refs: MatrixRefs, raw: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """{suffix: array} of stored_specs' tensors exactly as stored (raw bits; the primary from `raw` when given)."""
+    out = {refs.primary[len(base_name) + 1:]: _primary_array(checkpoint, refs, raw)}
+    for name in refs.partners.values():
+        out[name[len(base_name) + 1:]] = read_partner(checkpoint, name, None)
+    return out
+
+
 def decode_matrix(checkpoint, base_name: str, scheme: QuantScheme | None, expert: int | None = None, *,
                   refs: MatrixRefs | None = None, raw: np.ndarray | None = None) -> np.ndarray:
     """One matrix as BF16 bits, uint16 [n, k] (nn.Linear orientation; a fused gpt-oss gate_up comes back as
