@@ -13,6 +13,7 @@ are imported on first use::
     ktconvert.plan("/models/Qwen3-30B-A3B", method="amxint4", numa=2)                 # PlanResult
     ktconvert.inspect("/models/Qwen3-30B-A3B")                                        # InspectResult
     ktconvert.verify("out", source="/models/Qwen3-30B-A3B", hashes=True).ok          # VerifyResult
+    ktconvert.check("out", ["--kt-method", "AMXINT4", "--kt-threadpool-count", "2"]).exit_code   # CheckResult
     ktconvert.bundle("out", "out.tar.zst"); ktconvert.publish("out", "me/model")     # dicts
     ktconvert.batch("jobs.toml")                                                      # per-job summary
     ktconvert.expert_stats("/models/Qwen3-30B-A3B", "experts.pt", "calib.jsonl")     # needs [gpu]
@@ -22,7 +23,7 @@ from ktconvert.errors import KtConvertError
 __version__ = "0.1.0"
 
 _API = ("ConvertResult", "CpuOptions", "GpuOptions", "InspectResult", "PlanResult", "VerifyResult", "batch", "bundle",
-        "convert", "convert_cpu", "convert_gpu", "expert_stats", "families", "inspect", "load_jobs", "merge", "plan",
+        "check", "convert", "convert_cpu", "convert_gpu", "expert_stats", "families", "inspect", "load_jobs", "merge", "plan",
         "publish", "unbundle", "verify")
 __all__ = ["KtConvertError", "__version__", *_API]
 

@@ -39,6 +39,7 @@ from ktconvert.extras import require
 from ktconvert.gpu import convert as gpu_convert
 from ktconvert.gpu.plan import GpuOptions, plan_gpu, render_gpu
 from ktconvert.inputs import open_input
+from ktconvert.launchcheck import run as launch_check
 from ktconvert.merge import merge
 from ktconvert.methods import all_methods
 from ktconvert.ops import batch as ops_batch, batch_ray, bundle as ops_bundle, hub as ops_hub
@@ -49,7 +50,7 @@ from ktconvert.verification import report_html, run as verify_run
 from ktconvert.vocabulary import choices, choose  # noqa: F401  (the API's vocabulary, asked by the CLI)
 
 __all__ = ["ConvertResult", "CpuOptions", "GpuOptions", "InspectResult", "PlanResult", "VerifyResult", "batch",
-           "bundle", "convert", "convert_cpu", "convert_gpu", "env_info", "expert_stats", "families", "inspect",
+           "bundle", "check", "convert", "convert_cpu", "convert_gpu", "env_info", "expert_stats", "families", "inspect",
            "load_jobs", "make_tiny_model", "merge", "methods", "plan", "publish", "unbundle", "verify"]
 
 EXECUTORS = ("local", "ray")            # where a conversion runs: this process, or Ray tasks (ray_executor)
@@ -258,6 +259,26 @@ def verify(out, *, source=None, hashes: bool = False, tokens: int = 8, layers=No
     return VerifyResult.from_dict(result)
 
 
+def check(weights, command=None, *, model=None, flags_from=None, cpu_flags: str | None = None,
+          deep: bool = False) -> launch_check.CheckResult:
+    """Check an SGLang-KT launch command against the weights folder `weights` (any kt-kernel folder or GGUF, with
+    or without ktconvert.json), the model and the CPU: the method, NUMA parts, group size, experts, H and I the files
+    hold (from headers, names and byte sizes only), the kt-kernel build the CPU loads and what it runs.
+
+    command: the launch command's words (a list; VAR=value words before it are its environment) or one string,
+    or just its --kt-* flags; flags_from: a file holding it. model: the model's folder (or config.json) SGLang
+    serves (default: the command's --model-path, else the weights' config.json). cpu_flags: another host's CPU flags
+    (a list, a cpuinfo / lscpu file or a kt-kernel build name; default: this machine). deep: also decode sampled
+    experts and, with ktconvert.json, hash every file.
+    Returns a CheckResult: findings (one per mismatch: flag, given, holds, effect, works, severity, line),
+    exit_code (4 when kt-kernel would return garbage, crash or refuse; 0 otherwise), works (the flags that work),
+    fixed (the corrected command), identified, model, host, bytes_read. Raises InputError (exit 3) for a
+    malformed folder (missing shards, layers in different formats, truncated files), UsageError (2) for a
+    --cpu-flags value that names no flag.
+    """
+    return launch_check.check(weights, command, model=model, flags_from=flags_from, cpu_flags=cpu_flags, deep=deep)
+
+
 def expert_stats(src, out, calibration, *, max_length: int = 2048, num_samples: int | None = None,
                  dtype: str = "float32", report=None, force: bool = False, progress=None) -> dict:
     """Count the calibration tokens each routed expert of checkpoint `src` receives (the model's own router, a
@@ -286,15 +307,16 @@ def unbundle(src, dest, *, progress=None) -> dict:
 
 
 def publish(out, repo: str, *, hub: str = "hf", revision: str | None = None, private: bool = False,
-            endpoint: str | None = None, progress=None) -> dict:
+            endpoint: str | None = None, progress=None, base_model: str | None = None) -> dict:
     """Upload output folder `out` to hub repo `repo` (hub "hf" or "modelscope"; endpoint: the hub's URL, default
     HF_ENDPOINT / MODELSCOPE_ENDPOINT; the token from HF_TOKEN / MODELSCOPE_API_TOKEN or a stored login, never
-    printed) after re-hashing it against its ktconvert.json, with a model card stating the launch flags, then
+    printed) after re-hashing it against its ktconvert.json, with a model card stating the launch flags (metadata
+    base_model: `base_model`, default the hf:// source ktconvert.json records), then
     check the remote hashes. Resumable: a second call sends only what the hub lacks. VerifyError when `out` or
     the remote does not match, RemoteError (exit 5) on hub failures. Returns {"ok", "hub", "repo", "revision",
     "url", "checked", "missing", "extra", "mismatched", "unverified", "problems", "bytes", "files"}."""
     return ops_hub.publish(out, repo, hub=hub, revision=revision, private=private, endpoint=endpoint,
-                           progress=progress)
+                           progress=progress, base_model=base_model)
 
 
 def load_jobs(path) -> list[dict]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
+from ktconvert.cli_check import check
 from ktconvert.cli_options import (GPU_GROUP_SIZES, InputPath, RegistryChoice, batch_executor_options, choice,
                                    conversion_options, cpu_options, emit, gpu_options, json_option, load_api,
                                    orientation_option, pop_distribution, prefer, profiling, progress_options,
@@ -27,12 +28,30 @@ from ktconvert.cli_targets import TargetCommand, given_targets, target_options
 from ktconvert.progress import make_progress
 
 
+def _usage_line(exc: click.UsageError):
+    """click's own usage errors as the one `error:` line every error gets (not click's four lines), exit 2."""
+    if os.environ.get("KTCONVERT_DEBUG"):
+        raise exc
+    command = exc.ctx.command_path if exc.ctx is not None else "ktconvert"
+    click.echo(f"error: {exc.format_message()} (see '{command} --help')", err=True)
+    raise click.exceptions.Exit(exc.exit_code)
+
+
 class _Group(click.Group):
-    """Turns library errors into one line on stderr and the documented exit code (also under CliRunner)."""
+    """Turns library errors into one line on stderr and the documented exit code (also under CliRunner); so are
+    click's usage errors of the group and of every command."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:
+            _usage_line(exc)
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:
+            _usage_line(exc)
         except KtConvertError as exc:
             if os.environ.get("KTCONVERT_DEBUG"):
                 raise
@@ -54,6 +73,7 @@ def cli() -> None:
       ktconvert plan MODEL --method amxint4 --numa 2
       ktconvert cpu MODEL OUT --method amxint4 --numa 2
       ktconvert verify OUT --source MODEL     how far the converted experts are from the source
+      ktconvert check OUT -- LAUNCH COMMAND   the flags kt-kernel would turn into garbage (reads headers only)
 
     Exit codes: 0 ok, 1 error, 2 usage, 3 bad input, 4 verification failed, 5 remote failure, 130 interrupted.
     Set KTCONVERT_DEBUG=1 for tracebacks.
@@ -170,17 +190,18 @@ def convert(src, targets_file, threads, resume, force, profile, verify_source_ha
 @cli.command()
 @click.argument("out", type=click.Path(file_okay=False))
 @click.argument("parts", nargs=-1, required=True, type=InputPath(file_okay=False))
-@click.option("--verify", is_flag=True, help="Also hash every part file (every byte read) against its part "
-                                             "manifest's sha256 before anything is written.")
+@click.option("--verify", is_flag=True, help="Also hash every part file (one more read of every byte) against "
+                                             "its part manifest before anything is written.")
 @json_option
 def merge(out, parts, verify, as_json) -> None:
     """Join the part folders PARTS (written with --layers A-B, in any order) into OUT: hard links (copies across
-    filesystems) and the ktconvert.json a single run writes. Refuses parts of other conversions, overlapping
-    parts and missing layers (exit 3).
+    filesystems) and the ktconvert.json a single run writes. Refuses parts of other conversions or of another
+    source checkpoint, overlapping parts, missing layers, malformed part manifests, symlinks inside a part
+    (exit 3).
 
-    Checked by default: the part manifests agree, every MoE layer is held once, every part file is there with
-    its recorded size; a file copied across filesystems is also hashed as it is copied (exit 4 if its sha256
-    differs). Run again after an interruption: the same merge finishes OUT.
+    Every part file is hashed as it is linked or copied (one read) and checked against its part manifest, the
+    sha256 of each tensor in it included (exit 4 on a difference). Run again after an interruption: the same
+    merge finishes OUT without hashing again what it already checked.
     """
     result = load_api().merge(out, parts, verify=verify)
     emit(result, as_json, result.summary())
@@ -277,7 +298,9 @@ def demo(workdir, arch, method, numa) -> None:
 @click.option("--experts", type=int, default=None, help="Routed experts per MoE layer.")
 @click.option("--hidden", type=int, default=None, help="Hidden size H.")
 @click.option("--intermediate", type=int, default=None, help="Expert intermediate size I.")
-@click.option("--dtype", default="bf16", show_default=True, help="bf16, fp16, fp32, fp8 (block), ct-int4, mxfp4.")
+@click.option("--dtype", default="bf16", show_default=True,
+              help="bf16, fp16, fp32, fp8 (block), ct-int4, mxfp4, gptq-int4, gptq-int8, gptq-int4-asym, "
+                   "gptq-int4-actorder, gptq-v2-int4-asym, awq-int4, fp8-channel, mxfp8, nvfp4.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="Overwrite a non-empty OUT.")
 def tiny_model(out, **options) -> None:
@@ -324,19 +347,22 @@ def methods(as_json: bool) -> None:
 @click.option("--revision", default=None, help="Branch to upload to (default: the hub's main branch).")
 @click.option("--private", is_flag=True, help="Create the repo private.")
 @click.option("--endpoint", default=None, help="Hub endpoint URL (default: HF_ENDPOINT / MODELSCOPE_ENDPOINT).")
+@click.option("--base-model", default=None, metavar="REPO",
+              help="The Hugging Face repo OUT was converted from, for the card's base_model (default: the hf:// "
+                   "source ktconvert.json records; none for a local source).")
 @json_option
 @progress_options
-def publish(out, repo, hub, revision, private, endpoint, as_json, quiet, json_progress) -> None:
+def publish(out, repo, hub, revision, private, endpoint, base_model, as_json, quiet, json_progress) -> None:
     """Upload output folder OUT to hub repo REPO, then check the remote hashes.
 
     OUT is first re-hashed against its ktconvert.json (a damaged folder is refused). The upload is resumable: run the
-    same command again after an interruption and only what the hub lacks is sent. A README.md model card states the
-    kt-kernel / SGLang flags. Token: HF_TOKEN / MODELSCOPE_API_TOKEN (or a stored login); never printed.
+    same command again after an interruption and only what the hub lacks is sent. A README.md model card (Hub
+    metadata: library_name, tags, base_model, base_model_relation) states the launch command and its flags. Token: HF_TOKEN / MODELSCOPE_API_TOKEN (or a stored login); never printed.
     """
     api = load_api()
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:
         result = api.publish(out, repo, hub=hub, revision=revision, private=private, endpoint=endpoint,
-                             progress=progress)
+                             progress=progress, base_model=base_model)
     emit(result, as_json, api.render(result, "publish"))
 
 
@@ -417,6 +443,7 @@ def hub_server(port, root) -> None:
 
 
 cli.add_command(plan)
+cli.add_command(check)
 
 
 def main() -> None:

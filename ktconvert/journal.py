@@ -29,11 +29,27 @@ def option_name(key: str) -> str:
     return OPTION_OF.get(key) or "--" + key.split(".")[-1].replace("_", "-")
 
 
-def _shown(option: str, value) -> str:
-    if isinstance(value, bool):
-        return option if value else f"no {option}"
-    text = str(value)
-    return f"{option} {text if len(text) <= 40 else text[:37] + '...'}"
+def _shown(option: str, recorded, requested) -> tuple[str, str]:
+    """How OUT's value and the requested one of `option` read in the error: str() (repr(), then with the type, where
+    two different values read the same), at most 40 characters each, cut around the first character where the two
+    differ: never the same text for two different values."""
+    if isinstance(recorded, bool) and isinstance(requested, bool):
+        return tuple(option if value else f"no {option}" for value in (recorded, requested))
+    texts = [str(recorded), str(requested)]
+    if texts[0] == texts[1]:
+        texts = [repr(recorded), repr(requested)]
+    if texts[0] == texts[1]:
+        texts = [f"{type(value).__name__} {text}" for value, text in zip((recorded, requested), texts)]
+    first = next((i for i, (a, b) in enumerate(zip(*texts)) if a != b), min(map(len, texts)))
+    start = 0 if first < 30 else first - 15
+    return tuple(f"{option} {_cut(text, start)}" for text in texts)
+
+
+def _cut(text: str, start: int) -> str:
+    if len(text) <= 40:
+        return text
+    head = "..." if start else ""
+    return head + text[start:start + 37 - len(head)] + ("..." if start + 37 - len(head) < len(text) else "")
 
 
 def mismatch_error(out_dir, differences: list[tuple[str, object, object]]) -> ResumeMismatchError:
@@ -41,12 +57,25 @@ def mismatch_error(out_dir, differences: list[tuple[str, object, object]]) -> Re
     value)], one entry per option (later entries of an option already named are dropped)."""
     named: dict[str, tuple] = {}
     for option, recorded, requested in differences:
-        named.setdefault(option, (recorded, requested))
+        named.setdefault(option, _shown(option, recorded, requested))
     return ResumeMismatchError(
         "cannot resume: the output was written with different options or another source", file=str(out_dir),
-        expected=", ".join(_shown(o, rec) for o, (rec, _) in named.items()),
-        found=", ".join(_shown(o, req) for o, (_, req) in named.items()),
+        expected=", ".join(rec for rec, _ in named.values()), found=", ".join(req for _, req in named.values()),
         hint="resume with OUT's options, or pass --force to start over")
+
+
+def source_mismatch(out_dir, name: str, expected: str, found: str) -> ResumeMismatchError:
+    """The error of a --resume whose source file `name` is not the one the interrupted run read."""
+    return ResumeMismatchError("cannot resume: SRC is not the source the output was being written from (this file "
+                               "differs from the one the interrupted run read)", file=str(out_dir), tensor=name,
+                               expected=expected, found=found,
+                               hint="resume with the source OUT was started from, or pass --force to start over")
+
+
+def digest_mismatch(out_dir, name: str, recorded: dict, found: dict) -> ResumeMismatchError:
+    """source_mismatch for two digests {"bytes", "sha256"}: the size where it differs, else the sha256."""
+    key = "bytes" if recorded.get("bytes") != found.get("bytes") else "sha256"
+    return source_mismatch(out_dir, name, f"{key} {recorded.get(key)}", f"{key} {found.get(key)}")
 
 
 class Journal:
@@ -56,9 +85,11 @@ class Journal:
         self.options = options
         self.layers: dict[int, dict] = {}
         self.sources: dict[str, dict] = {}
+        self.seen: dict[str, dict] = {}      # per finished source file: head_sha256, stat identity (source_identity)
         if state:
             self.layers = {int(k): v for k, v in state.get("layers", {}).items()}
             self.sources = dict(state.get("sources", {}))
+            self.seen = {k: dict(v) for k, v in state.get("seen", {}).items()}
 
     @classmethod
     def start(cls, out_dir: Path, options: dict, resume: bool) -> "Journal":
@@ -105,13 +136,27 @@ class Journal:
     def source_digest(self, name: str) -> dict | None:
         return self.sources.get(name)
 
-    def finish_source(self, name: str, digest: dict) -> None:
+    def forget_layers(self, layers) -> None:
+        """Forget finished `layers` (they are redone), e.g. those made from source bytes no digest vouches for."""
+        dropped = [layer for layer in layers if self.layers.pop(layer, None) is not None]
+        if dropped:
+            self.save()
+
+    def finish_source(self, name: str, digest: dict, seen: dict | None = None) -> None:
+        """Record source file `name` read to its end: digest {"bytes", "sha256"} (the manifest's entry), seen what
+        tells a resume cheaply that it is still that file (source_identity). A digest recorded before must be the
+        same: ResumeMismatchError otherwise (the source changed under an unfinished OUT)."""
+        recorded = self.sources.get(name)
+        if recorded is not None and recorded != digest:
+            raise digest_mismatch(self.out_dir, name, recorded, digest)
         self.sources[name] = digest
+        if seen:
+            self.seen[name] = dict(seen)
         self.save()
 
     def save(self) -> None:
         state = {"options": self.options, "layers": {str(k): v for k, v in sorted(self.layers.items())},
-                 "sources": self.sources}
+                 "sources": self.sources, "seen": self.seen}
         write_atomic(self.path, json.dumps(state, sort_keys=True).encode(),     # never through a symlink
                      temp=self.path.with_name(self.path.name + ".tmp"))
 

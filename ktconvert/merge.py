@@ -1,11 +1,14 @@
 """``ktconvert merge OUT PART...``: one output folder from the parts of a conversion (``--layers A-B`` runs).
 
-    load every part manifest -> check they agree (options, source config, everything a single run's manifest
-    records besides its files), that their layers neither overlap nor leave a gap, that every MoE layer is held
-    and that each part's files are there with their recorded size (``verify``: also their sha256, every byte read)
+    load every part manifest (``parts.load_part``: every field's type, plain relative output names only) -> check
+    they agree (options, source config, everything a single run's manifest records besides its files), that they
+    were made from one source checkpoint (``check_sources``), that their layers neither overlap nor leave a gap,
+    that every MoE layer is held and that each part's files are there, regular files (no symlink) of their
+    recorded size (``verify``: also every file and tensor hash, every byte read, before anything is written)
     -> under OUT's lock: OUT/.ktconvert-merge.json names the merge (the sha256 of the manifest it will write)
-    -> hard-link each file into OUT; where OUT is on another filesystem copy it, hashing the bytes as they are
-       copied, and compare with the part manifest's sha256 (VerifyError, exit 4, on a difference)
+    -> part by part, hard-link each file into OUT, or where OUT is on another filesystem copy it; every file is
+       proven against its part manifest as it is placed (``merge_proof``: file and tensor sha256s, one read;
+       VerifyError, exit 4, on a difference), the proofs kept in the journal so a rerun does not hash again
     -> ktconvert.json = the parts' manifests joined (files, tensors and source files united), written last; then
        the merge journal is removed
 
@@ -21,13 +24,14 @@ import errno
 import hashlib
 import os
 import stat
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ktconvert.errors import InputError, OutputError, VerifyError
-from ktconvert.formats.fileio import (copy_hashed, fsync_dir, hash_file, open_dir, remove_name, temp_path_for,
-                                      write_atomic)
+from ktconvert.errors import InputError, OutputError
+from ktconvert.formats.fileio import fsync_dir, open_dir, remove_name, temp_path_for, write_atomic
 from ktconvert.formats.out_manifest import LOCK_NAME, MANIFEST_NAME, manifest_bytes, write_manifest
+from ktconvert.merge_proof import PartProof, Proofs, hash_pool
 from ktconvert.output import lock_folder
 from ktconvert.parts import load_part
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
@@ -57,35 +61,63 @@ class MergeResult:
         return f"merged {len(self.parts)} parts into {self.out}: {self.files} files, {self.bytes} bytes{how}"
 
 
-def merge(out, parts, *, verify: bool = False) -> MergeResult:
+def merge(out, parts, *, verify: bool = False, source: dict | None = None) -> MergeResult:
     """Join the part folders `parts` (any order) into `out`: a new or empty folder, an unfinished merge of the
-    same parts (finished), or a finished one (left as is); see the module docstring. verify: the sha256 of every
-    part file checked against its part manifest before anything is written (VerifyError, exit 4)."""
+    same parts (finished), or a finished one (checked again, left as is); see the module docstring. Every part
+    file is proven against its part manifest as it is placed (VerifyError, exit 4). verify: also every part file
+    proven before anything is written (one more read of every byte). source: the ``parts.source_sample`` the
+    parts must record (the Ray driver's SRC: parts reused from an earlier run of another checkpoint are refused)."""
     loaded = sorted(((Path(p), load_part(p)) for p in parts), key=lambda item: min(item[1]["layers"]))
     if not loaded:
         raise InputError("no parts given", expected="one or more part folders")
     check_parts(loaded)
+    check_sources(loaded, source)
     manifest = joined_manifest(loaded)
     files = _file_sources(loaded)
-    if verify:
-        _verify_part_files(files, manifest["files"])
     out = Path(out)
-    _prepare(out, [folder for folder, _ in loaded])
-    fd = lock_folder(out)
-    try:
-        identity = hashlib.sha256(manifest_bytes(manifest)).hexdigest()
-        _begin(out, identity)
-        copied = sum(_place(source, out / rel, manifest["files"][rel], out) for rel, source in sorted(files.items()))
-        for folder in {(out / rel).parent for rel in files}:
-            fsync_dir(folder)
-        write_manifest(out, manifest)
-        (out / MERGE_JOURNAL).unlink(missing_ok=True)
-        fsync_dir(out)
-    finally:
-        (out / LOCK_NAME).unlink(missing_ok=True)
-        os.close(fd)
+    with hash_pool() as pool, _cancelled_on_error(pool):
+        if verify:
+            for folder, record in loaded:
+                proof = PartProof(folder, record, pool)
+                for rel in sorted(record["manifest"]["files"]):
+                    proof.hash_in_place(folder, rel)
+                proof.finish()
+        _prepare(out, [folder for folder, _ in loaded])
+        fd = lock_folder(out)
+        try:
+            identity = hashlib.sha256(manifest_bytes(manifest)).hexdigest()
+            proofs = _begin(out, identity)
+            copied = 0
+            for folder, record in loaded:
+                proof = PartProof(folder, record, pool, proofs)
+                for rel in sorted(record["manifest"]["files"]):
+                    copied += _place(files[rel], out / rel, manifest["files"][rel], out, proof)
+                proof.finish()
+            _finish(out, files, manifest)
+        finally:
+            (out / LOCK_NAME).unlink(missing_ok=True)
+            os.close(fd)
     return MergeResult(str(out), tuple(str(f) for f, _ in loaded), len(files), copied,
                        sum(int(entry["bytes"]) for entry in manifest["files"].values()))
+
+
+@contextmanager
+def _cancelled_on_error(pool):
+    """The hashes still queued in `pool` dropped when the merge fails (those running are waited for)."""
+    try:
+        yield
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+
+
+def _finish(out: Path, files: dict, manifest: dict) -> None:
+    """Every placed file's folder fsynced, ktconvert.json written (last), the merge journal removed."""
+    for folder in {(out / rel).parent for rel in files}:
+        fsync_dir(folder)
+    write_manifest(out, manifest)
+    (out / MERGE_JOURNAL).unlink(missing_ok=True)
+    fsync_dir(out)
 
 
 def unfinished(out) -> bool:
@@ -156,9 +188,38 @@ def joined_manifest(loaded: list[tuple[Path, dict]]) -> dict:
     return manifest
 
 
+def check_sources(loaded: list[tuple[Path, dict]], expected: dict | None = None) -> None:
+    """InputError unless the parts were made from one source checkpoint: their source samples are equal (a
+    sample of every source file, or the hub listing: ``parts.source_sample``), and `expected` when given, and
+    each part's own source files are in it with their size. (The config's sha256 is compared with the options; a
+    source file two parts read must have one sha256: ``joined_manifest``.)"""
+    first_folder, first = loaded[0]
+    reference = first["source_sample"]
+    if expected is not None and reference != expected:
+        raise InputError("part was converted from another source checkpoint than SRC", file=str(first_folder),
+                         hint="convert the parts again (--force)")
+    for folder, record in loaded:
+        identity = record["source_sample"]
+        if identity != reference:
+            table = next(iter(reference)) if set(identity) == set(reference) else None
+            names = sorted(set(reference.get(table, {})) | set(identity.get(table, {})))
+            differs = next((n for n in names if reference[table].get(n) != identity[table].get(n)), None) \
+                if table else None
+            raise InputError("parts of different source checkpoints (a source file differs)",
+                             file=f"{folder} vs {first_folder}", tensor=differs,
+                             hint="convert every part from the same SRC")
+        known = identity["files"] if "files" in identity else identity["listing"]
+        for name, entry in record["manifest"]["source"][SOURCE_JOINED].items():
+            sampled = known.get(name)
+            if sampled is None or "files" in identity and sampled["bytes"] != entry["bytes"]:
+                raise InputError("part read a source file its source sample does not hold", file=str(folder),
+                                 tensor=name, hint="convert the part again")
+
+
 def _file_sources(loaded: list[tuple[Path, dict]]) -> dict[str, Path]:
-    """{relative path in OUT: the part's file}; InputError for a file two parts hold or one that is missing or
-    not of its recorded size."""
+    """{relative path in OUT: the part's file}; InputError for a file two parts hold, one that is missing, not a
+    regular file of its recorded size, or reached through a symlink inside the part (ktconvert never makes one:
+    one there could make OUT hold something from outside the part)."""
     found: dict[str, Path] = {}
     for folder, record in loaded:
         for rel, entry in record["manifest"]["files"].items():
@@ -166,27 +227,35 @@ def _file_sources(loaded: list[tuple[Path, dict]]) -> dict[str, Path]:
             if rel in found:
                 raise InputError("parts overlap: both hold the file", file=f"{found[rel].parent} and {folder}",
                                  tensor=rel)
-            if Path(rel).is_absolute() or ".." in Path(rel).parts:
-                raise InputError("part manifest names a file outside its folder", file=str(folder), tensor=rel)
-            if not path.is_file() or path.stat().st_size != int(entry["bytes"]):
+            st = _lstat_inside(folder, rel)
+            if st is None or st.st_size != int(entry["bytes"]):
                 raise InputError("part file missing or not of its recorded size", file=str(path),
                                  expected=f"{entry['bytes']} bytes",
-                                 found=f"{path.stat().st_size} bytes" if path.is_file() else "no file")
+                                 found=f"{st.st_size} bytes" if st is not None else "no file")
             found[rel] = path
     return found
 
 
-def _verify_part_files(files: dict[str, Path], entries: dict) -> None:
-    """VerifyError naming the first part file whose sha256 is not its part manifest's (every byte read)."""
-    for rel, path in sorted(files.items()):
-        _check_digest(path, entries[rel], hash_file(path)[1])
-
-
-def _check_digest(path: Path, entry: dict, sha256: str) -> None:
-    if sha256 != entry["sha256"]:
-        raise VerifyError("part file differs from its part manifest", file=str(path), expected=f"sha256 "
-                          f"{entry['sha256']}", found=f"sha256 {sha256}",
-                          hint="convert that part again (--force), then merge again")
+def _lstat_inside(folder: Path, rel: str) -> os.stat_result | None:
+    """lstat of part file `rel` below `folder` (None when it is missing); InputError when it or a folder on the
+    way is a symlink, or it is no regular file."""
+    current = folder
+    for depth, name in enumerate(rel.split("/"), 1):
+        current = current / name
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise InputError(f"cannot read part file ({exc.strerror})", file=str(current)) from None
+        if stat.S_ISLNK(st.st_mode):
+            raise InputError("part file is a symlink; merge takes only regular files inside a part",
+                             file=str(current), hint="replace it by the file it names, or convert the part again")
+        last = depth == rel.count("/") + 1
+        if not (stat.S_ISREG(st.st_mode) if last else stat.S_ISDIR(st.st_mode)):
+            raise InputError("part file is not a regular file" if last else "part folder is not a folder",
+                             file=str(current))
+    return st
 
 
 def _prepare(out: Path, part_folders: list[Path]) -> None:
@@ -198,30 +267,35 @@ def _prepare(out: Path, part_folders: list[Path]) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _begin(out: Path, identity: str) -> None:
+def _begin(out: Path, identity: str) -> Proofs:
     """Under OUT's lock: start the merge named `identity` in an empty OUT (its journal written), or go on with an
-    unfinished or finished merge of the same name; OutputError for any other content."""
+    unfinished or finished merge of the same name; OutputError for any other content. Returns the proofs of the
+    journal (a finished OUT: none, and none recorded)."""
     journal, manifest = out / MERGE_JOURNAL, out / MANIFEST_NAME
+    head = {"format": MERGE_FORMAT, "manifest_sha256": identity}
     if journal.is_file():
         record = read_json(journal, what="merge journal", max_bytes=MAX_MANIFEST_BYTES)
         if not isinstance(record, dict) or record.get("manifest_sha256") != identity:
             raise OutputError(f"OUT holds an unfinished merge of other parts ({MERGE_JOURNAL})", file=str(out),
                               hint="run that merge again to finish it, or merge into a new folder")
-        return
+        return Proofs(journal, head, record.get("proven"))
     if manifest.is_file() and hashlib.sha256(manifest.read_bytes()).hexdigest() == identity:
-        return                                  # finished: checked again, nothing changes
+        return Proofs(None, head)               # finished: checked again, nothing changes
     if any(p.name != LOCK_NAME for p in out.iterdir()):
         raise OutputError("output directory exists and is not empty", file=str(out),
                           hint="merge into a new or empty folder")
-    write_atomic(journal, manifest_bytes({"format": MERGE_FORMAT, "manifest_sha256": identity}))
+    write_atomic(journal, manifest_bytes(head))
+    return Proofs(journal, head)
 
 
-def _place(source: Path, target: Path, entry: dict, out: Path) -> bool:
-    """Hard-link `source` as `target` (its folders below `out` created); copied (temp name, hashed while copied
-    and compared with `entry`'s sha256, renamed) across filesystems. A regular file already there from an earlier
-    run of this merge (the same file, or a copy of the recorded size: copies are renamed only once checked) is
-    kept; anything else (a symlink: the link itself) is removed first. No folder below `out` and no name is ever
-    followed as a symlink (``fileio.open_dir`` / ``NewFile``). True when copied."""
+def _place(source: Path, target: Path, entry: dict, out: Path, proof: PartProof) -> bool:
+    """Hard-link `source` as `target` (its folders below `out` created; the link itself never followed) and have
+    `proof` hash it; copied (temp name, hashed while copied, renamed once it matched) across filesystems. A
+    regular file already there from an earlier run of this merge is kept when `proof` proved it then (its stat
+    key unchanged), is the part's own inode (hashed again), or is a copy of the recorded size that hashes to the
+    recorded bytes; anything else (a symlink: the link itself) is removed first. No folder below `out` and no name
+    is ever followed as a symlink (``fileio.open_dir`` / ``NewFile``). True when copied."""
+    rel = target.relative_to(out).as_posix()
     folder = open_dir(target.parent, within=out)
     try:
         remove_name(temp_path_for(target), folder)           # an interrupted copy
@@ -230,19 +304,25 @@ def _place(source: Path, target: Path, entry: dict, out: Path) -> bool:
         except FileNotFoundError:
             there = None
         if there is not None and stat.S_ISREG(there.st_mode):
-            linked = os.stat(source)
-            if (there.st_dev, there.st_ino) == (linked.st_dev, linked.st_ino) or there.st_size == int(entry["bytes"]):
+            if proof.known(rel, there, target):
+                return False
+            linked = os.lstat(source)
+            if (there.st_dev, there.st_ino) == (linked.st_dev, linked.st_ino):
+                proof.hash_in_place(out, rel)
+                return False
+            if there.st_size == int(entry["bytes"]) and proof.prove_copy(out, rel):
                 return False
         remove_name(target, folder)
         try:
-            os.link(source, target.name, dst_dir_fd=folder)
+            os.link(source, target.name, dst_dir_fd=folder, follow_symlinks=False)
+            proof.hash_in_place(out, rel)
             return False
         except OSError as exc:
             if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                 raise OutputError(f"cannot link part file ({exc.strerror})", file=str(target)) from None
     finally:
         os.close(folder)
-    copy_hashed(source, target, check=lambda sha256: _check_digest(source, entry, sha256), within=out)
+    proof.copy(source, rel, target, out)
     return True
 
 

@@ -18,6 +18,7 @@ from ktconvert.formats.out_manifest import load_manifest, sglang_args
 from ktconvert.progress import Progress
 from ktconvert.results import ConvertResult
 from ktconvert.runner import JointJournal, run_jobs
+from ktconvert.source_identity import check_resumed_source
 
 
 def open_outputs(outputs: list) -> list:
@@ -72,6 +73,7 @@ def _run(outputs: list, threads: int | None, progress, verify_source_hash: bool)
     journal = JointJournal([o.journal for o in outputs])
     jobs = source.matrix_jobs(layers)
     files = part_files(outputs[0], jobs) if outputs[0].part else None
+    check_resumed_source(journal.journals, source, jobs, progress)    # SRC still the files OUT was made from
     for output in outputs:
         finished = sum(output.journal.layer_done(layer) for layer in layers)
         if finished:

@@ -34,7 +34,7 @@ from ktconvert.formats.fileio import FileRecord, LayerResult, create_new, hash_f
 from ktconvert.formats.out_manifest import (JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, build_manifest, load_manifest,
                                             write_manifest)
 from ktconvert.journal import Journal, mismatch_error, option_name
-from ktconvert.parts import PART_NAME, load_part, write_part
+from ktconvert.parts import PART_NAME, load_part, source_sample, write_part
 
 
 class Output:
@@ -243,7 +243,7 @@ class Output:
         manifest = self._manifest(self.finish_files() if self.writes_rest else LayerResult([], {}))
         if self.part:
             write_part(self.out_dir, self.layers, self.all_layers, self.writes_rest, self.journal_options(),
-                       manifest)
+                       manifest, source_sample(self.source, self.plan.input.listing))
         else:
             write_manifest(self.out_dir, manifest)
         self.journal.remove()

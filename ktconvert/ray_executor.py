@@ -4,14 +4,18 @@
     bytes (parts.balanced_ranges) -> one Ray task per range: ``conversion.convert_here(..., layers=range, resume=True)`` into
     PARTS_DIR/<OUT name>/layers-A-B (CPUs: --threads; memory: the plan's peak RAM estimate; the options of a
     local run, --verify-source-hash included) -> on the driver,
-    ``merge`` of each output's parts into its OUT (byte-identical to a single run)
+    ``merge`` of each output's parts into its OUT (byte-identical to a single run; every part file proven, reused
+    finished parts included, and the parts' source sample required to be SRC's as the driver sees it now)
 
 What runs where: the driver plans, shows progress and merges (hard links: no byte copied when PARTS_DIR and OUT
 share a filesystem); each task reads only the source files holding its layers and writes its part. SRC and
 PARTS_DIR must be the same path on every node (a shared filesystem), or SRC a hub source: then the driver plans
 from its small files and shard headers, and each task downloads only the shards it reads into its node's cache
-(ops.hub_shards), all at the commit the driver planned from. The hub endpoint and token variables and
-KTCONVERT_MANIFEST_PATH set on the driver reach the tasks (``TASK_ENV``, through Ray's runtime_env). A task whose
+(ops.hub_shards), all at the commit the driver planned from. The hub endpoint variables and
+KTCONVERT_MANIFEST_PATH set on the driver reach the tasks through Ray's runtime_env (``TASK_ENV``). Hub tokens
+never do (Ray writes a task's runtime_env into its log files, world-readable): they reach a task only when one of
+its sources or targets is a hub, as an argument of the task held in memory (``remote_task``: inline in the task's
+spec, never in a log, spilled object or file), set in the worker's environment while the task runs. A task whose
 worker dies is retried by Ray (``max_retries``) and resumes from its part's journal, so the bytes are the same.
 Progress: every task reports its bytes to a small actor the driver reads twice a second.
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from ktconvert.conversion import convert_here, plan_outputs, target_list
@@ -31,15 +36,16 @@ from ktconvert.formats.out_manifest import MANIFEST_NAME, load_manifest
 from ktconvert.inputs import open_input
 from ktconvert.merge import merge, unfinished
 from ktconvert.onepass import result_of
-from ktconvert.parts import balanced_ranges
+from ktconvert.ops.remote_names import TOKEN_ENV
+from ktconvert.parts import balanced_ranges, source_sample
 from ktconvert.progress import Progress
 from ktconvert.targets import is_gptq
 
 MAX_RETRIES = 3               # Ray re-runs a task whose worker died this many times (each resumes its part)
 POLL_SECONDS = 0.5
-# what a task reads from the environment as the driver does: hub endpoints and tokens, extra family manifests
-TASK_ENV = ("HF_ENDPOINT", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MODELSCOPE_ENDPOINT", "MODELSCOPE_API_TOKEN",
-            "KTCONVERT_MANIFEST_PATH")
+# what a task reads from the environment as the driver does, sent in runtime_env: hub endpoints, family manifests
+TASK_ENV = ("HF_ENDPOINT", "MODELSCOPE_ENDPOINT", "KTCONVERT_MANIFEST_PATH")
+TOKEN_VARS = tuple(var for names in TOKEN_ENV.values() for var in names)    # never in runtime_env: hub_tokens
 
 
 class PartFailed(KtConvertError):
@@ -76,16 +82,17 @@ def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str
     if todo:
         _check_outs([outputs[k] for k in todo], force, resume)
         _convert_parts(source, verify_source_hash, outputs, todo, parts, address, parts_dir, force, cpus,
-                       task_runtime_env(runtime_env), progress, timings)
+                       task_runtime_env(runtime_env), hub_tokens(is_hub(spec)), progress, timings)
     timings["total"] = time.monotonic() - t0
     return [result_of(o, load_manifest(o.out_dir) if k in todo else None, timings if k in todo else {})
             for k, o in enumerate(outputs)]
 
 
 def _convert_parts(source: dict, verify_source_hash, outputs, todo, parts, address, parts_dir, force, cpus,
-                   runtime_env: dict, progress, timings: dict) -> None:
+                   runtime_env: dict, tokens: dict, progress, timings: dict) -> None:
     """The outputs numbered `todo` as Ray tasks of `parts` layer ranges on `source` (open_input's keywords, as
-    every task opens it), merged into their OUTs; timings completed with convert and merge seconds."""
+    every task opens it), merged into their OUTs; timings completed with convert and merge seconds. runtime_env:
+    the task option {"runtime_env": ...} or {}; tokens: hub_tokens, handed to every task (``remote_task``)."""
     t0 = time.monotonic()
     ray = connect(address)
     layers = outputs[0].layers
@@ -95,12 +102,13 @@ def _convert_parts(source: dict, verify_source_hash, outputs, todo, parts, addre
     folders = _part_folders(outputs, ranges, parts_dir, force)
     resources = {"num_cpus": cpus, "memory": _memory(outputs, cpus), "max_retries": MAX_RETRIES, **runtime_env}
     _check_feasible(ray, resources)
-    _run_tasks(ray, (source, verify_source_hash), outputs, todo, ranges, folders, resources, progress,
+    _run_tasks(ray, (source, verify_source_hash), outputs, todo, ranges, folders, resources, tokens, progress,
                sum(layer_bytes.values()))
     timings["convert"] = time.monotonic() - t0
     t1 = time.monotonic()
+    identity = source_sample(outputs[0].source, source["listing"])    # what reused parts must have read
     for k in todo:
-        merge(outputs[k].out_dir, [folders[(k, r)] for r in ranges])
+        merge(outputs[k].out_dir, [folders[(k, r)] for r in ranges], source=identity)
     timings["merge"] = time.monotonic() - t1
 
 
@@ -125,7 +133,7 @@ def refuse_gptq(targets: list) -> None:
 
 def task_runtime_env(runtime_env: dict | None) -> dict:
     """The task option {"runtime_env": ...}: `runtime_env` with TASK_ENV's variables set on the driver added to
-    its env_vars (its own values win); {} when there is nothing to set."""
+    its env_vars (its own values win); {} when there is nothing to set. No hub token is added (``hub_tokens``)."""
     env = dict(runtime_env or {})
     env_vars = {**{k: os.environ[k] for k in TASK_ENV if os.environ.get(k)}, **env.get("env_vars", {})}
     if env_vars:
@@ -133,12 +141,64 @@ def task_runtime_env(runtime_env: dict | None) -> dict:
     return {"runtime_env": env} if env else {}
 
 
+def is_hub(spec) -> bool:
+    """Whether `spec` (a source, or a publish target) names a hub: hf://... or ms://..."""
+    return str(spec).startswith(("hf://", "ms://"))
+
+
+def hub_tokens(needed: bool) -> dict[str, str]:
+    """{variable: value} of the hub token variables set on the driver (TOKEN_VARS) when `needed` (a source or
+    target of the tasks is a hub), else {}: what ``remote_task`` hands the tasks."""
+    return {var: os.environ[var] for var in TOKEN_VARS if needed and os.environ.get(var)}
+
+
+def remote_task(ray, fn, tokens: dict, **options):
+    """``ray.remote(fn).options(**options)``, called the same way (``.remote(*args)``). With `tokens` (hub_tokens)
+    the task gets them as a first argument, inline in its spec (memory only: Ray logs a task's runtime_env, not its
+    arguments), and runs fn with them set in its worker's environment (``token_env``)."""
+    if not tokens:
+        return ray.remote(fn).options(**options)
+    return _TokenTask(ray.remote(_with_tokens(fn)).options(**options), tokens)
+
+
+class _TokenTask:
+    def __init__(self, remote, tokens: dict):
+        self.remote_function, self.tokens = remote, tokens
+
+    def remote(self, *args):
+        return self.remote_function.remote(self.tokens, *args)
+
+
+def _with_tokens(fn):
+    def call(tokens: dict, *args):
+        with token_env(tokens):
+            return fn(*args)
+
+    call.__name__ = call.__qualname__ = getattr(fn, "__name__", "task")
+    return call
+
+
+@contextmanager
+def token_env(tokens: dict):
+    """`tokens` set in os.environ while the block runs, the previous values restored after (a worker is reused)."""
+    saved = {var: os.environ.get(var) for var in tokens}
+    os.environ.update(tokens)
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
 def source_spec(src) -> tuple[str, str | None]:
     """(SRC as every node opens it: an absolute path or a hub spec, --expert-orientation) of `src` (a path, a
     spec or an opened inputs.Input)."""
     spec = str(getattr(src, "spec", src))
     orientation = getattr(src, "hub", {}).get("expert_orientation")
-    if not spec.startswith(("hf://", "ms://")):
+    if not is_hub(spec):
         spec = str(Path(spec).resolve())
     return spec, orientation
 
@@ -218,14 +278,14 @@ def _memory(outputs: list, cpus: int) -> int:
     return int(max(estimates))
 
 
-def _run_tasks(ray, source: tuple, outputs, todo: list[int], ranges, folders, resources: dict, progress,
-               total: int) -> None:
-    """One task per range with `resources` (Ray task options) on `source` ((source, verify_source_hash) as
-    run_part takes them), writing the parts of the outputs numbered `todo`; the driver's
+def _run_tasks(ray, source: tuple, outputs, todo: list[int], ranges, folders, resources: dict, tokens: dict,
+               progress, total: int) -> None:
+    """One task per range with `resources` (Ray task options) and `tokens` on `source` ((source,
+    verify_source_hash) as run_part takes them), writing the parts of the outputs numbered `todo`; the driver's
     progress sums what the tasks report, out of `total` (the source bytes of every MoE layer's experts).
     PartFailed names a failed part."""
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
-    task = ray.remote(run_part).options(**resources)
+    task = remote_task(ray, run_part, tokens, **resources)
     cpus = resources["num_cpus"]
     refs = {}
     for index, r in enumerate(ranges):

@@ -3,8 +3,9 @@ layer's experts solved in parallel, on a Ray cluster; layers stay in order and t
 
 ``ray_streams`` gives the GPTQ writers (gptq.cpu / gpu.gptq ``write_gptq_layers``) a ``gptq.distributed.
 DistributedStream`` whose steps (record, capture, gate/up Hessian, solve, propagate) run as Ray tasks of one CPU
-each (the forward and the solve run at one torch thread, as in a single process; one GPU each where the cluster
-has GPUs), retried up to ``MAX_RETRIES`` times when their worker dies. Their arguments are object references the
+each (the forward and the solve run at one torch thread without oneDNN, as in a single process, with the driver's
+pinned CPU kernels: ``gptq.determinism.worker_env`` in the tasks' runtime_env; one GPU each where the cluster has
+GPUs), retried up to ``MAX_RETRIES`` times when their worker dies. Their arguments are object references the
 driver owns, so a re-run task computes the same bytes, and Ray rebuilds a lost result from its lineage. The
 driver writes the files, the journal, the stream state (``--resume`` continues a run of either executor) and
 ktconvert.json exactly as the single process does, which is what makes OUT byte-identical to it.
@@ -18,21 +19,23 @@ from __future__ import annotations
 import functools
 
 from ktconvert.errors import KtConvertError
+from ktconvert.gptq.determinism import worker_env
 from ktconvert.gptq.distributed import DistributedStream
-from ktconvert.ray_executor import MAX_RETRIES, connect, pinned_spec, source_spec, task_runtime_env
+from ktconvert.ray_executor import (MAX_RETRIES, connect, hub_tokens, is_hub, pinned_spec, remote_task, source_spec,
+                                    task_runtime_env)
 
 
 class RayTasks:
     """DistributedStream's executor on Ray: every step a task with `options` (Ray task options: num_cpus,
-    max_retries, runtime_env ...); handles are ObjectRefs."""
+    max_retries, runtime_env ...) and the hub `tokens` (ray_executor.remote_task); handles are ObjectRefs."""
 
-    def __init__(self, ray, options: dict):
-        self.ray, self.options, self.remotes = ray, options, {}
+    def __init__(self, ray, options: dict, tokens: dict | None = None):
+        self.ray, self.options, self.tokens, self.remotes = ray, options, tokens or {}, {}
 
     def submit(self, fn, *args, returns: int = 1):
         key = (fn, returns)
         if key not in self.remotes:
-            self.remotes[key] = self.ray.remote(fn).options(num_returns=returns, **self.options)
+            self.remotes[key] = remote_task(self.ray, fn, self.tokens, num_returns=returns, **self.options)
         return self.remotes[key].remote(*args)
 
     def put(self, value):
@@ -63,7 +66,12 @@ def ray_streams(input, *, address: str | None = None, workers: int | None = None
     the driver opened it) on the Ray cluster at `address` (None: RAY_ADDRESS, the one this process joined, or a
     local instance): `workers` slices of the calibration samples and as many owners of each layer's experts
     (None: the cluster's CPUs). runtime_env: Ray's runtime_env of the tasks (the driver's TASK_ENV variables
-    added)."""
+    added, its hub tokens never: they travel as task arguments, only with a hub source; and the CPU kernel pins
+    in effect in the driver, which win: every task computes what the driver would)."""
+    pins = worker_env()                    # pins this process first (gptq.determinism)
+    if pins:
+        runtime_env = dict(runtime_env or {})
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **pins}
     ray = connect(address)
     spec, orientation = source_spec(input)
     resources = ray.cluster_resources()
@@ -71,5 +79,6 @@ def ray_streams(input, *, address: str | None = None, workers: int | None = None
     if resources.get("GPU", 0) >= 1:
         options["num_gpus"] = 1
     count = workers or max(1, int(resources.get("CPU", 1)))
-    return functools.partial(DistributedStream, tasks=RayTasks(ray, options), spec=pinned_spec(spec, input.hub),
+    tasks = RayTasks(ray, options, hub_tokens(is_hub(spec)))     # a hub source: its tasks download shards
+    return functools.partial(DistributedStream, tasks=tasks, spec=pinned_spec(spec, input.hub),
                              orientation=orientation, workers=count)

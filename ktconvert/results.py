@@ -5,6 +5,7 @@ dumps ``to_dict()`` for ``--json``.
 """
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, dataclass, field
 
 
@@ -38,7 +39,9 @@ class ConvertResult:
         head = (f"{self.out}: already complete (ktconvert.json present); nothing to do" if self.complete_before
                 else f"wrote {self.out}: {self.files} files, {self.bytes} bytes")
         how = f"run SGLang with {self.sglang_args}" if self.kind == "gpu" else f"run with {self.sglang_args}"
-        return "; ".join([head, *self.notes, how])
+        check = [f"on the serving host: ktconvert check {shlex.quote(self.out)} -- {self.sglang_args}"] \
+            if self.kind == "cpu" else []
+        return "; ".join([head, *self.notes, how, *check])
 
     __str__ = summary
 

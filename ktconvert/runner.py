@@ -46,9 +46,9 @@ class JointJournal:
         digests = [j.source_digest(name) for j in self.journals]
         return digests[0] if all(digests) else None
 
-    def finish_source(self, name: str, digest: dict) -> None:
+    def finish_source(self, name: str, digest: dict, seen: dict | None = None) -> None:
         for j in self.journals:
-            j.finish_source(name, digest)
+            j.finish_source(name, digest, seen)
 
 
 READ_BUDGET = 128 << 20   # bytes of source read ahead of the workers, all reading threads together
@@ -160,7 +160,8 @@ class _Pass:
         digest = reader.finish()
         with self.lock:
             self.journal.finish_source(self.source.relative_name(path),
-                                       {"bytes": digest.bytes, "sha256": digest.sha256})
+                                       {"bytes": digest.bytes, "sha256": digest.sha256},
+                                       {"head_sha256": digest.head_sha256, "stat": list(digest.identity)})
 
     def _read_job(self, reader: HashingFileReader, job: MatrixJob) -> None:
         if self.journal.layer_done(job.layer):

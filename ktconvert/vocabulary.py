@@ -3,7 +3,7 @@ methods, the row quantizers, the GPU quant algorithms and expert schemes). Share
 and the batch job files."""
 from __future__ import annotations
 
-from ktconvert.errors import UsageError
+from ktconvert.errors import UnknownNameError, UsageError
 from ktconvert.gpu.experts import EXPERT_SCHEMES
 from ktconvert.gpu.plan import QUANTS as GPU_QUANTS
 from ktconvert.methods import METHODS, writable_names
@@ -23,8 +23,12 @@ def choose(kind: str, value: str) -> str:
     """`value` as the canonical choice of `kind` (case-insensitive; method aliases accepted); UsageError listing
     the choices otherwise."""
     if kind == "method":
-        method = METHODS.get(value).configured()
-        return method.name
+        try:
+            method = METHODS.get(value)
+        except UnknownNameError:       # list what can be written, not every registered name (llamafile)
+            raise UsageError(f"unknown CPU method {value!r}", expected=" or ".join(writable_names()),
+                             found=str(value)) from None
+        return method.configured().name
     matches = [c for c in choices(kind) if c.lower() == str(value).strip().lower()]
     if not matches:
         raise UsageError(f"unknown {kind} {value!r}", expected=" or ".join(choices(kind)))

@@ -72,8 +72,8 @@ def test_convert_one_pass_gpu_plan_inspect_verify(tiny_model, tmp_path):
 def test_cli_reaches_the_library_through_the_api_only():
     """docs/architecture.md: cli.py prints and exits and calls api.py; of our modules it imports only errors,
     cli_options (which loads api), cli_targets (convert's --cpu / --gpu targets), cli_plan (the plan command,
-    itself built on cli_options and cli_targets only), progress and, for `hub-server`, the hub stand-in (no API
-    function)."""
+    itself built on cli_options and cli_targets only), cli_check (the check command, built on cli_options only),
+    progress and, for `hub-server`, the hub stand-in (no API function)."""
     import ast
     from pathlib import Path
 
@@ -81,11 +81,14 @@ def test_cli_reaches_the_library_through_the_api_only():
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 and node.module and node.module.startswith("ktconvert")}
     assert imported == {"ktconvert.errors", "ktconvert.cli_options", "ktconvert.cli_targets", "ktconvert.cli_plan",
-                        "ktconvert.progress", "ktconvert.testing.hubserver"}
+                        "ktconvert.cli_check", "ktconvert.progress", "ktconvert.testing.hubserver"}
     plan_tree = ast.parse(Path(ktconvert.__file__).with_name("cli_plan.py").read_text())
     assert {node.module for node in ast.walk(plan_tree) if isinstance(node, ast.ImportFrom)
             and node.module and node.module.startswith("ktconvert")} == {"ktconvert.cli_options",
                                                                          "ktconvert.cli_targets"}
+    check_tree = ast.parse(Path(ktconvert.__file__).with_name("cli_check.py").read_text())
+    assert {node.module for node in ast.walk(check_tree) if isinstance(node, ast.ImportFrom)
+            and node.module and node.module.startswith("ktconvert")} == {"ktconvert.cli_options"}
 
 
 def test_bundle_unbundle_batch_publish_expert_stats_are_api_functions(tiny_model, tmp_path):

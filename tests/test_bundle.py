@@ -106,7 +106,7 @@ def _manifest_for(members: dict[str, bytes], claims: dict[str, int] | None = Non
     for name, data in members.items():
         files[name] = {"bytes": (claims or {}).get(name, len(data)), "sha256": hashlib.sha256(data).hexdigest(),
                        "git_sha1": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
-    return json.dumps({"files": files}).encode()
+    return json.dumps({"format": "ktconvert-manifest", "format_version": 2, "files": files}).encode()
 
 
 def _zst_tar_stream(path, members: list[tuple[str, int, object]]) -> None:
@@ -240,3 +240,143 @@ def test_cli_unbundle_errors_are_one_line(tmp_path):
     assert result.exit_code == 4, result.output       # a fault inside a bundle fails verification (README)
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "a/b" in lines[0]
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("head", [{"format": "other", "format_version": 2}, {"format_version": 2},
+                                  {"format": "ktconvert-manifest", "format_version": 99},
+                                  {"format": "ktconvert-manifest", "format_version": True}],
+                         ids=["other", "none", "version-99", "version-true"])
+def test_bundle_manifest_of_an_unknown_format_fails(tmp_path, head):
+    """Before: `"format": "other"` passed verify FILE.tar.zst and unbundle. Inside a bundle it is exit 4."""
+    members = {"a.bin": b"abc"}
+    manifest = json.dumps({**json.loads(_manifest_for(members)), **head})
+    if "format" not in head:
+        manifest = json.dumps({k: v for k, v in json.loads(manifest).items() if k != "format"})
+    _zst_tar(tmp_path / "other.tar.zst", [("ktconvert.json", manifest.encode())] + list(members.items()))
+    report = verify_bundle(tmp_path / "other.tar.zst")
+    assert not report["ok"] and "ktconvert.json in bundle is not a ktconvert manifest" in report["problems"][0]
+    for args in (("verify", tmp_path / "other.tar.zst"), ("unbundle", tmp_path / "other.tar.zst", tmp_path / "d")):
+        result = _cli(*args)
+        assert result.exit_code == 4, result.output
+        assert "not a ktconvert manifest" in result.output
+    assert not (tmp_path / "d").exists()
+
+
+def test_folder_manifest_of_an_unknown_format(tmp_path):
+    """A folder: verify reports it (4); bundle / publish refuse it as bad input (3), as README's table says."""
+    make_out(tmp_path / "out", sample_files(21))
+    path = tmp_path / "out" / "ktconvert.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "format": "other"}))
+    assert _cli("verify", tmp_path / "out").exit_code == 4
+    result = _cli("bundle", tmp_path / "out", tmp_path / "x.tar.zst")
+    assert result.exit_code == 3 and "not a ktconvert manifest" in result.output, result.output
+
+
+def test_manifest_over_the_real_cap_is_refused_unread_in_little_memory(tmp_path):
+    """A bundle whose ktconvert.json is valid JSON padded past MAX_MANIFEST_BYTES (256 MiB): refused from the tar
+    header's size, nothing of it read (before: a 500 MB manifest under the old 512 MiB cap was accepted at 1.55 GB
+    RSS). The child process reports its peak RSS."""
+    import subprocess
+    import sys
+
+    from ktconvert.safe_read import MAX_MANIFEST_BYTES
+
+    head = _manifest_for({"a.bin": b"abc"})
+    size = 300_000_000                            # a size the old cap (512 MiB) let through
+    assert size > MAX_MANIFEST_BYTES
+    padded = _Concat(io.BytesIO(head[:-1]), _Spaces(size - len(head)), io.BytesIO(b"}"))   # spaces before "}"
+    _zst_tar_stream(tmp_path / "fat.tar.zst", [("ktconvert.json", size, io.BufferedReader(padded)),
+                                               ("a.bin", 3, io.BytesIO(b"abc"))])
+    # VmHWM is this process's own peak (ru_maxrss would carry the forking pytest's RSS across the exec)
+    code = ("import json\n"
+            "from ktconvert.ops.bundle import verify_bundle\n"
+            f"report = verify_bundle({str(tmp_path / 'fat.tar.zst')!r})\n"
+            "hwm = [int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+            "print(json.dumps({'problems': report['problems'], 'rss_kb': hwm}))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["problems"] == [f"{tmp_path / 'fat.tar.zst'}: ktconvert.json in bundle is larger than "
+                                  f"{MAX_MANIFEST_BYTES} bytes, found {size} bytes"], result
+    assert result["rss_kb"] < 400 << 10, result
+
+
+class _Concat(io.RawIOBase):
+    """The bytes of several readers one after the other."""
+
+    def __init__(self, *parts):
+        self.parts = list(parts)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while self.parts:
+            n = self.parts[0].readinto(buf)
+            if n:
+                return n
+            self.parts.pop(0)
+        return 0
+
+
+class _Spaces(io.RawIOBase):
+    def __init__(self, size: int):
+        self.left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self.left)
+        buf[:n] = b" " * n
+        self.left -= n
+        return n
+
+
+def test_edited_manifest_in_a_bundle_and_bundling_an_edited_folder(tmp_path):
+    """The self hash: a bundle whose ktconvert.json was edited fails verify / unbundle (4); bundling a folder
+    whose ktconvert.json was edited is refused (4)."""
+    make_out(tmp_path / "out", sample_files(22))
+    bundle(tmp_path / "out", tmp_path / "ok.tar.zst")
+    path = tmp_path / "out" / "ktconvert.json"
+    manifest = json.loads(path.read_text())
+    manifest["tool_version"] = "9.9.9"
+    edited = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
+    members = [("ktconvert.json", edited)] + [(rel, (tmp_path / "out" / rel).read_bytes())
+                                              for rel in sorted(manifest["files"])]
+    _zst_tar(tmp_path / "edited.tar.zst", members)
+    report = verify_bundle(tmp_path / "edited.tar.zst")
+    assert not report["ok"] and "edited after it was written" in report["problems"][0]
+    assert _cli("unbundle", tmp_path / "edited.tar.zst", tmp_path / "d").exit_code == 4
+    path.write_bytes(edited)
+    result = _cli("bundle", tmp_path / "out", tmp_path / "again.tar.zst")
+    assert result.exit_code == 4 and "edited after it was written" in result.output, result.output
+    assert not (tmp_path / "again.tar.zst").exists()
+
+
+def test_a_difference_names_the_field_that_differs(tmp_path):
+    """A git_sha1 (or size) unlike the file's: the message shows that field, not two equal sha256s (before:
+    "expected X, found X")."""
+    make_out(tmp_path / "out", sample_files(23))
+    path = tmp_path / "out" / "ktconvert.json"
+    manifest = json.loads(path.read_text())
+    manifest.pop("self_sha256", None)                     # a manifest of an older writer
+    manifest["files"]["notes.txt"]["git_sha1"] = "0" * 40
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    with pytest.raises(VerifyError) as err:
+        bundle(tmp_path / "out", tmp_path / "x.tar.zst")
+    assert str(err.value).endswith(f"; expected git_sha1 {'0' * 40}, found git_sha1 "
+                                   f"{manifest['files']['notes.txt']['git_sha1'] and _git(b'small text file' + bytes([10]))}")
+
+
+def _git(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()

@@ -171,3 +171,19 @@ def test_verify_of_a_hub_repo_is_not_a_local_path(tmp_path, monkeypatch):
     result = _run("verify", "bad repo", "--remote")
     line = _one_line_error(result, errors.EXIT_INPUT, "bad repo")
     assert "does not exist" not in line
+
+
+@pytest.mark.parametrize("args", [["cpu", "M", "O", "--method", "foo"], ["cpu", "M", "--bogus"], ["--bogus"],
+                                  ["bogus"], ["cpu", "M"]])
+def test_click_usage_errors_are_one_line(args):
+    """click's own usage errors (unknown option, command or value, missing argument) are the one `error:` line of
+    every other error, exit 2; the unknown --method lists only the methods ktconvert writes."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "ktconvert.cli", *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and not proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--help" in lines[0], proc.stderr
+    if "foo" in args:
+        assert "rawint4" in lines[0] and "llamafile" not in lines[0]

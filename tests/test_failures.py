@@ -105,3 +105,62 @@ def test_nan_in_a_weight_names_file_tensor_layer_expert_projection(tiny_model, t
     assert f"{ref.file.name}: {name} (layer 1, expert 3, up)" in result.output
     assert "NaN at row 1, column 44" in result.output
     assert "ktconvert.json" not in _looks_complete(out)
+
+
+def _enospc(*_args, **_kw):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _one_line_exit_1(result) -> str:
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert not isinstance(result.exception, OSError), result.exception      # a traceback outside the runner
+    lines = result.output.strip().splitlines()       # progress lines (bundle, unbundle), then the error
+    assert "Traceback" not in result.output and [line for line in lines if line.startswith("error: ")] == lines[-1:]
+    assert "No space left on device" in lines[-1], lines
+    return lines[-1]
+
+
+def test_disk_full_at_a_journal_save(tiny_model, tmp_path, monkeypatch):
+    """The journal is saved after every layer: a full disk there (creating its temporary) was an OSError
+    traceback; now exit 1, one line naming the journal, nothing that looks complete, and --resume finishes."""
+    from ktconvert.formats import fileio
+
+    real = fileio.create_new
+    saves = {"n": 0}
+
+    def full_at_third_save(path, *args, **kw):
+        if ".ktconvert-journal.json" in str(path):
+            saves["n"] += 1
+            if saves["n"] == 3:
+                _enospc()
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(fileio, "create_new", full_at_third_save)
+    out = tmp_path / "out"
+    args = ("cpu", tiny_model("qwen3_moe"), out, "--method", "amxint4", "--quiet")
+    assert ".ktconvert-journal.json" in _one_line_exit_1(_run(*args))
+    assert _looks_complete(out) == [] or "ktconvert.json" not in _looks_complete(out)
+    assert not list(out.glob(".*.tmp")) and not list(out.glob("*.partial"))
+    monkeypatch.setattr(fileio, "create_new", real)
+    assert _run(*args, "--resume").exit_code == 0
+    assert _run("verify", out, "--hashes").exit_code == 0
+
+
+def test_disk_full_while_bundling_and_unbundling(tiny_model, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    assert _run("cpu", tiny_model("qwen3_moe"), out, "--method", "amxint4", "--quiet").exit_code == 0
+    monkeypatch.setattr(os, "fsync", _enospc)                   # the bundle's data reaches the disk at its fsync
+    _one_line_exit_1(_run("bundle", out, tmp_path / "b.tar.zst"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]        # no bundle, no partial one
+    monkeypatch.undo()
+    assert _run("bundle", out, tmp_path / "b.tar.zst").exit_code == 0
+    monkeypatch.setattr(os, "mkdir", _enospc)                   # unbundle into a folder that cannot be made
+    _one_line_exit_1(_run("unbundle", tmp_path / "b.tar.zst", tmp_path / "new" / "dest"))
+    monkeypatch.undo()
+    from ktconvert.ops import bundle
+    real = bundle.create_new                                    # the disk fills as the manifest is written last
+    monkeypatch.setattr(bundle, "create_new", lambda path, *a, **k: _enospc() if "ktconvert.json" in str(path)
+                        else real(path, *a, **k))
+    line = _one_line_exit_1(_run("unbundle", tmp_path / "b.tar.zst", tmp_path / "dest"))
+    assert "ktconvert.json: cannot write bundle member" in line
+    assert not (tmp_path / "dest").exists() and not (tmp_path / ".dest.partial").exists()

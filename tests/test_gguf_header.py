@@ -220,3 +220,40 @@ def test_misshapen_expert_bias_is_refused(tmp_path, shape):
     result = _cli("cpu", path, tmp_path / "out", "--method", "bf16", "--quiet", "--allow-drop-bias")
     _assert_refused(result, "bias.gguf", "blk.0.ffn_gate_exps.bias", r"expert bias disagrees with the GGUF metadata; "
                     rf"expected \[2, 32\] of a dequantizable type, found \[{', '.join(map(str, shape))}\] F32")
+
+
+def _field_start(path: Path, key: str, part: int) -> int:
+    """Byte position of part `part` of metadata field `key` (0: key length, ..., the value's length or count)."""
+    reader = GGUFReader(path)
+    return reader.fields[key].parts[part].ctypes.data - reader.data.ctypes.data
+
+
+@pytest.mark.parametrize("where, patch, section", [
+    pytest.param("GGUF.kv_count", 0, "tensor infos", id="no-metadata-count"),
+    pytest.param("general.architecture", 0, "metadata", id="empty-string-length-misparses"),
+    pytest.param("GGUF.tensor_count", 10 ** 6, "tensor infos", id="tensor-count-past-the-end"),
+    pytest.param("tokenizer-array", 10 ** 6, "metadata", id="array-count-past-the-end"),
+])
+def test_header_cut_short_is_one_line_naming_the_section(valid_gguf, tmp_path, where, patch, section):
+    """gguf-py reads a field past the end of the file as an empty array and then indexes it: before, the one line
+    was "not a readable GGUF file (index 0 is out of bounds for axis 0 with size 0)"."""
+    bad = tmp_path / "cut.gguf"
+    shutil.copy(valid_gguf, bad)
+    if where == "tokenizer-array":         # metadata only, its last field an array of three strings
+        w = gguf.GGUFWriter(str(bad), "qwen3moe")
+        w.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+        position = _field_start(bad, "tokenizer.ggml.tokens", 4)      # the array's element count
+    else:
+        position = _field_start(bad, where, 0 if where.startswith("GGUF.") else 2)
+    with open(bad, "r+b") as fh:
+        fh.seek(position)
+        fh.write(struct.pack("<Q", patch))
+    for args in (("inspect", bad), ("plan", bad, "--method", "bf16", "--numa", "1")):
+        result = _cli(*args)
+        assert result.exit_code == 3, result.output
+        line = result.output.strip().splitlines()[-1]
+        assert line == (f"error: cut.gguf: GGUF header is cut short: its {section} run past the end of the file (a "
+                        "count or length field promises more than the file holds)"), line

@@ -4,7 +4,9 @@ Golden values: plain transformers forwards (router choices, per-layer inputs), c
 (``quantize_expert_rtn``, itself byte-equal to model_free_ptq), kt-kernel's per-row formula (quant/amx_rows.py),
 llmcompressor's own ``LengthAwareSampler`` (sample order), and in the slow tests llmcompressor ``oneshot`` itself,
 run with ``shuffle_calibration_samples=False`` (its default shuffles with torch's global generator, an order
-nothing else reproduces; the order sets the float32 summation order of every Hessian) at one torch thread.
+nothing else reproduces; the order sets the float32 summation order of every Hessian) at one torch thread without
+oneDNN (``gptq.determinism.deterministic_cpu``, what ours runs under; the process's ATen capability and MKL path
+are the same for both).
 """
 from __future__ import annotations
 
@@ -58,8 +60,11 @@ def test_calibration_errors(tmp_path, small_qwen, text, message):
 # ---------------------------------------------------------------------------------------------- GPU (fast)
 
 def _hf_router_counts(src, samples, n_experts):
-    """Routed token counts per expert from transformers' own model (independent of LayerStream)."""
+    """Routed token counts per expert from transformers' own model (independent of LayerStream; with the kernels
+    LayerStream computes with, gptq.determinism.deterministic_cpu)."""
     from transformers import AutoModelForCausalLM
+
+    from ktconvert.gptq.determinism import deterministic_cpu
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16, attn_implementation="eager")
     counts = np.zeros(n_experts, int)
@@ -69,7 +74,7 @@ def _hf_router_counts(src, samples, n_experts):
         counts[:] += np.bincount(idx.reshape(-1).numpy(), minlength=n_experts)
 
     model.model.layers[0].mlp.gate.register_forward_hook(hook)
-    with torch.no_grad():
+    with torch.no_grad(), deterministic_cpu("cpu"):
         for s in samples:
             model(input_ids=s[None], use_cache=False)
     return counts
@@ -236,19 +241,19 @@ def _oneshot(src, samples, bits, calibrate_all, out, causal_fix=False, observer=
     from transformers import AutoModelForCausalLM
 
     from ktconvert.formats.safetensors_reader import Checkpoint
+    from ktconvert.gptq.determinism import deterministic_cpu, pin_process
 
+    pin_process()       # as ours does: the process's CPU kernels pinned where it still can (gptq.determinism)
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16)
     hooks = _causal_mask_hooks(model) if causal_fix else []
     ds = Dataset.from_dict({"input_ids": [s.tolist() for s in samples],
                             "attention_mask": [[1] * len(s) for s in samples]})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)          # ours solves GPTQ at one thread (MKL's Cholesky depends on the count)
-    try:
-        oneshot(model=model, dataset=ds, num_calibration_samples=len(samples), max_seq_length=max(map(len, samples)),
-                recipe=_recipe(bits, observer),
-                moe_calibrate_all_experts=calibrate_all, shuffle_calibration_samples=False)
+    try:                # ours runs at one thread without oneDNN (MKL's Cholesky, oneDNN's BF16 matmul: host-dependent)
+        with deterministic_cpu("cpu"):
+            oneshot(model=model, dataset=ds, num_calibration_samples=len(samples),
+                    max_seq_length=max(map(len, samples)), recipe=_recipe(bits, observer),
+                    moe_calibrate_all_experts=calibrate_all, shuffle_calibration_samples=False)
     finally:
-        torch.set_num_threads(threads)
         for h in hooks:
             h.remove()
     model.save_pretrained(out, save_compressed=True)

@@ -94,6 +94,9 @@ def test_publish_then_verify(hub, transport, server, hub_env, request):
     card = client_for(hub, server.url).read_small("org/model", result["revision"], "README.md").decode()
     assert "--kt-method AMXINT4" in card and "--kt-threadpool-count 2" in card
     assert "0" * 64 in card  # the source fingerprint (config sha256)
+    from huggingface_hub import ModelCard
+
+    assert ModelCard(card).data.to_dict()["library_name"] == "ktransformers"   # the hub's own parser reads it
     commits_before = len(server.store.repo("hf" if hub == "hf" else "ms", "org/model")["commits"])
     again = publish(hub_env / "out", "org/model", hub=hub, endpoint=server.url)
     assert again["ok"]
@@ -176,6 +179,23 @@ def test_publish_refuses_corrupted_folder(server, hub_env):
     assert server.requests == []  # nothing was sent
 
 
+def test_publish_refuses_an_edited_manifest(server, hub_env):
+    """The model card carries the source fingerprint and tool version: an edited ktconvert.json (its self hash
+    unlike its content) is not published (before: uploaded as is)."""
+    import json
+
+    from ktconvert.ops.hub import publish
+
+    make_out(hub_env / "out", sample_files(24))
+    path = hub_env / "out" / "ktconvert.json"
+    manifest = json.loads(path.read_text())
+    manifest["source"]["config_sha256"] = "1" * 64
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    with pytest.raises(VerifyError, match="edited after it was written"):
+        publish(hub_env / "out", "org/edited", endpoint=server.url)
+    assert server.requests == []
+
+
 def test_cli_publish_exit_codes_and_token_never_printed(server, hub_env):
     make_out(hub_env / "out", sample_files(6))
     env = {**os.environ, "HF_ENDPOINT": server.url, "KTCONVERT_NO_PROGRESS": "1"}
@@ -240,6 +260,35 @@ def test_hub_source_then_convert(server, hub_env, monkeypatch):
     manifest = load_manifest(hub_env / "out")
     assert verify_hashes(hub_env / "out", manifest)["ok"]
     assert commit in (hub_env / "out" / "ktconvert.json").read_text()
+
+
+@pytest.mark.parametrize("hub,scheme", [("hf", "hf"), ("ms", "ms")])
+def test_hub_serving_a_corrupted_shard_is_a_verification_failure(hub, scheme, server, hub_env, monkeypatch):
+    """The hub lists a shard's sha256 but serves other bytes: exit 4 from either hub, naming the shard (before:
+    5 from ms://, where modelscope-hub's own sha256 check failed the download as a storage error). 5 stays for
+    network failures and refusals."""
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+    from ktconvert.testing.tiny import make_tiny_model
+
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("MODELSCOPE_ENDPOINT", server.url)
+    monkeypatch.setenv("KTCONVERT_HUB_CACHE", str(hub_env / "dl"))
+    local = make_tiny_model(hub_env / "tiny", "qwen3_moe")
+    server.store.seed(hub, "org/tiny", local)
+    shard = sorted(local.glob("*.safetensors"))[-1]
+    blob = server.store.blob_path(hashlib.sha256(shard.read_bytes()).hexdigest())
+    data = bytearray(blob.read_bytes())
+    data[-10] ^= 0xFF
+    blob.chmod(0o644)
+    blob.write_bytes(bytes(data))
+    result = CliRunner().invoke(cli, ["cpu", f"{scheme}://org/tiny", str(hub_env / "out"), "--method", "bf16",
+                                      "--quiet"])
+    assert result.exit_code == 4, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("error: ") and shard.name in line and "differs from the hub's hash" in line, line
+    assert not (hub_env / "out" / "ktconvert.json").exists()
 
 
 def test_parse_source_rejects_garbage():

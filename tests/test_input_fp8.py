@@ -159,9 +159,9 @@ def test_scale_grid_mismatch_is_input_error(tmp_path):
 
 
 @pytest.mark.parametrize("qc, words", [
-    ({"quant_method": "awq", "bits": 4}, "unsupported quant_method"),
+    ({"quant_method": "hqq", "bits": 4}, "unsupported quant_method"),
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt"),
-    ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size"),
+    ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [0, 128]}, "weight_block_size"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
 ])
 def test_bad_configs_are_input_errors(qc, words):

@@ -9,7 +9,8 @@ from ktconvert.cpu.convert import convert_cpu
 from ktconvert.verification.run import verify
 
 INPUTS = [("deepseek_v3", "fp8"), ("kimi_k2", "ct-int4"), ("gpt_oss", "mxfp4"), ("qwen3_moe", "fp16"),
-          ("mixtral", "fp32")]
+          ("mixtral", "fp32"), ("qwen3_moe", "gptq-int4-actorder"), ("deepseek_v3", "awq-int4"),
+          ("minimax_m2", "mxfp8"), ("qwen3_5_moe", "nvfp4"), ("glm4_moe", "fp8-channel")]
 METHODS = ["amxint4", "amxint8", "bf16", "rawint4", "fp8"]
 
 
@@ -19,7 +20,8 @@ def test_input_through_every_method(tiny_model, tmp_path, arch, dtype):
 
     model = tiny_model(arch, dtype=dtype)
     src = HFSource.open(model)
-    expected_format = {"fp8": "fp8-block", "ct-int4": "ct-int4", "mxfp4": "mxfp4"}.get(dtype, dtype)
+    expected_format = {"fp8": "fp8-block", "ct-int4": "ct-int4", "mxfp4": "mxfp4",
+                       "gptq-int4-actorder": "gptq-int4"}.get(dtype, dtype)
     assert src.input_format == expected_format
     for method in METHODS:
         out = tmp_path / method

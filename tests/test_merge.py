@@ -1,6 +1,7 @@
 """`ktconvert merge` trusts nothing unchecked: a file copied across filesystems is hashed while it is copied and
-compared with its part manifest's sha256 (exit 4 on a difference, nothing more read than the copy reads);
-`merge --verify` hashes every part file before anything is written; a merge interrupted (an exception, or the
+compared with its part manifest's sha256 (exit 4 on a difference, nothing more read than the copy reads), a
+hard-linked one is hashed as it is linked; `merge --verify` also hashes every part file before anything is written
+(tests/test_merge_trust.py: every other way a part can lie); a merge interrupted (an exception, or the
 process killed) leaves an OUT without ktconvert.json, and running the same merge again finishes it, byte-identical
 to a single run. The reference is the single-process conversion (test_parts' `single`) and hashlib over the part
 files."""
@@ -93,14 +94,17 @@ def test_verify_hashes_every_part_file_before_writing(parts, single, tmp_path):
     assert tree(tmp_path / "checked") == tree(single)
     bad = largest_file(parts[0])
     flip_a_byte(bad)
-    code, out = run_cli("merge", tmp_path / "linked", *parts)      # by default a linked file's size is checked
-    assert code == 0, out
+    code, out = run_cli("merge", tmp_path / "linked", *parts)      # a linked file is hashed as it is linked
+    line = out.strip().splitlines()[-1]
+    assert code == 4 and str(bad) in line and hashlib.sha256(bad.read_bytes()).hexdigest() in line, out
+    assert not (tmp_path / "linked" / MANIFEST_NAME).exists()
+    assert not (tmp_path / "linked" / bad.relative_to(parts[0])).exists()     # the bad link removed again
     code, out = run_cli("merge", tmp_path / "refused", *parts, "--verify")
     line = out.strip().splitlines()[-1]
     assert code == 4 and str(bad) in line and "sha256" in line, out
     assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
     code, out = run_cli("merge", "--help")
-    assert "--verify" in out and "size" in out and "copied" in out
+    assert "--verify" in out and "before anything is written" in out
 
 
 @pytest.mark.parametrize("copying", [False, True])

@@ -168,3 +168,13 @@ def test_a_quantizer_the_method_does_not_take_is_refused_before_out_exists(tiny_
         assert f"--quant {quant} does not apply to --method {method}; expected rtn" in result.output
     assert not out.exists()
     assert METHODS.get("amxint4").quants == ("rtn", "mse", "gptq") and METHODS.get(method).quants == ("rtn",)
+
+
+@pytest.mark.parametrize("method", ["amxint4", "amxint8", "bf16", "fp8"])
+def test_group_size_with_a_method_without_groups_is_refused(tiny_model, tmp_path, method):
+    """--group-size used to be ignored silently for methods without groups: exit 2 before OUT exists."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["cpu", str(tiny_model("qwen3_moe")), str(out), "--method", method,
+                                      "--group-size", "64", "--quiet"])
+    assert result.exit_code == EXIT_USAGE and f"--group-size does not apply to --method {method}" in result.output
+    assert not out.exists()

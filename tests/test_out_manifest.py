@@ -201,8 +201,8 @@ def test_verify_ok_and_render(tmp_path, layout):
     result = verify(out, hashes=True)
     assert result["ok"], result["problems"]
     statuses = {c["name"]: c["status"] for c in result["checks"]}
-    assert statuses == {"manifest": "ok", "structure": "ok", "flags": "ok", "hashes": "ok", "numerics": "ok",
-                        "remote": "skipped"}
+    assert statuses == {"manifest": "ok", "integrity": "ok", "structure": "ok", "flags": "ok", "hashes": "ok",
+                        "source": "skipped", "numerics": "ok", "remote": "skipped"}
     text = render(result)
     assert "result: OK" in text and "structure" in text
 
@@ -274,6 +274,7 @@ def test_structure_catches_missing_expert_and_bad_index(tmp_path):
 def test_numerics_and_remote_results_are_reported(tmp_path, monkeypatch):
     import ktconvert.ops.hub
     import ktconvert.verification.numeric_amx
+    import ktconvert.verification.run
 
     out = tmp_path / "out"
     make_output(out, layers=(1,), experts=1)
@@ -282,6 +283,7 @@ def test_numerics_and_remote_results_are_reported(tmp_path, monkeypatch):
                         lambda *args, **kw: calls.append(args) or {"ok": False, "problems": ["blk.1: error 0.5"]})
     monkeypatch.setattr(ktconvert.ops.hub, "verify_remote",
                         lambda *args: calls.append(args) or {"ok": True, "problems": [], "summary": "remote fine"})
+    monkeypatch.setattr(ktconvert.verification.run, "check_source", lambda *args: ([], "not opened here"))
     result = verify(out, source="SRC", tokens=3, layers="1", experts="all", threshold=0.1, remote="me/repo")
     assert not result["ok"] and result["problems"] == ["blk.1: error 0.5"]
     assert calls[0][2:] == ("SRC", 3, "1", "all", 0.1) and calls[0][1]["format"] == om.FORMAT

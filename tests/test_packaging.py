@@ -71,7 +71,7 @@ def built(tmp_path_factory):
     for rel in files:
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, tree / rel)
-    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", work / "dist", tree], env=_clean_env())
+    build = _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", work / "dist", tree], env=_clean_env())
     (sdist,), (wheel,) = sorted((work / "dist").glob("*.tar.gz")), sorted((work / "dist").glob("*.whl"))
     with tarfile.open(sdist) as tar:
         top = tar.getnames()[0].split("/")[0]
@@ -88,9 +88,15 @@ def built(tmp_path_factory):
     _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel])
     run_dir = work / "run"
     run_dir.mkdir()
-    return SimpleNamespace(tree=tree, files=files, sdist=sdist, sdist_names=sdist_names,
+    return SimpleNamespace(build_log=build.stdout + build.stderr, tree=tree, files=files, sdist=sdist, sdist_names=sdist_names,
                            sdist_dir=work / "sdist" / top, wheel=wheel, wheel_names=wheel_names, library=library,
                            venv=venv, python=python, run_dir=run_dir, work=work)
+
+
+def test_build_prints_no_deprecation_of_our_metadata(built):
+    """The project's metadata is current (SPDX license string): building prints no setuptools deprecation box."""
+    assert "deprecated" not in built.build_log.lower() and "BuildBackendWarning" not in built.build_log, \
+        built.build_log[-3000:]
 
 
 def test_sdist_holds_the_tree(built):

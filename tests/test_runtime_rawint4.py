@@ -270,7 +270,8 @@ def group128_folder(src: Path, out: Path) -> Path:
         git = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
         manifest["files"][rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "git_sha1": git}
     manifest["group_size"] = 128
-    (out / "ktconvert.json").write_text(json.dumps(manifest, indent=2))
+    from ktconvert.formats.out_manifest import manifest_bytes
+    (out / "ktconvert.json").write_bytes(manifest_bytes(manifest))      # as written (self hash recomputed)
     return out
 
 
@@ -288,8 +289,8 @@ def test_group_128_folder_fails_verify_with_one_line(g32, tmp_path):
     numerics = verify(out, experts="2")["numerics"]
     assert numerics["variant"] and all(row["moe_kernel_rel"] < 1e-5 for row in numerics["layers"])
     statuses = {c["name"]: c["status"] for c in verify(out, hashes=True)["checks"]}
-    assert statuses == {"manifest": "ok", "structure": "ok", "flags": "ok", "hashes": "ok", "numerics": "failed",
-                        "remote": "skipped"}
+    assert statuses == {"manifest": "ok", "integrity": "ok", "structure": "ok", "flags": "ok", "hashes": "ok",
+                        "numerics": "failed", "source": "skipped", "remote": "skipped"}
 
 
 def test_down_scale_at_another_group_size_is_named(g32, tmp_path):

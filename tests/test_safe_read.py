@@ -233,3 +233,47 @@ def test_deep_calibration_line(tmp_path):
     path = tmp_path / "calib.jsonl"
     path.write_text('{"text": "ok"}\n{"text": ' + DEEP + "}\n")
     _refused(lambda: read_jsonl(path), needles=("calib.jsonl", "line 2", "deeper"))
+
+
+def _many_tensor_shard(path: Path, count: int, entry=None) -> Path:
+    """A valid .safetensors file of `count` one-element BF16 tensors (entry(i): the header value instead)."""
+    header = {f"t.{i}": entry(i) if entry else {"dtype": "BF16", "shape": [1], "data_offsets": [2 * i, 2 * i + 2]}
+              for i in range(count)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(2 * count))
+    return path
+
+
+def test_header_with_too_many_tensors_is_refused_before_parsing(tmp_path, monkeypatch):
+    """A header of 10^6 tensors (under the 100 MB header limit) was parsed in 28-67 s at 1.1 GB and accepted;
+    more than MAX_TENSORS per file is refused from the raw bytes (counted objects), in about a second."""
+    import time
+
+    from ktconvert import safe_read
+    from ktconvert.formats.safetensors_reader import MAX_TENSORS, parse_header
+
+    count = MAX_TENSORS + 2          # MAX_TENSORS + 1 objects may be tensors and __metadata__
+    shard = _many_tensor_shard(tmp_path / "many.safetensors", count)
+    monkeypatch.setattr(safe_read.json, "loads", lambda *a, **k: pytest.fail("the header was parsed"))
+    start = time.monotonic()
+    with pytest.raises(InputError) as info:
+        parse_header(shard)
+    assert time.monotonic() - start < 5
+    assert str(info.value) == (f"many.safetensors: safetensors header lists more tensors than ktconvert reads from "
+                               f"one file; expected at most {MAX_TENSORS} tensors, found {count} entries "
+                               f"(JSON objects) in a header of {shard.stat().st_size - 8 - 2 * count} "
+                               "bytes (hint: split the checkpoint into shards)")
+
+
+def test_header_with_too_many_entries_of_no_object(tmp_path, monkeypatch):
+    """Entries that are not objects pass the count of objects: the parsed header's length is checked before any
+    entry is."""
+    from ktconvert.formats import safetensors_reader
+
+    monkeypatch.setattr(safetensors_reader, "MAX_TENSORS", 100)
+    shard = _many_tensor_shard(tmp_path / "flat.safetensors", 102, entry=lambda i: i)
+    with pytest.raises(InputError, match="lists more tensors than ktconvert reads.*found 102 entries \\(hint"):
+        safetensors_reader.parse_header(shard)
+    ok = _many_tensor_shard(tmp_path / "ok.safetensors", 100)
+    assert len(safetensors_reader.parse_header(ok).tensors) == 100

@@ -82,16 +82,19 @@ def test_decoder_subclasses_register_and_duplicates_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="not a subclass of Decoder"):
         DECODERS.register("x")(object)
     assert sorted(DECODERS.names()) == sorted(["plain", "fp8-block", "float-quantized", "pack-quantized", "mxfp4",
+                                               "gptq", "gptq-v2", "awq", "fp8-scaled", "fbgemm-fp8", "mxfp8",
+                                               "nvfp4", "nvfp4-pack-quantized", "mxfp4-pack-quantized", "modelopt",
                                                "test-int3"])
 
 
 def test_unknown_quant_method_lists_the_known_ones():
     from ktconvert.errors import InputError
 
-    with pytest.raises(InputError, match="expected fp8 or mxfp4 or compressed-tensors, found 'awq'"):
-        detect_scheme({"quantization_config": {"quant_method": "awq"}})
-    assert decoders.config_summary({"text_config": {"quantization_config": {"quant_method": "awq", "bits": 4}}}) \
-        == {"quant_method": "awq", "bits": 4}
+    with pytest.raises(InputError, match="expected awq or fbgemm_fp8 or fp8 or gptq or modelopt or mxfp4 or mxfp8 or "
+                                         "compressed-tensors, found 'hqq'"):
+        detect_scheme({"quantization_config": {"quant_method": "hqq"}})
+    assert decoders.config_summary({"text_config": {"quantization_config": {"quant_method": "hqq", "bits": 4}}}) \
+        == {"quant_method": "hqq", "bits": 4}
 
 
 def test_source_registry_refuses_non_subclasses_and_duplicates(monkeypatch):

@@ -55,6 +55,10 @@ class CpuOptions(Options):
     def check(self) -> None:
         """UsageError for a method, group size, layout or quantizer that cannot work together."""
         method = self.method_class()
+        if self.group_size is not None and not method.group_sizes:
+            raise UsageError(f"--group-size does not apply to --method {method.name}: it has no groups",
+                             found=f"--group-size {self.group_size}",
+                             hint="leave --group-size out (`ktconvert methods` lists each method's group sizes)")
         if self.quant in ROW_QUANT.names() + ["gptq"] and self.quant not in method.quants:
             raise UsageError(f"--quant {self.quant} does not apply to --method {method.name}",
                              expected=" or ".join(method.quants), found=self.quant,

@@ -8,7 +8,7 @@
   below ``LFS_THRESHOLD`` and derived from size + sha256 for the others (``git_blob_id``; ``content_git=True``
   computes the content's for every size, as manifests of format_version 1 record it).
   ``hash_safetensors`` adds the sha256 of every tensor of a .safetensors file in the same sequential read;
-  ``copy_hashed`` copies a file and hashes the bytes it copies (one read).
+  ``copy_hashed`` copies a file and hashes the bytes it copies (one read; every write's count checked: ``write_all``).
 * ``write_atomic(path, data)``: written as ``.NAME.partial`` in the same folder, renamed when complete
   (``temp_path_for``), fsynced with its folder (``fsync_dir``) unless the caller fsyncs in bulk.
 * No write ever goes through a symlink (someone able to create files in a shared OUT could otherwise make a
@@ -141,25 +141,32 @@ def hash_file(path, content_git: bool = False, kind: str = "read.output") -> tup
     return (size, *hasher.hexdigests())
 
 
-def copy_hashed(source, target, check=None, within=None) -> tuple[int, str, str]:
+def copy_hashed(source, target, check=None, within=None, observe=None) -> tuple[int, str, str]:
     """Copy regular file `source` (InputError otherwise) to `target` by way of its temporary name (``NewFile``:
     never through a symlink; `within`: as NewFile's), fsynced, in one sequential read whose bytes are also hashed:
-    (size, sha256 hex, git blob id hex) of what was copied. check(sha256), when given, runs before the rename and
-    may raise (the temporary is then removed, `target` untouched). OutputError when it cannot be written."""
+    (size, sha256 hex, git blob id hex) of what was copied. observe(chunk), when given, is fed every chunk after
+    the hash (e.g. ``TensorHasher.update``). Every write's count is checked (a short write is written on; one that
+    writes nothing is ENOSPC) and so is the copy's size before the rename. check(sha256, git blob id), when given,
+    runs before the rename and may raise (the temporary is then removed, `target` untouched). OutputError when it
+    cannot be written (a full disk: nothing left under `target`'s name)."""
     source, target = Path(source), Path(target)
     size = check_regular(source, "file").st_size
     hasher = FileHasher(size)
+    feed = hasher.update if observe is None else (lambda chunk: (hasher.update(chunk), observe(chunk)))
     new = NewFile(target, within=within)
     try:
-        with os.fdopen(new.fd, "wb", buffering=0, closefd=False) as fh, ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(1) as pool:
             for chunk in _read_chunks(source, size):
-                hashed = pool.submit(hasher.update, chunk)      # hashlib releases the GIL: hash while writing
+                hashed = pool.submit(feed, chunk)               # hashlib releases the GIL: hash while writing
                 with profile.span("write", len(chunk)):
-                    fh.write(chunk)
+                    write_all(new.fd, chunk)
                 hashed.result()                                 # before the next read reuses the buffer
+        written = os.fstat(new.fd).st_size
+        if written != size:
+            raise OSError(errno.EIO, f"copy holds {written} of {size} bytes")
         digests = hasher.hexdigests()
         if check is not None:
-            check(digests[0])
+            check(*digests)
         new.commit()
     except OSError as exc:
         new.discard()
@@ -168,6 +175,41 @@ def copy_hashed(source, target, check=None, within=None) -> tuple[int, str, str]
         new.discard()
         raise
     return (size, *digests)
+
+
+def write_all(fd: int, data) -> None:
+    """os.write every byte of `data` to `fd`, writing on after a short write; OSError(ENOSPC) when a write writes
+    nothing (the disk is full)."""
+    view = memoryview(data).cast("B")
+    while view:
+        done = os.write(fd, view)
+        if done <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[done:]
+
+
+class TensorHasher:
+    """sha256 of every tensor of a .safetensors file whose bytes are fed in order (``update``), from its parsed
+    header: ``digests()`` -> {tensor: sha256 hex} once the whole file was fed."""
+
+    def __init__(self, header: ShardHeader):
+        self.spans = sorted((ref.offset, ref.offset + ref.nbytes, name) for name, ref in header.tensors.items())
+        self.pos, self.i, self.current, self.hashes = 0, 0, hashlib.sha256(), {}
+
+    def update(self, chunk) -> None:
+        pos, end, spans = self.pos, self.pos + len(chunk), self.spans
+        while self.i < len(spans) and spans[self.i][0] <= end:
+            begin, stop, name = spans[self.i]
+            self.current.update(chunk[max(begin, pos) - pos:min(stop, end) - pos])
+            if stop > end:
+                break
+            self.hashes[name], self.current, self.i = self.current.hexdigest(), hashlib.sha256(), self.i + 1
+        self.pos = end
+
+    def digests(self) -> dict[str, str]:
+        for _begin, _stop, name in self.spans[self.i:]:     # only empty tensors at the very end can remain
+            self.hashes.setdefault(name, hashlib.sha256(b"").hexdigest())
+        return dict(self.hashes)
 
 
 def hash_safetensors(path, header: ShardHeader | None = None,
@@ -179,23 +221,12 @@ def hash_safetensors(path, header: ShardHeader | None = None,
     """
     path = Path(path)
     header = parse_header(path) if header is None else header
-    spans = sorted((ref.offset, ref.offset + ref.nbytes, name) for name, ref in header.tensors.items())
     size = check_regular(path, "file").st_size
-    hasher, tensor_hashes = FileHasher(size, content_git), {}
-    pos, i, current = 0, 0, hashlib.sha256()
+    hasher, tensors = FileHasher(size, content_git), TensorHasher(header)
     for chunk in _read_chunks(path, size):
         hasher.update(chunk)
-        end = pos + len(chunk)
-        while i < len(spans) and spans[i][0] <= end:
-            begin, stop, name = spans[i]
-            current.update(chunk[max(begin, pos) - pos:min(stop, end) - pos])
-            if stop > end:
-                break
-            tensor_hashes[name], current, i = current.hexdigest(), hashlib.sha256(), i + 1
-        pos = end
-    for _begin, _stop, name in spans[i:]:  # only empty tensors at the very end can remain
-        tensor_hashes[name] = hashlib.sha256(b"").hexdigest()
-    return (size, *hasher.hexdigests(), tensor_hashes)
+        tensors.update(chunk)
+    return (size, *hasher.hexdigests(), tensors.digests())
 
 
 def record_for(out_dir, rel_path: str) -> FileRecord:
@@ -406,7 +437,10 @@ def write_atomic(path: Path, data, durable: bool = True, temp=None, within=None)
     durable: fsync the file before and its folder after the rename (False: the caller fsyncs later, in bulk).
     """
     path = Path(path)
-    new = NewFile(path, temp=temp, within=within)
+    try:
+        new = NewFile(path, temp=temp, within=within)      # creating the temporary can fail too (disk full)
+    except OSError as exc:
+        raise OutputError(f"cannot write file ({exc.strerror})", file=str(path)) from None
     try:
         with os.fdopen(new.fd, "wb", closefd=False) as fh:
             with profile.span("write", memoryview(data).nbytes):

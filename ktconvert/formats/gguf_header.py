@@ -18,6 +18,7 @@ read little-endian data).
 """
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 
 from ktconvert.errors import InputError
@@ -72,10 +73,23 @@ def read_header(path: Path) -> tuple[dict, dict[str, TensorRef]]:
         infos = [_info(field) for field in reader.tensor_fields]
         alignment, data_start = int(reader.alignment), reader.data_start
     except _PARSE_ERRORS as exc:
-        raise InputError(f"not a readable GGUF file ({exc})", file=path.name) from None
+        raise InputError(_parse_failure(exc), file=path.name) from None
     finally:
         reader = None  # drops the memory map; nothing of the tensor data was touched
     return meta, _tensor_refs(path, infos, alignment, data_start, size)
+
+
+def _parse_failure(exc: BaseException) -> str:
+    """The message of a header gguf-py could not parse. gguf-py reads a field that lies past the end of the file
+    as an empty array and then indexes it ("index 0 is out of bounds"): a count or length field (metadata count,
+    string or array length, tensor count, n_dims) promising more than the file holds; the section is told by where
+    gguf-py was reading."""
+    if not isinstance(exc, IndexError):
+        return f"not a readable GGUF file ({exc})"
+    frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
+    section = "tensor infos" if frames & {"_build_tensor_info", "_get_tensor_info_field"} else "metadata"
+    return (f"GGUF header is cut short: its {section} run past the end of the file (a count or length field "
+            "promises more than the file holds)")
 
 
 def _info(field) -> tuple[str, int, list[int], int, int]:

@@ -4,9 +4,10 @@ Schema (docs/architecture.md "Output manifest"): format, format_version, tool, t
 name, e.g. "AMXINT4"), numa, layout, quant, include_dense, flags (the kt-kernel / SGLang options the folder needs) and
 sglang_args (the same as one string), model (family, model_type, layers, experts, hidden, intermediate), source
 (config_sha256; bytes + sha256 per source file), files (bytes, sha256, git_sha1 per output file, keyed by relative
-posix path), tensors (sha256 per expert/dense tensor, keyed by its merged-safetensors name in both layouts) and
-packages (versions of the packages that affect output bytes). Written with sorted keys, indent 2 and a trailing
-newline, no timestamps and no host names: the same conversion gives the same bytes.
+posix path), tensors (sha256 per expert/dense tensor, keyed by its merged-safetensors name in both layouts),
+packages (versions of the packages that affect output bytes) and self_sha256 (sha256 of the file written without
+that key: an edit that does not recompute it shows). Written with sorted keys, indent 2 and a trailing newline, no
+timestamps and no host names: the same conversion gives the same bytes.
 
 Both hashes per file: hubs report sha256 for LFS files and a git blob SHA-1 for the others (publish.md §2).
 ``git_sha1`` is the git blob id a hub lists for the file: since format_version 2, for a file of at least
@@ -15,6 +16,7 @@ the content); format_version 1 recorded the content's blob for every file. Both 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -35,6 +37,7 @@ FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)   # 1: git_sha1 of the content for every file; 2: of the LFS pointer from LFS_THRESHOLD on
 BYTE_PACKAGES = ("ktconvert", "numpy")  # the packages whose version can change output bytes (we write the files)
 MODEL_KEYS = ("layers", "experts", "hidden", "intermediate")
+SELF_KEY = "self_sha256"   # sha256 of the manifest without this key (``self_sha256``)
 
 
 def source_fingerprint(root, files: Iterable) -> dict:
@@ -154,13 +157,45 @@ def file_entry(record) -> dict:
 
 
 def manifest_bytes(manifest: dict) -> bytes:
+    """The bytes of a manifest file: sorted keys, indent 2, a trailing newline; a ktconvert.json (format FORMAT)
+    gets its self hash (SELF_KEY, computed again whatever the dict held)."""
+    if manifest.get("format") == FORMAT:
+        body = {k: v for k, v in manifest.items() if k != SELF_KEY}
+        manifest = {**body, SELF_KEY: self_sha256(body)}
+    return _dumped(manifest)
+
+
+def _dumped(manifest: dict) -> bytes:
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
+def self_sha256(manifest: dict) -> str:
+    """sha256 of the manifest written without its SELF_KEY (sorted keys, indent 2, trailing newline): the self hash
+    ktconvert.json records, so that an edit of any field (tool_version, source, flags, a file's hash) which does
+    not also recompute it is seen (``self_hash_problem``). It tells edited from written, not who wrote it."""
+    return hashlib.sha256(_dumped({k: v for k, v in manifest.items() if k != SELF_KEY})).hexdigest()
+
+
+def self_hash_problem(manifest: dict) -> str | None:
+    """One problem line when `manifest` (parsed ktconvert.json) records a self hash its content does not have, or
+    one that is not a sha256; None when it matches or records none (written before ktconvert recorded it)."""
+    recorded = manifest.get(SELF_KEY)
+    if recorded is None:
+        return None
+    actual = self_sha256(manifest)
+    if recorded != actual:
+        return (f"{MANIFEST_NAME}: edited after it was written: its content does not have the {SELF_KEY} it "
+                f"records; expected {recorded!r:.80}, found {actual!r}")
+    return None
+
+
 def write_manifest(out_dir, manifest: dict) -> Path:
-    """Write ``out_dir/ktconvert.json`` atomically; returns its path."""
+    """Write ``out_dir/ktconvert.json`` atomically; returns its path. `manifest` gets the self hash it is written
+    with (SELF_KEY), so that the dict equals what the file holds."""
     path = Path(out_dir) / MANIFEST_NAME
-    write_atomic(path, manifest_bytes(manifest))
+    if manifest.get("format") == FORMAT:
+        manifest[SELF_KEY] = self_sha256(manifest)
+    write_atomic(path, _dumped(manifest))
     return path
 
 

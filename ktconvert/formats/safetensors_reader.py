@@ -23,6 +23,9 @@ from ktconvert.safe_read import check_regular, open_regular, parse_json, read_js
 
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+# tensors in one file: Kimi-K2's ~210k (int4 pack-quantized: packed, scale and shape per expert matrix) in a single
+# file still fit; parsing costs ~20-40 us and ~1 KB per entry (10^6 entries: ~40 s, 1.1 GB), so more is refused
+MAX_TENSORS = 1 << 18
 _PREAD_CHUNK = 1 << 30  # Linux returns at most ~2 GiB per read call
 
 # safetensors dtype name -> (bytes per element, numpy dtype the raw bits are returned as)
@@ -71,13 +74,23 @@ def _read_header_json(path: Path, read, size: int) -> tuple[dict, int]:
         raise _bad(path, "safetensors header truncated or unreadable",
                    expected=f"8 + {n} header bytes within the file", found=f"file of {size} bytes")
     raw = head[8:8 + n] if 8 + n <= len(head) else read(8, n)
+    objects = raw.count(b"{")      # every tensor entry is one JSON object: counted before anything is parsed
+    if objects > MAX_TENSORS + 2:  # + the header itself and __metadata__
+        raise _too_many(path, f"{objects - 1} entries (JSON objects) in a header of {n} bytes")
     header = parse_json(raw, what="safetensors header", file=path.name, max_bytes=MAX_HEADER_BYTES,
                         object_pairs_hook=_unique_keys)
     if not isinstance(header, dict):
         raise _bad(path, "safetensors header is not a JSON object", found=type(header).__name__)
+    if len(header) > MAX_TENSORS + 1:
+        raise _too_many(path, f"{len(header)} entries")
     if isinstance(header.get(_DUPLICATE), str):
         raise _bad(path, "tensor name appears twice in the header", header[_DUPLICATE])
     return header, n
+
+
+def _too_many(path: Path, found: str) -> InputError:
+    return _bad(path, "safetensors header lists more tensors than ktconvert reads from one file",
+                expected=f"at most {MAX_TENSORS} tensors", found=found, hint="split the checkpoint into shards")
 
 
 _DUPLICATE = "\0duplicate"   # key under which _unique_keys reports a repeated name (NUL: no tensor is called that)

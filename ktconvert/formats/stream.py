@@ -47,8 +47,27 @@ class MatrixJob:
 
 @dataclass(frozen=True)
 class FileDigest:
+    """A source file read to its end: size and sha256, and what tells a resumed run cheaply whether the file is
+    still that one (``source_identity``): the sha256 of its first HEAD_BYTES and its stat identity."""
+
     bytes: int
     sha256: str
+    head_sha256: str = ""
+    identity: tuple = ()
+
+
+HEAD_BYTES = 1 << 20   # the start of a file hashed apart: a safetensors header and the first tensor bytes
+
+
+def head_sha256(fd: int, size: int) -> str:
+    """sha256 of the first min(size, HEAD_BYTES) bytes of open file `fd`."""
+    return hashlib.sha256(os.pread(fd, min(size, HEAD_BYTES), 0)).hexdigest()
+
+
+def stat_identity(st: os.stat_result) -> tuple:
+    """(device, inode, size, mtime ns, ctime ns): equal only for the same file not written since (a write or a
+    metadata change moves ctime, which no program can set back)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class ByteBudget:
@@ -131,7 +150,8 @@ class HashingFileReader:
     def __init__(self, path: Path, known: str | None = None, verify: bool = False):
         self.path = Path(path)
         self._fd = open_regular(self.path, f"source file {self.path.name}")   # may have changed since it was checked
-        self._size = os.fstat(self._fd).st_size
+        self._opened = stat_identity(os.fstat(self._fd))
+        self._size = self._opened[2]
         self._pos = 0
         self._known = known
         self._sha = _BackgroundSha256() if known is None or verify else None
@@ -192,12 +212,15 @@ class HashingFileReader:
         if self._known is not None and sha256 != self._known:
             raise InputError("source file does not match its Hugging Face cache blob name (sha256)", file=self.path,
                              expected=self._known, found=sha256, hint="the cache is damaged: download the file again")
-        if os.fstat(self._fd).st_size != self._size:
+        st = os.fstat(self._fd)
+        if st.st_size != self._size:
             raise InputError("file size changed while converting", file=self.path, expected=self._size,
-                             found=os.fstat(self._fd).st_size)
+                             found=st.st_size)
+        head = head_sha256(self._fd, self._size)
         os.close(self._fd)
         self._fd = -1
-        return FileDigest(self._size, sha256)
+        same = stat_identity(st) == self._opened        # else written while read: no identity to trust later
+        return FileDigest(self._size, sha256, head, self._opened if same else ())
 
     def close(self) -> None:
         if self._sha is not None:

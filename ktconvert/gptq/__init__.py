@@ -5,6 +5,8 @@ on that stream (llmcompressor's own functions for the GPU checkpoint, a fixed-gr
 * ``inputs.py``: the recording forward that gives layer 0's hidden states and every layer's keyword arguments.
 * ``stream.py``: ``DecoderStream``: per-layer weights from safetensors, the layer's own forward, layer freed.
 * ``hessians.py``: per-expert routes, Hessians and the llmcompressor GPTQ solve of one Linear.
+* ``determinism.py``: the CPU kernels pinned (``pin_process``, ``deterministic_cpu``) so the bytes do not depend on
+  the host's instruction set or cores.
 * ``loop.py``: ``LayerStream`` (GPTQ on the stream; ``ExpertSolver``: its per-expert part, no forward),
   ``GpuQuantizer``; ``distributed.py``: the same stream with each layer's forward split by calibration sample and
   its experts by owner (``DistributedStream``; on Ray: ktconvert.ray_gptq); ``cpu.py``: the AMX variant

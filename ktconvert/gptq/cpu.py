@@ -28,7 +28,7 @@ from ktconvert.formats.fileio import hash_file
 from ktconvert.formats.hf_source import HFSource
 from ktconvert.gptq import grid
 from ktconvert.gptq.calibration import load_samples
-from ktconvert.gptq.hessians import single_thread_on_cpu
+from ktconvert.gptq.determinism import deterministic_cpu, pin_process
 from ktconvert.gptq.holdout import REASONS, SelectionOptions
 from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream
 from ktconvert.gptq.resume import restore_for, samples_digest
@@ -89,7 +89,7 @@ class AmxQuantizer:
             raise ShapeError("expert intermediate size does not split into NUMA parts", tensor=f"{where} down",
                              expected=f"I % {self.numa} == 0", found=f"I = {weights['down'].shape[1]}")
         scales = {p: part_scales(parts, p) for p, parts in self.fallback(expert, where).items()}
-        with single_thread_on_cpu("cpu"):
+        with deterministic_cpu("cpu"):
             gate_up_factor = grid.inverse_factor(gate_up[0].to("cpu"), options.dampening)
             down_factor = grid.inverse_factor(down[0].to("cpu"), options.dampening)
             if gate_up_factor is None or down_factor is None:
@@ -153,6 +153,7 @@ def amx_stream(src, calibration, method_bits: int, numa: int, *, max_length: int
     path (ktconvert.gptq.calibration) or a list of 1-D int64 token tensors (file order). mtp_layers: MTP layers
     quantized after the decoder layers (gptq.stream). make_stream: the stream class, called as LayerStream is
     (None: LayerStream, this process; ray_gptq.ray_streams: on Ray, the same results)."""
+    pin_process()                          # before torch computes anything here (gptq.determinism)
     source = src if isinstance(src, HFSource) else HFSource.open(src)
     samples = calibration
     if isinstance(calibration, (str, Path)):
@@ -247,6 +248,7 @@ def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, opti
     expert_activation.pt, the routed-token counts of the calibration (activation.stats.write_gptq_activation),
     recorded in the manifest and its SGLang flags (decoder layers only: the MTP layers' counts are not the main
     model's). make_stream: the GPTQ stream class (amx_stream's; None: this process)."""
+    pin_process()                          # before torch computes anything here (gptq.determinism)
     opts = output.options
     options = options or GptqOptions(dampening=opts.dampening)
     selection = selection or SelectionOptions(min_tokens=opts.min_tokens)

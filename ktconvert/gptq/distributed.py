@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 
 from ktconvert.errors import InputError
 from ktconvert.gptq.calibration import oneshot_permutation
-from ktconvert.gptq.hessians import single_thread_on_cpu
+from ktconvert.gptq.determinism import deterministic_cpu, pin_process
 from ktconvert.gptq.loop import ExpertSolver, GptqOptions, LayerResult, calibration_holdout, propagation_context
 from ktconvert.gptq.skeleton import experts_module, malloc_trim
 from ktconvert.gptq.stream import DecoderStream, to_device_but_meta
@@ -94,7 +94,7 @@ def computing(device):
     trimmed after it."""
     import torch
 
-    with torch.no_grad(), single_thread_on_cpu(device):
+    with torch.no_grad(), deterministic_cpu(device):
         yield
     malloc_trim()
 
@@ -197,6 +197,7 @@ class DistributedStream:
                  tasks, spec: str, orientation: str | None = None, workers: int = 1):
         if not samples:
             raise InputError("no calibration samples", hint="--calibration FILE must hold at least one sample")
+        pin_process()                      # before torch computes anything here (gptq.determinism)
         self.quantizer, self.options, self.tasks, self.workers = quantizer, options, tasks, max(1, workers)
         order = oneshot_permutation(samples)
         ordered = [samples[i] for i in order]

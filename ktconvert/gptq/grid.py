@@ -14,7 +14,8 @@ GPTQ (Frantar et al., 2022, with §3.4's lazy block updates and "act-order") for
            (inside a block of `block_size` columns at once, across blocks with one matrix product)
 
 Rows are independent given H, so gate and up (one Hessian) run as one [2I, H] matrix. float32 throughout, run at
-one torch thread on CPU by the caller (``hessians.single_thread_on_cpu``), so the codes do not depend on the host.
+one torch thread without oneDNN by the caller (``determinism.deterministic_cpu``, MKL pinned by
+``determinism.pin_process``), so the codes do not depend on the host.
 """
 from __future__ import annotations
 

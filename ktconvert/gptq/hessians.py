@@ -3,12 +3,12 @@
 * ``routes``: the token indices each expert receives, in the order llmcompressor's LinearExperts2D selects them.
 * ``shared_gate_up`` / ``expert_hessians``: ``accumulate_hessian`` over an expert's inputs (gate_proj and up_proj
   read the same input, so one Hessian serves both; with calibrate-all, one for the whole layer).
-* ``gptq_module``: observer qparams (or given ones), ``prepare_batch``, ``quantize_weight`` for one Linear, at one
-  torch thread on CPU (``single_thread_on_cpu``).
+* ``gptq_module``: observer qparams (or given ones), ``prepare_batch``, ``quantize_weight`` for one Linear, on CPU
+  at one torch thread without oneDNN (``determinism.deterministic_cpu``).
 """
 from __future__ import annotations
 
-import contextlib
+from ktconvert.gptq.determinism import deterministic_cpu
 
 
 class StopForward(Exception):
@@ -92,27 +92,10 @@ def gptq_module(module, quant_args, hessian, num_samples, options, qparams=None)
         qparams = module.weight_observer.get_qparams()
     weights, hessians, scales, zero_points, global_scales = prepare_batch(
         [module], [qparams], {module: hessian}, {module: num_samples})
-    with single_thread_on_cpu(weights.device):
+    with deterministic_cpu(weights.device):
         quantized, _losses, rtn = quantize_weight(weights=weights, hessians=hessians, scale=scales,
                                                   zero_point=zero_points, global_scale=global_scales,
                                                   quant_args=quant_args, blocksize=options.block_size,
                                                   percdamp=options.dampening)
     return quantized, scales, zero_points, global_scales, bool(rtn[0])
 
-
-@contextlib.contextmanager
-def single_thread_on_cpu(device):
-    """One torch thread while a CPU GPTQ solve runs: MKL's Cholesky factorisation / inverse
-    (``torch.linalg.cholesky``, ``cholesky_inverse``) round differently with the thread count, which would make the
-    codes depend on the host's cores. (oneshot on CPU has that dependence; compare with it at one thread.)"""
-    import torch
-
-    if torch.device(device).type != "cpu":
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)

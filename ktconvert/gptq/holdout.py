@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ktconvert.gptq.hessians import single_thread_on_cpu
+from ktconvert.gptq.determinism import deterministic_cpu
 from ktconvert.gptq.skeleton import expert_forward, float_params
 
 BLOCK_TOKENS = 64
@@ -67,7 +67,7 @@ def expert_errors(expert, candidates: dict, x, weight) -> dict:
 
     params = float_params(expert, torch.float64)
     scale = weight.to(torch.float64).unsqueeze(1)
-    with torch.no_grad(), single_thread_on_cpu(x.device):
+    with torch.no_grad(), deterministic_cpu(x.device):
         reference = expert_forward(expert, params, x)
         return {name: float(torch.sum(((expert_forward(expert, params, x, weights) - reference) * scale) ** 2))
                 for name, weights in candidates.items()}

@@ -31,6 +31,7 @@ from typing import Iterator
 
 from ktconvert.gpu.experts import quantize_expert_rtn, scheme
 from ktconvert.gptq.calibration import oneshot_permutation
+from ktconvert.gptq.determinism import pin_process
 from ktconvert.gptq.hessians import expert_hessians, gptq_module, routes, shared_gate_up
 from ktconvert.gptq.holdout import DATA_FREE, FEW_TOKENS, GPTQ, NOT_PD, choose, expert_errors, holdout_masks
 from ktconvert.gptq.skeleton import experts_module, routed
@@ -81,6 +82,7 @@ class LayerStream(DecoderStream):
     mtp_layers: MTP layers quantized after the decoder layers (DecoderStream)."""
 
     def __init__(self, src, samples: list, quantizer, options: GptqOptions = GptqOptions(), mtp_layers=()):
+        pin_process()                      # before torch computes anything here (gptq.determinism)
         self.quantizer, self.options = quantizer, options
         order = oneshot_permutation(samples) if samples else []
         held_masks = calibration_holdout(quantizer, samples, order)

@@ -11,10 +11,11 @@
              counts: ktconvert.activation)
     free     the layer is replaced by Identity and the heap trimmed
 
-On CPU every forward runs at one torch thread (``hessians.single_thread_on_cpu``): oneDNN's BF16 matmul rounds
-differently with the thread count (measured: 1-11 of the 4.2 M outputs of a [2048, 1024] x [1024, 2048] product
-differ between 1 and 3, 5, 6, 7, 12 or 24 threads), which would make routing, Hessians and codes depend on the
-host's cores.
+On CPU every forward runs at one torch thread with oneDNN off (``determinism.deterministic_cpu``): oneDNN's BF16
+matmul rounds differently with the thread count (measured: 1-11 of the 4.2 M outputs of a [2048, 1024] x [1024,
+2048] product differ between 1 and 3, 5, 6, 7, 12 or 24 threads) and with the instruction set it picks (AMX,
+AVX512_BF16), which would make routing, Hessians and codes depend on the host; ATen's and MKL's own kernels are
+pinned per process by the GPTQ entry points (``determinism.pin_process``).
 
 A stream built with ``inputs=(hidden, kwargs)`` instead of samples records nothing: it runs the given hidden
 states (a slice of the calibration samples, gptq.distributed). ``fresh_layer(L)`` / ``load_layer(L, module,
@@ -40,7 +41,8 @@ import re
 from ktconvert.errors import InputError
 from ktconvert.formats.hf_source import HFSource
 from ktconvert.formats.decoders import decode_matrix, detect_scheme
-from ktconvert.gptq.hessians import StopForward, single_thread_on_cpu
+from ktconvert.gptq.determinism import deterministic_cpu
+from ktconvert.gptq.hessians import StopForward
 from ktconvert.gptq.inputs import record_inputs
 from ktconvert.gptq.skeleton import (bits_to_torch, build_skeleton, malloc_trim, pick_device, to_device,
                                      torch_dtype_of)
@@ -72,7 +74,7 @@ class DecoderStream:
         self.prefix = self.info.name_prefix
         if inputs is None:
             embed = self._tensor(self.prefix + "embed_tokens.weight", self.model.model.embed_tokens.weight)
-            with single_thread_on_cpu(self.device):
+            with deterministic_cpu(self.device):
                 inputs = record_inputs(self.model, embed, samples, causal_mask)
         self.hidden, self.kwargs = list(inputs[0]), list(inputs[1])
         mtp_layers = sorted(mtp_layers)
@@ -215,7 +217,7 @@ class DecoderStream:
         if L != self.done + 1:
             raise ValueError(f"layers must be run in order: expected {self.done + 1}, got {L}")
         layer = self.load_layer(L)
-        with torch.no_grad(), single_thread_on_cpu(self.device):
+        with torch.no_grad(), deterministic_cpu(self.device):
             result = self.process_layer(L, layer)
         self._free(L)
         del layer

@@ -106,6 +106,10 @@ class GpuLayout:
         ck = self.source.checkpoint
         ref = ck.tensors[name]
         module = linears.module_of(name)
+        decoded = linears.decoded_refs(ck, module)
+        if decoded is not None:
+            self._place_decoded(shard, name, module, decoded)
+            return
         is_weight = name == module + ".weight"
         suffix = name[len(module) + 1:]
         if linears.is_linear_base(module):
@@ -127,11 +131,26 @@ class GpuLayout:
         if is_weight and len(ref.shape) == 2 and not _is_embedding(module):
             self.other_linears.add(module)
 
+    def _place_decoded(self, shard: Shard, name: str, module: str, refs) -> None:
+        """A linear stored in a quantized form a decoder reads (linears.decoded_refs): its primary tensor becomes the
+        module's weight (LinearBase: as --linears says; others BF16), its partners (scales, zeros, g_idx, activation
+        scales) go, anything else (a bias) is copied."""
+        if name == refs.primary:
+            if linears.is_linear_base(module):
+                plan = linears.plan_linear(self.source.checkpoint, module, self.mode)
+                shard.items.append(Item(plan.specs, plan.produce))
+                self.linear_modules.add(module)
+            else:
+                shard.items.append(_to_bf16(module, refs.shape))
+                self.other_linears.add(module)
+        elif name not in refs.partners.values():
+            shard.items.append(_copy(self.source.checkpoint.tensors[name]))
+
     def _check_fp8_config(self) -> None:
         """`keep` needs all linears FP8 or all float (linear_fp8_config covers every LinearBase or none)."""
         if self.mode != "keep":
             return
-        kinds = {linears.stored_kind(self.source.checkpoint, m) for m in self.linear_modules}
+        kinds = {linears.stored_kind(self.source.checkpoint, m) for m in self.linear_modules} - {"decoded"}
         if len(kinds) > 1:
             raise InputError("--linears keep: the source mixes FP8 and float linears, which SGLang cannot load "
                              "(linear_fp8_config applies to every linear)", expected="all FP8 or all BF16",

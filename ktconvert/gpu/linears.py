@@ -5,9 +5,12 @@ projections, dense MLP and shared-expert projections. Those are written as ``wei
 ``weight_scale_inv`` F32 [ceil(N/128), ceil(K/128)] (W = q * s, s = block amax / 448). FP8-block sources with
 [128, 128] blocks are copied byte for byte. Routers, embeddings, lm_head, norms, biases, MTP ``eh_proj`` /
 ``shared_head`` (plain parameters / nn.Linear in SGLang) stay as they are (FP8 ones are dequantized to BF16).
+Linears stored in another quantized form a decoder reads (GPTQ / AWQ ``qweight``, compressed-tensors
+``weight_packed``, NVFP4, MXFP8, per-tensor FP8) are decoded: to BF16, or to block FP8 for ``LinearBase`` layers in
+``fp8`` mode.
 
 Modes (``--linears``): ``fp8`` (above), ``bf16`` (every linear BF16, Kimi-K2 style), ``keep`` (as stored, when
-SGLang can load that: all float, or all FP8-block).
+SGLang can load that: all float, or all FP8-block; decoded linears are written BF16).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from ktconvert.errors import InputError
-from ktconvert.formats.decoders import detect_scheme
+from ktconvert.formats.decoders import decode_matrix, detect_scheme, has_weight, locate
 from ktconvert.quant import fp8
 from ktconvert.quant.bf16 import bf16_bits_to_f32, float_to_bf16_bits
 
@@ -86,20 +89,46 @@ def source_block(checkpoint) -> tuple[int, int] | None:
     return None
 
 
+def decoded_refs(checkpoint, module: str):
+    """The decoder's MatrixRefs (formats.decoders) of `module` when it is stored quantized in a form other than
+    float or FP8 with a 2-D float scale grid (GPTQ / AWQ ``qweight``, compressed-tensors ``weight_packed``,
+    NVFP4, MXFP8, per-tensor FP8, ...), else None."""
+    tensors = checkpoint.tensors
+    ref = tensors.get(module + ".weight")
+    if module in tensors or not has_weight(checkpoint, module) or (ref is not None and (
+            ref.dtype in FLOAT_DTYPES or _fp8_grid(checkpoint, module, ref))):
+        return None
+    scheme = detect_scheme(checkpoint.config)
+    return None if scheme is None else locate(checkpoint, module, scheme)
+
+
+def _fp8_grid(checkpoint, module: str, ref) -> bool:
+    """F8_E4M3 ``weight`` with a 2-D float scale (block grid, or [N, 1] per channel): read here directly."""
+    scales = [checkpoint.tensors.get(f"{module}.{s}") for s in SCALE_SUFFIXES]
+    return ref.dtype == "F8_E4M3" and any(s is not None and s.dtype in FLOAT_DTYPES and len(s.shape) == 2
+                                          for s in scales)
+
+
 def stored_kind(checkpoint, module: str) -> str:
-    """"float" (BF16/F16/F32 ``weight``), "fp8-block" (F8_E4M3 + weight_scale_inv/weight_scale) or "other"."""
+    """"float" (BF16/F16/F32 ``weight``), "fp8-block" (F8_E4M3 + weight_scale_inv/weight_scale grid), "decoded"
+    (another quantized storage a decoder reads: written as BF16 or re-quantized) or "other"."""
+    if decoded_refs(checkpoint, module) is not None:
+        return "decoded"
     ref = checkpoint.tensors.get(module + ".weight")
     if ref is None:
         return "other"
     if ref.dtype in FLOAT_DTYPES:
         return "float"
-    if ref.dtype == "F8_E4M3" and any(f"{module}.{s}" in checkpoint.tensors for s in SCALE_SUFFIXES):
+    if _fp8_grid(checkpoint, module, ref):
         return "fp8-block"
     return "other"
 
 
 def read_bf16(checkpoint, module: str) -> np.ndarray:
-    """The linear's weight as BF16 bits uint16 [n, k] (float sources converted RNE, FP8-block dequantized)."""
+    """The linear's weight as BF16 bits uint16 [n, k] (float sources converted RNE, FP8-block dequantized, other
+    quantized storage decoded by formats.decoders)."""
+    if decoded_refs(checkpoint, module) is not None:
+        return decode_matrix(checkpoint, module, detect_scheme(checkpoint.config))
     ref = checkpoint.ref(module + ".weight")
     if ref.dtype in FLOAT_DTYPES:
         return float_to_bf16_bits(checkpoint.read(ref.name), ref.dtype)
@@ -129,12 +158,15 @@ def plan_linear(checkpoint, module: str, mode: str) -> LinearPlan:
     """The output of linear `module` under `mode` ("fp8" | "bf16" | "keep"); InputError for what SGLang cannot
     load."""
     kind = stored_kind(checkpoint, module)
-    ref = checkpoint.ref(module + ".weight")
-    if kind == "other" or len(ref.shape) != 2:
-        raise InputError("linear weight stored in a form SGLang's GPU path cannot load here", file=ref.file.name,
-                         tensor=ref.name, expected="BF16/F16/F32 or F8_E4M3 + weight_scale_inv",
-                         found=f"{ref.dtype} {list(ref.shape)}")
-    n, k = ref.shape
+    if kind == "decoded":
+        n, k = decoded_refs(checkpoint, module).shape
+    else:
+        ref = checkpoint.ref(module + ".weight")
+        if kind == "other" or len(ref.shape) != 2:
+            raise InputError("linear weight stored in a form SGLang's GPU path cannot load here", file=ref.file.name,
+                             tensor=ref.name, expected="BF16/F16/F32 or F8_E4M3 + weight_scale_inv",
+                             found=f"{ref.dtype} {list(ref.shape)}")
+        n, k = ref.shape
     if mode == "keep":
         mode = "fp8" if kind == "fp8-block" else "bf16"
     if mode == "bf16":

@@ -6,8 +6,9 @@ then bundled and published, so bundle and publish always follow the conversion t
 the local one: the same keys, jobs in file order, the exit code of the first failed job in file order. Without
 keep_going, the jobs after a failed one (in file order) that have not finished yet are cancelled and reported
 "skipped" (the local batch would not have started them; a cancelled conversion resumes on the next run). A job's
-paths must be the same on every node (a shared filesystem); the hub endpoint and token variables set on the
-driver reach the tasks (``ray_executor.TASK_ENV``, through Ray's runtime_env ``env_vars``).
+paths must be the same on every node (a shared filesystem); the hub endpoint variables set on the driver reach
+the tasks through Ray's runtime_env ``env_vars`` (``ray_executor.TASK_ENV``), its hub tokens only the tasks of jobs
+with a hub source or a publish target, and never through runtime_env (``ray_executor.remote_task``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import os
 from ktconvert.errors import EXIT_ERROR
 from ktconvert.ops.batch import run_job
 from ktconvert.progress import Progress
-from ktconvert.ray_executor import MAX_RETRIES, connect, task_runtime_env
+from ktconvert.ray_executor import MAX_RETRIES, connect, hub_tokens, is_hub, remote_task, task_runtime_env
 
 
 def run_jobs_on_ray(jobs: list[dict], keep_going: bool = False, progress=None, address: str | None = None,
@@ -26,8 +27,8 @@ def run_jobs_on_ray(jobs: list[dict], keep_going: bool = False, progress=None, a
     progress = progress or Progress()
     ray = connect(address)
     options = {"num_cpus": 1, "max_retries": MAX_RETRIES, **task_runtime_env(runtime_env)}
-    task = ray.remote(run_job_task).options(**options)
-    pending = {task.remote(_absolute(job)): i for i, job in enumerate(jobs)}
+    tasks = {needed: remote_task(ray, run_job_task, hub_tokens(needed), **options) for needed in (False, True)}
+    pending = {tasks[needs_hub(job)].remote(_absolute(job)): i for i, job in enumerate(jobs)}
     results: list[dict | None] = [None] * len(jobs)
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
@@ -44,6 +45,11 @@ def run_jobs_on_ray(jobs: list[dict], keep_going: bool = False, progress=None, a
     failed = next((r for r in results if r["status"] == "failed"), None)
     exit_code = failed.get("exit_code", EXIT_ERROR) if failed else 0
     return {"ok": exit_code == 0, "exit_code": exit_code, "jobs": results}
+
+
+def needs_hub(job: dict) -> bool:
+    """Whether a job talks to a hub: its source is hf:// / ms://, or one of its outputs is published."""
+    return is_hub(job["source"]) or any(output.get("publish") for output in job["outputs"])
 
 
 def _outcome(ray, ref, job: dict) -> dict:

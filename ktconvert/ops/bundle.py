@@ -58,6 +58,14 @@ def _same(entry: dict, seen: dict) -> bool:
     return all(entry.get(k) == seen[k] for k in ("bytes", "sha256", "git_sha1") if entry.get(k) is not None)
 
 
+def _difference(entry: dict, seen: dict) -> dict:
+    """{"expected", "found"} of the first of bytes / sha256 / git_sha1 in which `seen` differs from manifest entry
+    `entry` (a value of another type shown as its repr: the two never read the same)."""
+    key = next(k for k in ("bytes", "sha256", "git_sha1") if entry.get(k) is not None and entry[k] != seen[k])
+    want = entry[key] if type(entry[key]) is type(seen[key]) else repr(entry[key])
+    return {"expected": f"{key} {want}", "found": f"{key} {seen[key]}"}
+
+
 def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode, info.uid, info.gid = size, 0, 0o644, 0, 0
@@ -72,7 +80,7 @@ def bundle(out, dest, level: int = DEFAULT_LEVEL, progress=None, force: bool = F
     OutputError when `dest` exists (anything there, a symlink too) and not `force`, or is a folder."""
     import zstandard
 
-    from ktconvert.formats.out_manifest import load_manifest
+    from ktconvert.formats.out_manifest import load_manifest, self_hash_problem
     from ktconvert.progress import Progress
 
     progress = progress or Progress()
@@ -82,6 +90,9 @@ def bundle(out, dest, level: int = DEFAULT_LEVEL, progress=None, force: bool = F
     if os.path.lexists(dest) and not force:
         raise OutputError("bundle destination exists", file=str(dest), hint="pass --force to replace it")
     manifest = load_manifest(out)
+    edited = self_hash_problem(manifest)
+    if edited is not None:
+        raise VerifyError(f"not bundled: {edited}", file=str(out))
     manifest_raw = (out / MANIFEST_NAME).read_bytes()
     files = manifest["files"]
     total = len(manifest_raw) + sum(int(e["bytes"]) for e in files.values())
@@ -122,7 +133,7 @@ def _add_checked(tar: tarfile.TarFile, out: Path, rel: str, entry: dict, content
         tar.addfile(_tarinfo(rel, size), reader)
     if not _same(entry, reader.entry()):
         raise VerifyError(f"file differs from {MANIFEST_NAME}; not bundled", file=str(path),
-                          expected=entry.get("sha256"), found=reader.entry()["sha256"])
+                          **_difference(entry, reader.entry()))
 
 
 def _open_stream(path: Path):
@@ -139,6 +150,23 @@ def _check_member_name(name: str, bundle_path: Path, what: str = "member name in
         raise VerifyError(f"unsafe {what} (path traversal or unusable name: {reason})", file=str(bundle_path),
                           tensor=repr(name)[1:-1])
     return name
+
+
+def _check_manifest(manifest, path: Path) -> None:
+    """The bundle's first member is a ktconvert.json: a known format and format_version, its self hash (where it
+    records one) matching its content; VerifyError otherwise."""
+    from ktconvert.formats.out_manifest import FORMAT, READ_VERSIONS, self_hash_problem
+
+    got = manifest if isinstance(manifest, dict) else {}
+    version = got.get("format_version")
+    if got.get("format") != FORMAT or type(version) is not int or version not in READ_VERSIONS:
+        raise VerifyError(f"{MANIFEST_NAME} in bundle is not a ktconvert manifest", file=str(path),
+                          expected=f'"format": "{FORMAT}", "format_version" ' + " or ".join(map(str, READ_VERSIONS)),
+                          found=(f'"format": {got.get("format")!r:.40}, "format_version": {version!r:.20}'
+                                 if isinstance(manifest, dict) else f"a JSON {type(manifest).__name__}"))
+    problem = self_hash_problem(manifest)
+    if problem is not None:
+        raise VerifyError(f"in bundle: {problem}", file=str(path))
 
 
 def _check_files_table(manifest, path: Path) -> dict:
@@ -193,6 +221,7 @@ def _walk(path: Path, on_member, progress=None, strict: bool = False) -> tuple[d
                     raw = _read_manifest(tar, member, path)
                     manifest = parse_json(raw, what=f"{MANIFEST_NAME} in bundle", file=path,
                                           max_bytes=MAX_MANIFEST_BYTES, error=VerifyError)
+                    _check_manifest(manifest, path)
                     files = _check_files_table(manifest, path)
                     content_git = manifest.get("format_version") == 1
                     if progress is not None:
@@ -212,7 +241,7 @@ def _walk(path: Path, on_member, progress=None, strict: bool = False) -> tuple[d
                 if not _same(entry, got):
                     if strict:
                         raise VerifyError(f"bundle does not verify: content differs from {MANIFEST_NAME}",
-                                          file=str(path), tensor=name, expected=entry["sha256"], found=got["sha256"])
+                                          file=str(path), tensor=name, **_difference(entry, got))
                     report["mismatched"].append(name)
                 if progress is not None:
                     progress.advance(member.size, 1, name)
@@ -312,18 +341,21 @@ def unbundle(path, dest, progress=None) -> dict:
         raise OutputError("destination is a symlink; refusing to write through it", file=str(dest))
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise OutputError("destination exists and is not empty", file=str(dest))
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot make the destination's folder ({exc.strerror})", file=str(dest)) from None
     tmp = dest.with_name(f".{dest.name}.partial")
     _fresh_dir(tmp)
 
     def write_member(name: str, fobj, size: int, content_git: bool) -> dict:
         target = tmp / name
-        folder = open_dir(target.parent, within=tmp)    # its folders made, none followed as a symlink
         try:
-            fd = create_new(target, dir_fd=folder)
-        finally:
-            os.close(folder)
-        try:
+            folder = open_dir(target.parent, within=tmp)    # its folders made, none followed as a symlink
+            try:
+                fd = create_new(target, dir_fd=folder)
+            finally:
+                os.close(folder)
             with os.fdopen(fd, "wb") as out:
                 return _hash_stream(fobj, size, out, content_git)
         except OSError as exc:
@@ -333,8 +365,12 @@ def unbundle(path, dest, progress=None) -> dict:
         report, raw = _walk(path, write_member, progress, strict=True)
         if not report["ok"]:
             raise VerifyError(f"bundle does not verify: {report['problems'][0]}", file=str(path))
-        with os.fdopen(create_new(tmp / MANIFEST_NAME), "wb") as fh:
-            fh.write(raw)
+        try:
+            with os.fdopen(create_new(tmp / MANIFEST_NAME), "wb") as fh:
+                fh.write(raw)
+        except OSError as exc:
+            raise OutputError(f"cannot write bundle member ({exc.strerror})", file=str(dest),
+                              tensor=MANIFEST_NAME) from None
         if dest.exists():
             dest.rmdir()
         os.replace(tmp, dest)

@@ -20,6 +20,7 @@ from ktconvert.errors import InputError, RemoteError, VerifyError
 from ktconvert.ops.hub_clients import HUBS, HubClient, RemoteFile, client_for, remote_call  # noqa: F401  (API)
 from ktconvert.ops.remote_names import check_remote_names, check_repo_id
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, parse_json
+from ktconvert.verification.identity import check_integrity
 from ktconvert.verification.launch import check_launch
 
 MANIFEST_NAME = "ktconvert.json"
@@ -114,44 +115,13 @@ def render_remote(result: dict) -> str:
 
 
 # publish -----------------------------------------------------------------------------------------------------------
-def model_card(manifest: dict, repo: str) -> str:
-    """README.md for a published folder: the kt-kernel / SGLang flags it needs and where it came from."""
-    from ktconvert.formats.out_manifest import sglang_args
-
-    model, source = manifest.get("model", {}), manifest.get("source", {})
-    files = manifest["files"]
-    origin = {k: v for k, v in source.items() if k not in ("files", "config_sha256")}
-    lines = [
-        "---", "library_name: ktransformers", "tags:", "- ktransformers", "- kt-kernel", "- moe",
-        f"- {str(manifest.get('method', '')).lower()}", "---", "",
-        f"# {repo.split('/')[-1]}", "",
-        f"kt-kernel CPU expert weights ({manifest.get('method')}, NUMA {manifest.get('numa')}, layout "
-        f"{manifest.get('layout')}, quantization {manifest.get('quant', 'rtn')}) for the routed experts of a "
-        f"{model.get('model_type') or model.get('family', '')} model, written by ktconvert "
-        f"{manifest.get('tool_version', '')}.", "",
-        "## Use with SGLang + kt-kernel", "",
-        "Pass these flags (the weight path is where you download this repo; the NUMA count must match):", "",
-        "```", sglang_args(manifest, "/path/to/this/repo"), "```", "",
-        *([f"`{manifest['expert_activation']}` counts the calibration tokens routed to each expert: with "
-           "`--kt-gpu-experts-ratio R` (or `--kt-num-gpu-experts N`) SGLang-KT keeps the most used experts on the "
-           "GPU.", ""] if manifest.get("expert_activation") else []),
-        "## Source", "",
-        f"- config.json sha256: `{source.get('config_sha256')}`",
-        *[f"- {key}: `{value}`" for key, value in sorted(origin.items())],
-        f"- source files: {len(source.get('files', {}))}", "",
-        "## Files", "",
-        f"{len(files)} files, {sum(int(e['bytes']) for e in files.values())} bytes; `ktconvert.json` lists the sha256 "
-        f"and git blob SHA-1 of each (files root `{files_digest(files)}`). Check this repo without downloading "
-        f"weights:", "", "```", f"ktconvert verify {repo} --remote", "```", "",
-    ]
-    return "\n".join(lines)
-
-
 def publish(out, repo: str, hub: str = "hf", revision: str | None = None, private: bool = False,
-            endpoint: str | None = None, progress=None, token: str | None = None) -> dict:
-    """Verify folder `out` against its ktconvert.json (every hash, and the launch flags it records:
-    verification.launch), create `repo` if needed, upload (resumable: rerunning uploads
-    only what the hub lacks), add a model card, then verify the remote. Returns verify_remote's dict + "bytes",
+            endpoint: str | None = None, progress=None, token: str | None = None,
+            base_model: str | None = None) -> dict:
+    """Verify folder `out` against its ktconvert.json (every hash, the launch flags it records:
+    verification.launch, and the manifest's own integrity: verification.identity), create `repo` if needed, upload (resumable: rerunning uploads
+    only what the hub lacks), add a model card (ops.model_card; `base_model`: the Hugging Face repo converted,
+    default the recorded hf:// source), then verify the remote. Returns verify_remote's dict + "bytes",
     "files". VerifyError if the local folder or the remote does not match; RemoteError on hub failures."""
     from ktconvert.formats.out_manifest import load_manifest
     from ktconvert.verification.hashes import verify_hashes
@@ -162,7 +132,7 @@ def publish(out, repo: str, hub: str = "hf", revision: str | None = None, privat
     check_repo_id(repo, HUBS.get(hub).name)
     client = client_for(hub, endpoint, token)      # refuses an unusable token before the long local check
     manifest = load_manifest(out)
-    wrong_flags, _ = check_launch(manifest)
+    wrong_flags = check_launch(manifest)[0] + check_integrity(manifest)[0]    # the card carries both
     if wrong_flags:
         raise VerifyError(f"refusing to publish: {len(wrong_flags)} problem(s); first: {wrong_flags[0]}",
                           file=str(out), hint="the model card would carry these flags; re-run the conversion")
@@ -177,7 +147,13 @@ def publish(out, repo: str, hub: str = "hf", revision: str | None = None, privat
     with remote_call(client, "create repo", repo):
         client.create(repo, private)
     _upload_missing(client, out, repo, revision, manifest, progress)
-    _put_card(client, repo, revision, model_card(manifest, repo).encode())
+    from ktconvert.ops.model_card import model_card
+
+    if base_model is not None:
+        check_repo_id(base_model, "hf")
+    verified = f"Before the upload all {len(files)} files were hashed again and matched `ktconvert.json`."
+    card = model_card(manifest, repo, base_model=base_model, verified=verified, files_root=files_digest(files))
+    _put_card(client, repo, revision, str(card).encode())
     result = verify_remote(manifest, repo, hub, revision, client=client)
     if not result["ok"] and client.name == "modelscope":
         progress.message("remote differs after upload; uploading again without the resume cache")
@@ -283,7 +259,7 @@ def download_checked(client: HubClient, src: str, pinned: str, cache_dir, wanted
     from ktconvert.formats.fileio import hash_file
 
     repo = parse_source(src)[1]
-    with remote_call(client, "download", repo):
+    with remote_call(client, "download", repo, downloads=True):
         root = client.snapshot(repo, pinned, cache_dir, wanted, progress)
     missing = sorted(rel for rel in wanted if not (root / rel).is_file())
     if missing:
@@ -295,10 +271,20 @@ def download_checked(client: HubClient, src: str, pinned: str, cache_dir, wanted
         entry = {"bytes": size, "sha256": sha256, "git_sha1": git_sha1}
         if compare_file(entry, wanted[rel]) == "mismatch":
             raise VerifyError("downloaded file differs from the hub's hash", file=f"{src}/{rel}",
-                              expected=wanted[rel].sha256 or wanted[rel].git_sha1, found=sha256)
+                              **_listed_vs_downloaded(wanted[rel], entry))
         progress.advance(size, 1, rel)
     progress.close()
     return root
+
+
+def _listed_vs_downloaded(remote: RemoteFile, entry: dict) -> dict:
+    """{"expected", "found"} of a downloaded file unlike its listing: the size where the sizes differ, else the
+    hash the hub lists (sha256, or the git blob SHA-1 of a small file) and the same hash of the download."""
+    if remote.size != entry["bytes"]:
+        return {"expected": f"{remote.size} bytes", "found": f"{entry['bytes']} bytes"}
+    if remote.sha256:
+        return {"expected": f"sha256 {remote.sha256}", "found": f"sha256 {entry['sha256']}"}
+    return {"expected": f"git blob {remote.git_sha1}", "found": f"git blob {entry['git_sha1']}"}
 
 
 def _match(path: str, pattern: str) -> bool:

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ktconvert.errors import KtConvertError, RemoteError
+from ktconvert.errors import KtConvertError, RemoteError, VerifyError
 from ktconvert.ops.remote_names import TOKEN_ENV, check_env_tokens
 from ktconvert.registry import Registry
 
@@ -326,15 +326,39 @@ def scrub(text: str, token: str | None) -> str:
 
 
 @contextlib.contextmanager
-def remote_call(client: HubClient, action: str, repo: str):
-    """Turn the clients' API/network exceptions into RemoteError (exit 5) naming the hub, repo and action."""
+def remote_call(client: HubClient, action: str, repo: str, downloads: bool = False):
+    """Turn the clients' API/network exceptions into RemoteError (exit 5) naming the hub, repo and action.
+    downloads: a file the client refused because its bytes do not match the hub's hash (modelscope-hub checks
+    each download itself) is a VerifyError (exit 4) naming it, as ``hub.download_checked``'s own check is."""
     try:
         yield
     except KtConvertError:
         raise
     except _remote_errors() as exc:
+        refused = _integrity_failure(exc) if downloads else None
+        if refused is not None:
+            path, why = refused
+            raise VerifyError(f"{client.name}: downloaded file differs from the hub's hash "
+                              f"({scrub(why, client.token)})", file=f"{repo}/{path}" if path else repo) from None
         raise RemoteError(f"{client.name}: {action} failed: {type(exc).__name__}: "
                           f"{scrub(str(exc), client.token)}", file=repo) from None
+
+
+def _integrity_failure(exc) -> tuple[str, str] | None:
+    """(path or "", the client's message) of a download the hub client refused for its content (modelscope-hub's
+    FileIntegrityError: sha256 or size unlike the listing), alone or among a snapshot's failed files; None for
+    any other failure (network, refusal)."""
+    try:
+        from modelscope_hub.errors import FileDownloadError, FileIntegrityError
+    except ImportError:
+        return None
+    if isinstance(exc, FileIntegrityError):
+        return "", str(exc)
+    if isinstance(exc, FileDownloadError):
+        for path, failure in sorted(exc.failed_files.items()):
+            if isinstance(failure, FileIntegrityError):
+                return str(path), str(failure)
+    return None
 
 
 def client_for(hub: str = "hf", endpoint: str | None = None, token: str | None = None) -> HubClient:

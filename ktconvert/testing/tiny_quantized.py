@@ -8,6 +8,9 @@ Importing this module registers the writers in ``ktconvert.testing.tiny.DTYPE_WR
 * ``ct-int4``: Kimi-K2 style compressed-tensors pack-quantized symmetric INT4, group 32, BF16 scales, routed
   experts only (``weight_packed`` / ``weight_scale`` / ``weight_shape``).
 * ``mxfp4``: gpt-oss hub layout for fused experts (``*_blocks`` [E, rows, k/32, 16] + ``*_scales`` E8M0).
+* ``gptq-int4``, ``gptq-int8``, ``gptq-int4-asym``, ``gptq-int4-actorder``, ``gptq-v2-int4-asym``, ``awq-int4``:
+  GPTQ / AWQ experts and linears, from ``ktconvert.testing.tiny_qweight``; ``fp8-channel`` (fbgemm_fp8), ``mxfp8``,
+  ``nvfp4`` (ModelOpt) from ``ktconvert.testing.tiny_float_formats`` (both imported at the end).
 
 The quantizers here only have to produce valid files; readers are tested against independent references.
 """
@@ -120,3 +123,5 @@ class Mxfp4Writer:
 DTYPE_WRITERS.register("fp8", aliases=["fp8-block"])(Fp8BlockWriter())
 DTYPE_WRITERS.register("ct-int4", aliases=["int4-ct", "w4a16"])(CtInt4Writer())
 DTYPE_WRITERS.register("mxfp4")(Mxfp4Writer())
+
+from ktconvert.testing import tiny_float_formats, tiny_qweight  # noqa: E402,F401  (gptq-*, awq-int4, fp8-channel, ...)

@@ -10,7 +10,8 @@ fp8_names="tensor", transformers 5's convention, or ``<name>.weight`` + ``<name>
 "module"), compressed-tensors ``weight_packed`` / ``weight_scale`` / ``weight_shape`` (a fused one [E, 2]),
 biases. Fusing concatenates gate and up along out-features (interleaving rows where the family does, gpt-oss)
 and stacks experts; "in" swaps the two per-expert axes of weights and block scales. compressed-tensors weights
-exist only out-major (packed along in-features): "in" is refused for them.
+exist only out-major (packed along in-features): "in" is refused for them. GPTQ / AWQ tensors (``qweight``,
+``qzeros``, ``scales``, ``g_idx``) are input-major: they stack into fused_separate, joining gate and up is refused.
 
 Everything else (non-expert tensors, config.json, tokenizer files) is copied as it is (the tiny ct-int4
 config's expert targets already match fused module names). Files are written with ktconvert's own safetensors writer,
@@ -133,6 +134,9 @@ _PER_LAYER_WRITERS = {"per_expert": _per_expert, "fused": _fused, "fused_separat
 
 def _join(gate: np.ndarray, up: np.ndarray, suffix: str, interleaved: bool) -> np.ndarray:
     """gate and up of one expert as one gate_up tensor: rows concatenated (or interleaved), shape [n, k] summed."""
+    if suffix in ("qweight", "qzeros", "scales", "g_idx"):
+        raise InputError("GPTQ / AWQ tensors are stored input-major: relayout does not join their gate and up",
+                         expected="per-expert or fused_separate", found=suffix)
     if suffix == "weight_shape":
         return np.array([gate[0] + up[0], gate[1]], dtype=gate.dtype)
     if interleaved:

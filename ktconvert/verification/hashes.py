@@ -41,7 +41,7 @@ def verify_hashes(out_dir, manifest: dict | None = None, folder=None) -> dict:
 def _check_file(root: Path, rel: str, entry: dict, header, report: dict, seen_tensors: dict,
                 content_git: bool) -> None:
     try:
-        size, sha256, git_sha1, tensor_hashes = _hashes(root, rel, header, content_git)
+        size, sha256, git_sha1, tensor_hashes = file_hashes(root, rel, header, content_git)
     except InputError as exc:           # not a regular file, or changed while hashing
         report["unreadable"].append(f"{rel}: {exc.detail}")
         return
@@ -51,7 +51,8 @@ def _check_file(root: Path, rel: str, entry: dict, header, report: dict, seen_te
     seen_tensors.update(tensor_hashes)
 
 
-def _hashes(root: Path, rel: str, header, content_git: bool) -> tuple[int, str, str, dict[str, str]]:
+def file_hashes(root: Path, rel: str, header=None,
+                content_git: bool = False) -> tuple[int, str, str, dict[str, str]]:
     """(size, sha256, git_sha1, {tensor: sha256}) of one output file: a shard's tensors from its header, a .kt
     file is one tensor; InputError when it is not a regular file. content_git: see fileio.hash_file."""
     if rel.endswith(".safetensors"):

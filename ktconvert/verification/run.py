@@ -1,10 +1,12 @@
 """``ktconvert verify OUT``: is a converted folder loadable as its manifest says, and unchanged?
 
-Checks, in order: manifest (``ktconvert.json`` present and parseable), structure (CPU outputs: every expected
+Checks, in order: manifest (``ktconvert.json`` present and parseable), integrity (its self hash, tool version and
+source record: ``verification.identity``), structure (CPU outputs: every expected
 expert tensor or .kt file present with the byte count that the recorded method, NUMA count and model dims give,
 probed the way kt-kernel's loader probes, nothing extra; GPU outputs: ``gpu.verify``), flags (the recorded
 kt-kernel / SGLang flags are the ones the method, NUMA count and files need: ``verification.launch``), hashes (``--hashes``: every
-file and tensor re-hashed against the manifest), numerics (the method's own numeric check, against ``--source``
+file and tensor re-hashed against the manifest), source (``--source``: the recorded source fingerprint, file
+sha256s with ``--hashes``), numerics (the method's own numeric check, against ``--source``
 when given) and remote (``--remote``: ``ops.hub.verify_remote``). The folder is walked once
 (``verification.folder.OutputFolder``) and every check reads that walk. Returns a dict; ``render`` makes the table.
 """
@@ -21,6 +23,7 @@ from ktconvert.ops import bundle as ops_bundle, hub as ops_hub
 from ktconvert.verification import calibrated
 from ktconvert.verification.folder import OutputFolder
 from ktconvert.verification.hashes import verify_hashes
+from ktconvert.verification.identity import check_integrity, check_source
 from ktconvert.verification.launch import check_launch
 
 
@@ -48,6 +51,7 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
         _add_check(result, "manifest", [str(exc)], "")
         return result
     _add_check(result, "manifest", [], _manifest_summary(manifest))
+    _add_check(result, "integrity", *check_integrity(manifest))
     folder = OutputFolder.scan(out)
     kind = manifest.get("kind", "cpu")
     if kind == "cpu":
@@ -68,6 +72,10 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
                    f"{report['files_checked']} files, {report['tensors_checked']} tensors re-hashed")
     else:
         _skip(result, "hashes", "skipped", "use --hashes")
+    if source is not None:
+        _add_check(result, "source", *check_source(manifest, source, hashes))
+    else:
+        _skip(result, "source", "skipped", "use --source SRC")
     if calibration is not None or compare is not None:
         _add_report(result, "numerics", _calibrated(out, manifest, kind, source, calibration, compare, layers,
                                                     threshold, folder))

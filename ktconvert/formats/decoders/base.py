@@ -205,7 +205,8 @@ def config_summary(config: dict) -> dict | None:
     if not isinstance(qc, dict):
         return None
     out = {k: qc[k] for k in ("quant_method", "format", "fmt", "weight_block_size", "bits", "group_size", "sym",
-                              "desc_act", "activation_scheme") if k in qc}
+                              "desc_act", "checkpoint_format", "version", "zero_point", "quant_algo",
+                              "activation_scheme") if k in qc}
     groups = qc.get("config_groups")
     if isinstance(groups, dict):
         out["config_groups"] = {name: {k: (g.get("weights") or {}).get(k) for k in

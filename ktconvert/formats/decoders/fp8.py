@@ -1,15 +1,16 @@
-"""FP8 (e4m3) weights with scales: DeepSeek / Kimi / GLM ``quant_method: fp8`` block checkpoints
+"""FP8 (e4m3) weights with block scales: DeepSeek / Kimi / GLM ``quant_method: fp8`` block checkpoints
 (``W.weight`` F8_E4M3 [n, k] + ``W.weight_scale_inv`` F32 or BF16 [ceil(n/bn), ceil(k/bk)]) and compressed-tensors
 ``float-quantized`` groups (llmcompressor FP8_BLOCK / FP8 channel / tensor: ``W.weight_scale``, often BF16).
-Product in float32 (compressed-tensors ``FP8BlockDequantizer``; F16 scales of float-quantized multiply in F16)."""
+Product in float32 (compressed-tensors ``FP8BlockDequantizer``; F16 scales of float-quantized multiply in F16).
+``quant_method: fp8`` without ``weight_block_size``, and byte (E8M0) scales, are read by ``fp8_scaled``."""
 from __future__ import annotations
 
 import numpy as np
 
 from ktconvert.errors import InputError
-from ktconvert.formats.decoders.base import (FLOAT_DTYPES, Decoder, MatrixRefs, QuantGroup, QuantScheme, bad_config,
-                                             float_values, matrix_shape, per_expert_shape, read_partner, shape_error,
-                                             tensor_ref)
+from ktconvert.formats.decoders.base import (DECODERS, FLOAT_DTYPES, Decoder, MatrixRefs, QuantGroup, QuantScheme,
+                                             bad_config, float_values, matrix_shape, per_expert_shape, read_partner,
+                                             shape_error, tensor_ref)
 from ktconvert.quant import fp8
 
 
@@ -56,11 +57,10 @@ class Fp8BlockDecoder(Decoder):
         fmt = str(qc.get("fmt", "e4m3")).lower()
         if fmt not in ("e4m3", "float8_e4m3fn"):
             raise bad_config("unsupported fp8 fmt", expected="e4m3", found=repr(qc.get("fmt")))
-        if "weight_block_size" not in qc:
-            raise bad_config("fp8 checkpoint without weight_block_size", expected="weight_block_size [bn, bk]",
-                             found="per-tensor fp8 (not supported)")
-        block = _block_of(qc["weight_block_size"], "weight_block_size")
         ignore = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+        if qc.get("weight_block_size") is None:      # per-channel / per-tensor weight_scale (decoders.fp8_scaled)
+            return QuantScheme("fp8", "fp8-scaled", (QuantGroup("fp8-scaled", strategy="channel"),), ignore)
+        block = _block_of(qc["weight_block_size"], "weight_block_size")
         return QuantScheme("fp8", "fp8-block", (QuantGroup(cls.scheme, block=block),), ignore)
 
     @classmethod
@@ -73,6 +73,8 @@ class Fp8BlockDecoder(Decoder):
         s = _scale_ref(checkpoint, w, cls.scale_suffixes)
         if w.dtype != "F8_E4M3":
             raise shape_error(w, "FP8 weight has the wrong dtype", "F8_E4M3", w.dtype)
+        if s.dtype in ("U8", "F8_E8M0"):             # E8M0 exponents: MXFP8 (decoders.fp8_scaled)
+            return DECODERS.get("mxfp8").locate(checkpoint, base, group, expert)
         if s.dtype not in FLOAT_DTYPES:
             raise shape_error(s, "FP8 scale has the wrong dtype", "F32, BF16 or F16", s.dtype)
         n, k = shape = matrix_shape(w, expert)

@@ -1,0 +1,93 @@
+"""``--resume``: is SRC still the source the unfinished OUT was being written from?
+
+config.json is compared as one of the options (``source_config_sha256``); a checkpoint of the same shapes with other
+weights has the same config.json, so the weight files are compared too, before anything is converted:
+
+* every source file the interrupted run read to its end (the journal holds its size and sha256, the sha256 of its
+  first ``stream.HEAD_BYTES`` and its stat identity) must still be in SRC. A file of the same stat identity (device,
+  inode, size, mtime, ctime: the very file that was hashed, not written since) is trusted without a read; any other
+  is checked by size and head sha256 (cheap: a different checkpoint fails here) and then read and hashed whole,
+  before any output is written (its recorded identity is then updated, so a later resume does not read it again).
+  Reading it whole is what it takes to trust the finished layers made from it: hashing costs the read of those files
+  once, no conversion, and only when SRC is not the same files (moved, copied, another checkpoint).
+* a finished layer that holds bytes of a file the interrupted run had not read to its end (no digest vouches for
+  them) is forgotten and converted again: at most the layers of the files being read when the run stopped.
+* a source file not on disk (a hub shard not downloaded yet) is not checked here: the hub repo is pinned by the
+  journal's options (repo and revision) and every download is checked against the hub's sha256.
+
+So every layer of OUT comes from bytes whose sha256 is the one ktconvert.json records. A mismatch is a
+ResumeMismatchError (exit 2) naming OUT and the file; nothing is changed.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ktconvert.errors import InputError
+from ktconvert.formats.fileio import hash_file
+from ktconvert.formats.stream import HEAD_BYTES, head_sha256, known_sha256, stat_identity
+from ktconvert.journal import digest_mismatch, source_mismatch
+from ktconvert.safe_read import open_regular
+
+HASH_THREADS = 4
+
+
+def check_resumed_source(journals: list, source, jobs: list, progress=None) -> None:
+    """Check SRC (`source`) against what each resumed journal in `journals` recorded, then forget the finished
+    layers that no digest vouches for (module doc). `jobs`: the run's MatrixJobs (which file holds which layer)."""
+    present = {source.relative_name(path): Path(path) for path in source.files()}
+    hashed: dict[str, str] = {}                     # a file recorded by several outputs' journals is read once
+    for journal in journals:
+        to_hash = [name for name in sorted(journal.sources) if _needs_hash(journal, name, present)]
+        todo = [name for name in to_hash if name not in hashed]
+        if todo and progress is not None:
+            progress.message(f"resuming: hashing {len(todo)} source file(s) the interrupted run read, which are not "
+                             "the files it read (moved, copied or changed?)")
+        with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(todo)))) as pool:
+            hashed.update(zip(todo, pool.map(lambda name: _sha256(present[name]), todo)))
+        for name in to_hash:
+            recorded = journal.sources[name]
+            if hashed[name] != recorded["sha256"]:
+                raise digest_mismatch(journal.out_dir, name, recorded, {**recorded, "sha256": hashed[name]})
+            journal.seen[name] = {**journal.seen.get(name, {}), "stat": list(stat_identity(os.stat(present[name])))}
+        unverified = {job.layer for job in jobs
+                      if journal.layer_done(job.layer) and source.relative_name(job.file) not in journal.sources}
+        journal.forget_layers(sorted(unverified))
+        if to_hash:
+            journal.save()
+
+
+def _needs_hash(journal, name: str, present: dict) -> bool:
+    """Whether recorded source file `name` must be hashed again; ResumeMismatchError when SRC lacks it or its size
+    or first bytes differ."""
+    recorded, seen = journal.sources[name], journal.seen.get(name, {})
+    path = present.get(name)
+    if path is None:
+        raise source_mismatch(journal.out_dir, name, f"{recorded.get('bytes')} bytes", "no such file in SRC")
+    if not os.path.lexists(path):
+        return False                     # a hub shard not downloaded (again) yet: see the module doc
+    fd = open_regular(path, f"source file {name}")
+    try:
+        st = os.fstat(fd)
+        if list(stat_identity(st)) == seen.get("stat"):
+            return False
+        if st.st_size != recorded.get("bytes"):
+            raise digest_mismatch(journal.out_dir, name, recorded, {"bytes": st.st_size})
+        head = seen.get("head_sha256")
+        if head and head_sha256(fd, st.st_size) != head:
+            size = min(st.st_size, HEAD_BYTES)
+            raise source_mismatch(journal.out_dir, name, f"sha256 of its first {size} bytes {head}",
+                                  f"sha256 of its first {size} bytes {head_sha256(fd, st.st_size)}")
+    finally:
+        os.close(fd)
+    return True
+
+
+def _sha256(path: Path) -> str:
+    """sha256 of a source file: the Hugging Face cache blob name where it tells it (as the conversion does), else
+    read."""
+    try:
+        return known_sha256(path) or hash_file(path, kind="read")[1]
+    except OSError as exc:
+        raise InputError(f"cannot read source file ({exc.strerror})", file=str(path)) from None
