@@ -9,9 +9,9 @@ Sources (`src`): a checkpoint folder, a .safetensors or .gguf file, or ``hf://OR
 ``ms://ORG/NAME[@REV]`` (downloaded and checked against the hub's hashes first).
 
 Progress protocol: the `progress` argument, when given, is a ``ktconvert.progress.Progress`` (or any object with
-the same methods): ``start(total_bytes, total_items, label)`` per phase, ``advance(nbytes, items=0, detail="")``
-(called from worker threads), ``message(text)``. ``ktconvert.progress.make_progress()`` builds the renderers the
-command line uses.
+the same methods): ``start(total_bytes, total_items, label)`` per phase (optional ``unit="items"``: what an item
+is), ``advance(nbytes, items=0, detail="")`` (called from worker threads), ``message(text)``.
+``ktconvert.progress.make_progress()`` builds the renderers the command line uses.
 
 Exceptions (``ktconvert.errors``; each names file, tensor, expected and found): UsageError (an option value that
 cannot work, listing those that do; UnknownNameError for an unknown name), InputError (unreadable or unsupported
@@ -102,8 +102,8 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     include_mtp, allow_drop_bias, calibration; see CpuOptions). threads: worker threads (default: all cores; bytes
     never depend on it). resume: continue an interrupted run in `out` (a complete one is left as is); force:
     empty `out` first. progress: a ktconvert.progress.Progress (start / advance / message are called).
-    layers: a MoE layer range ("A-B" or (A, B), inclusive): `out` becomes a part holding those layers' files and
-    ktconvert-part.json (ktconvert.parts; `ktconvert merge` joins the parts).
+    layers: MoE layers ("1-3,7": ranges and lists, as parts.parse_layers reads them; (A, B) inclusive; or a list):
+    `out` becomes a part holding those layers' files and ktconvert-part.json (`ktconvert merge` joins the parts).
     verify_source_hash: hash also the source files whose sha256 a Hugging Face cache blob name gives (else taken
     from the name) and raise InputError where they differ.
     executor: "local" (this process) or "ray": the MoE layers split into `parts` ranges of about equal bytes
@@ -236,15 +236,17 @@ def inspect(path, expert_orientation: str | None = None) -> InspectResult:
 
 def verify(out, *, source=None, hashes: bool = False, tokens: int = 8, layers=None, sample_experts="4",
            threshold: float | None = None, remote: str | None = None, hub: str = "hf", revision: str | None = None,
-           endpoint: str | None = None, calibration=None, compare=None, report=None) -> VerifyResult:
+           endpoint: str | None = None, calibration=None, compare=None, report=None, max_length: int = 2048,
+           num_samples: int | None = None) -> VerifyResult:
     """Check output folder `out` (or a .tar.zst bundle, or with remote="" the hub repo `out`): structure, hashes
     (hashes=True: every file and tensor against ktconvert.json), numerics (the native kernels on the written
     files; against `source` when given: layers None = first/middle/last, "all" or "1,3"; sample_experts: experts
     per layer, a count or "all"; tokens: random activations; threshold: the MoE relative-L2 limit, default per
     method) and remote (remote=REPO: the hub copy's hashes). calibration: a JSON-lines calibration file; the
     numerics then run on the hidden states its tokens produce in `source` (compare: a second output side by
-    side). Never raises for a failed check: result.ok; raises MissingExtraError (exit 2) when calibration is
-    given, or `out` is a GPU checkpoint, without the [gpu] extra.
+    side; max_length / num_samples: tokens per sample and samples read, as expert_stats). Never raises for a
+    failed check: result.ok; raises MissingExtraError (exit 2) when calibration is given, or `out` is a GPU
+    checkpoint, without the [gpu] extra.
     report: also write the HTML page of what was measured there (verification.report_html: per-layer error
     curves, layer x expert heat map, worst experts, thresholds), also for a failed verification; its folder must
     exist and lie outside `out` (OutputError / UsageError before anything runs); result.report is its path."""
@@ -253,7 +255,8 @@ def verify(out, *, source=None, hashes: bool = False, tokens: int = 8, layers=No
     target = None if report is None else report_html.check_target(report, out)
     result = verify_run.verify(out, source=source, hashes=hashes, tokens=tokens, layers=layers,
                                experts=sample_experts, threshold=threshold, remote=remote, hub=hub,
-                               revision=revision, endpoint=endpoint, calibration=calibration, compare=compare)
+                               revision=revision, endpoint=endpoint, calibration=calibration, compare=compare,
+                               max_length=max_length, num_samples=num_samples)
     if target is not None:
         result["report"] = str(report_html.write_report(target, result))
     return VerifyResult.from_dict(result)
@@ -359,7 +362,8 @@ def methods() -> dict:
     return {"methods": [{"name": m.name, "kt_method": m.kt_method, "writable": m.writable,
                          "converted": m.needs_conversion, "layouts": list(m.layouts) if m.writable else [],
                          "group_sizes": list(m.group_sizes), "quants": list(m.quants), "n_multiple": m.n_multiple, "k_multiple": m.k_multiple,
-                         "needs_amx": m.needs_amx, "description": (m.__doc__ or "").strip().splitlines()[0]}
+                         "needs_amx": m.needs_amx,
+                         "needs_avx512": m.needs_avx512, "description": (m.__doc__ or "").strip().splitlines()[0]}
                         for m in all_methods()]}
 
 

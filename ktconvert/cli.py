@@ -22,7 +22,7 @@ from ktconvert.cli_check import check
 from ktconvert.cli_options import (GPU_GROUP_SIZES, InputPath, RegistryChoice, batch_executor_options, choice,
                                    conversion_options, cpu_options, emit, gpu_options, json_option, load_api,
                                    orientation_option, pop_distribution, prefer, profiling, progress_options,
-                                   source_arg)
+                                   sampling_options, source_arg)
 from ktconvert.cli_plan import plan
 from ktconvert.cli_targets import TargetCommand, given_targets, target_options
 from ktconvert.progress import make_progress
@@ -42,10 +42,13 @@ class _Group(click.Group):
     click's usage errors of the group and of every command."""
 
     def make_context(self, info_name, args, parent=None, **extra):
+        given = list(args)
         try:
-            return super().make_context(info_name, args, parent=parent, **extra)
+            ctx = super().make_context(info_name, args, parent=parent, **extra)
         except click.UsageError as exc:
             _usage_line(exc)
+        ctx.meta["ktconvert.argv"] = given          # what Ctrl-C's line repeats with --resume
+        return ctx
 
     def invoke(self, ctx: click.Context):
         try:
@@ -58,8 +61,19 @@ class _Group(click.Group):
             click.echo(f"error: {exc}", err=True)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
+            click.echo(_interrupted_line(self, ctx.meta.get("ktconvert.argv", [])), err=True)
             ctx.exit(EXIT_INTERRUPTED)
+
+
+def _interrupted_line(group: click.Group, argv: list[str]) -> str:
+    """'interrupted', and for a command that can resume (it has --resume) the command that continues."""
+    import shlex
+
+    command = group.commands.get(argv[0]) if argv else None
+    if command is None or not any(p.name == "resume" for p in command.params):
+        return "interrupted"
+    again = [a for a in argv if a not in ("--force", "--resume")] + ["--resume"]
+    return f"interrupted; to continue: ktconvert {shlex.join(again)}"
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -102,14 +116,19 @@ def inspect(src: str, as_json: bool, expert_orientation) -> None:
 @click.option("--calibration", type=InputPath(dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--dampening", type=float, default=None,
-              help="For --quant gptq: GPTQ's relative Hessian dampening (default 0.1).")
+              help="For --quant gptq: GPTQ's relative Hessian dampening (default 0.1; llm-compressor's "
+                   "dampening_frac defaults to 0.01: 0.1 is KTransformers' GPTQ converter's value, for expert "
+                   "Hessians built from the few tokens routed to each expert).")
 @click.option("--min-tokens", type=int, default=None,
               help="For --quant gptq: routed calibration tokens an expert needs before GPTQ is tried (default 64).")
+@sampling_options
 @click.option("--include-dense", is_flag=True, help="Also write non-expert tensors (blk.-renamed) into OUT.")
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers' experts.")
 @click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
+@click.option("--dry-run", is_flag=True, help="Print what `ktconvert plan` prints for these options (files, bytes, "
+                                              "checks) and write nothing.")
 @conversion_options
-def cpu(src, out, threads, resume, force, profile, verify_source_hash, quiet, json_progress, as_json,
+def cpu(src, out, threads, resume, force, profile, verify_source_hash, dry_run, quiet, json_progress, as_json,
         expert_orientation, **options) -> None:
     """Convert the routed experts of SRC into kt-kernel CPU expert files in OUT (streaming, resumable).
 
@@ -118,8 +137,12 @@ def cpu(src, out, threads, resume, force, profile, verify_source_hash, quiet, js
     if options["method"] is None:
         raise click.UsageError("Missing option '--method'.")
     distribution = pop_distribution(options)
-    options = {k: v for k, v in options.items() if v is not None or k not in ("dampening", "min_tokens")}
+    options = {k: v for k, v in options.items()
+               if v is not None or k not in ("dampening", "min_tokens", "max_length", "num_samples")}
     src = source_arg(src, expert_orientation)
+    if dry_run:
+        emit(load_api().plan(src, cpu=options, out=out), as_json)
+        return
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
         result = load_api().convert_cpu(src, out, threads=threads, resume=resume, force=force, progress=progress,
                                         verify_source_hash=verify_source_hash, **distribution, **options)
@@ -137,17 +160,19 @@ def cpu(src, out, threads, resume, force, profile, verify_source_hash, quiet, js
 @click.option("--algo", "algo_deprecated", type=RegistryChoice("gpu-quant"), default=None, hidden=True)
 @click.option("--calibration", type=InputPath(dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
+@sampling_options
 @click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers (else they are left out).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes per component, VRAM per expert) only.")
 @conversion_options
-def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibration, include_mtp, threads, resume,
-        force, profile, verify_source_hash, dry_run, quiet, json_progress, as_json, expert_orientation,
-        **distribution) -> None:
+def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibration, max_length, num_samples,
+        include_mtp, threads, resume, force, profile, verify_source_hash, dry_run, quiet, json_progress, as_json,
+        expert_orientation, **distribution) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
     quant = prefer(quant, algo_deprecated, "--algo", "--quant") or "rtn"
     options = dict(experts=experts or "w4a16", group_size=int(group_size), quant=quant, linears=linears,
                    include_mtp=include_mtp, calibration=calibration)
+    options.update({k: v for k, v in (("max_length", max_length), ("num_samples", num_samples)) if v is not None})
     api, src = load_api(), source_arg(src, expert_orientation)
     if dry_run:
         emit(api.plan(src, gpu=options), as_json)
@@ -164,9 +189,11 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
 @click.option("--targets", "targets_file", type=InputPath(dir_okay=False), default=None,
               help="A TOML file of [[targets]] tables ({cpu = OUT, method = ...} / {gpu = OUT, experts = ...}), "
                    "written with (before) the command line's targets.")
+@click.option("--dry-run", is_flag=True, help="Print what `ktconvert plan` prints for these options (files, bytes, "
+                                              "checks) and write nothing.")
 @conversion_options
-def convert(src, targets_file, threads, resume, force, profile, verify_source_hash, quiet, json_progress, as_json,
-            expert_orientation, **given) -> None:
+def convert(src, targets_file, threads, resume, force, profile, verify_source_hash, dry_run, quiet, json_progress,
+            as_json, expert_orientation, **given) -> None:
     """Write every output of SRC from one read of the source: each --cpu OUT / --gpu OUT starts an output, and
     the options after it are that output's (options before the first one are shared by every output that has
     them). Each output is byte-identical to what `ktconvert cpu` / `ktconvert gpu` write alone; every plan is
@@ -180,6 +207,9 @@ def convert(src, targets_file, threads, resume, force, profile, verify_source_ha
     distribution = pop_distribution(given)      # the rest of `given`: the targets' options, read by TargetCommand
     targets = given_targets(click.get_current_context(), targets_file)
     src = source_arg(src, expert_orientation)
+    if dry_run:
+        emit(load_api().plan(src, targets=targets), as_json)
+        return
     with profiling(profile) as prof, make_progress(quiet=quiet, json_lines=json_progress) as progress:
         results = load_api().convert(src, targets, threads=threads, resume=resume, force=force, progress=progress,
                                      verify_source_hash=verify_source_hash, **distribution)
@@ -236,10 +266,12 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
 
 @cli.command()
 @click.argument("out")
-@click.option("--source", type=InputPath(), help="Compare with the source weights.")
+@click.option("--source", type=InputPath(hub_ok=True), help="Compare with the source weights (a folder, or "
+                                                                "hf://ORG/NAME[@REV] / ms://... as cpu / gpu take).")
 @click.option("--hashes", is_flag=True, help="Re-hash every file and tensor against ktconvert.json.")
 @click.option("--tokens", type=int, default=8, show_default=True, help="Random activations per check.")
-@click.option("--layers", default=None, help="Comma-separated layer indices, or 'all' (default: first, middle, last).")
+@click.option("--layers", default=None, help="Layers to run: ranges and lists (1-3, 1,3,5, 1-3,7, as the conversions "
+                                             "take them) or 'all' (default: first, middle, last).")
 @click.option("--sample-experts", default=None, help="'all' or how many experts per layer to run (default 4).")
 @click.option("--experts", "experts_deprecated", default=None, hidden=True)
 @click.option("--threshold", type=float, default=None, help="Max relative L2 error vs source (default per method).")
@@ -250,6 +282,7 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
 @click.option("--calibration", type=InputPath(dir_okay=False), default=None,
               help="Numerics on the hidden states these calibration tokens produce in --source (the model's own "
                    "routing, streamed layer by layer) instead of random probes.")
+@sampling_options
 @click.option("--compare", type=InputPath(file_okay=False), default=None,
               help="With --calibration: a second output OUT2, side by side.")
 @click.option("--report", type=click.Path(dir_okay=False), default=None,
@@ -257,12 +290,14 @@ def expert_stats(src, out, calibration, max_length, num_samples, dtype, report, 
                    "thresholds; written for a failed verification too.")
 @json_option
 def verify(out, source, hashes, tokens, layers, sample_experts, experts_deprecated, threshold, remote, hub, revision,
-           endpoint, calibration, compare, report, as_json) -> None:
+           endpoint, calibration, max_length, num_samples, compare, report, as_json) -> None:
     """Check a converted output OUT: structure, hashes, numerics (native kernels) and error against the source."""
     sample = prefer(sample_experts, experts_deprecated, "--experts", "--sample-experts") or "4"
     result = load_api().verify(out, source=source, hashes=hashes, tokens=tokens, layers=layers, sample_experts=sample,
                                threshold=threshold, remote=remote, hub=hub, revision=revision, endpoint=endpoint,
-                               calibration=calibration, compare=compare, report=report)
+                               calibration=calibration, compare=compare, report=report,
+                               **{k: v for k, v in (("max_length", max_length), ("num_samples", num_samples))
+                                  if v is not None})
     emit(result, as_json)
     if not result.ok:
         sys.exit(4)
@@ -307,6 +342,9 @@ def tiny_model(out, **options) -> None:
     """Write a small seeded random checkpoint of family ARCH with the real hub layout, names and config.json.
 
     Weights are heavy-tailed like trained checkpoints. Defaults satisfy kt-kernel's alignment for T=1 and T=2.
+    Its tokenizer (with the `tokenizers` package) is a word-level one that reads only the words tok4, tok5, ...
+    tok{V-1} split at whitespace (<unk>, <s>, </s>, <pad> are ids 0-3): give its --calibration as such text or
+    as {"input_ids": [...]}; other text is all <unk>, which expert-stats and --quant gptq refuse.
     """
     click.echo(f"wrote {load_api().make_tiny_model(out, **options)}")
 
@@ -335,8 +373,9 @@ def methods(as_json: bool) -> None:
     for m in result["methods"]:
         rules = (f"layouts {'/'.join(m['layouts'])}" if m["writable"] else "read as is, not written") + \
             (f", group sizes {'/'.join(map(str, m['group_sizes']))}" if m["group_sizes"] else "") + \
-            (", kt-kernel needs AMX" if m["needs_amx"] else "")
-        lines.append(f"{m['name']:10s} {m['kt_method']:10s} {m['description']}\n{'':21s} {rules}")
+            (", kt-kernel needs AMX" if m["needs_amx"] else "") + \
+            (", kt-kernel needs AVX-512 (no AVX2 kernel)" if m.get("needs_avx512") else "")
+        lines.append(f"{m['name']:14s} {m['kt_method']:14s} {m['description']}\n{'':29s} {rules}")
     emit(result, as_json, "\n".join(lines))
 
 

@@ -50,14 +50,18 @@ class InputPath(click.Path):
     --calibration...): one that does not exist, or is a file where a folder is expected (or the reverse), is bad
     input: InputError (exit 3) naming it, the same in every command."""
 
-    def __init__(self, file_okay: bool = True, dir_okay: bool = True):
+    def __init__(self, file_okay: bool = True, dir_okay: bool = True, hub_ok: bool = False):
         super().__init__(exists=True, file_okay=file_okay, dir_okay=dir_okay)
+        self.hub_ok = hub_ok        # hf://ORG/NAME[@REV] / ms://... pass through as given (verify --source)
 
     def convert(self, value, param, ctx):
+        if self.hub_ok and str(value).startswith(("hf://", "ms://")):
+            return str(value)
         what = "path" if param is None else (max(param.opts, key=len) if getattr(param, "opts", None) and
                                               param.opts[0].startswith("-") else param.human_readable_name)
         if "://" in str(value) and not os.path.lexists(value):
-            raise InputError(f"{what} must be a local path here (hub sources: cpu, gpu, convert)", file=value)
+            raise InputError(f"{what} must be a local path here (hub sources: cpu, gpu, convert, verify --source)",
+                             file=value)
         if not os.path.lexists(value):
             raise InputError(f"{what} does not exist", file=value)
         if not self.dir_okay and os.path.isdir(value):
@@ -166,6 +170,14 @@ def cpu_options(fn):
                         help="kt-kernel method of the CPU output (`ktconvert methods` describes them).")(fn)
 
 
+def sampling_options(fn):
+    """--max-length / --num-samples: how much of --calibration the calibrated paths read (as expert-stats)."""
+    fn = click.option("--num-samples", type=click.IntRange(min=1), default=None,
+                      help="With --calibration: use the first N samples (default: all).")(fn)
+    return click.option("--max-length", type=click.IntRange(min=1), default=None,
+                        help="With --calibration: tokens per sample at most (default 2048).")(fn)
+
+
 def gpu_options(fn):
     """--experts / --linears: what a GPU checkpoint is (shared by plan, gpu, convert)."""
     fn = click.option("--linears", type=choice(LINEARS), default="fp8", show_default=True,
@@ -184,9 +196,10 @@ def distribution_options(fn):
     """--layers (write one part) / --executor ray with --ray-address, --parts, --parts-dir, --workers (of cpu, gpu,
     convert)."""
     for option in reversed([
-            click.option("--layers", "layers", default=None, metavar="A-B",
-                         help="Write only MoE layers A..B (decoder layer numbers) as a part: their files and "
-                              "ktconvert-part.json; `ktconvert merge OUT PART...` joins the parts."),
+            click.option("--layers", "layers", default=None, metavar="LAYERS",
+                         help="Write only these MoE layers (decoder layer numbers: ranges and lists, 3-17, 1,3,5 or "
+                              "1-3,7, as verify takes them) as a part: their files and ktconvert-part.json; "
+                              "`ktconvert merge OUT PART...` joins the parts."),
             click.option("--executor", type=choice(["local", "ray"]), default="local", show_default=True,
                          help="ray: run on a Ray cluster, OUT written on this host. The layers are split into "
                               "parts run as Ray tasks and merged; with --quant gptq the layers stay in order "

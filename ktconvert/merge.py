@@ -150,8 +150,11 @@ def check_parts(loaded: list[tuple[Path, dict]]) -> None:
                          expected=f"layers of {all_layers}", found=f"layer {stray[0]}")
     missing = [layer for layer in all_layers if layer not in owner]
     if missing:
-        raise InputError(f"{len(missing)} MoE layer(s) held by no part (a part is missing)",
-                         found="layers " + _ranges(missing), hint="convert them with --layers and merge again")
+        raise InputError(f"{len(missing)} MoE layer(s) held by no part (a part is missing): layers "
+                         f"{_ranges(missing)}", expected=f"parts covering layers {_ranges(all_layers)}",
+                         found=f"parts holding layers {_ranges(sorted(owner))}",
+                         hint=f"convert the missing ones with --layers {_ranges(missing).replace(', ', ',')} and merge "
+                         "again")
     if sum(record["writes_rest"] for _, record in loaded) != 1:
         raise InputError("no part (or more than one) holds the files outside the MoE layers",
                          expected="the part of the first MoE layer")

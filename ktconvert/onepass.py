@@ -79,9 +79,8 @@ def _run(outputs: list, threads: int | None, progress, verify_source_hash: bool)
         if finished:
             where = f" ({output.out_dir})" if len(outputs) > 1 else ""
             progress.message(f"resuming{where}: {finished} of {len(layers)} layers already done")
-    done = [layer for layer in layers if journal.layer_done(layer)]
-    progress.start(sum(j.nbytes for j in jobs if not journal.layer_done(j.layer)), len(layers) - len(done),
-                   " + ".join(o.label() for o in outputs))
+    todo = [j for j in jobs if not journal.layer_done(j.layer)]
+    progress.start(sum(j.nbytes for j in todo), len(todo), " + ".join(o.label() for o in outputs), unit="matrices")
     run_jobs(jobs, source, outputs, journal, threads or os.cpu_count() or 1, progress, files,
              verify_source_hash=verify_source_hash)
 
@@ -143,8 +142,10 @@ def result_of(output, manifest: dict | None, timings: dict) -> ConvertResult:
     """The ConvertResult of a finalized output (manifest None: it was complete before; its manifest is read)."""
     complete_before = manifest is None
     manifest = output.finished_manifest() if complete_before else manifest
+    part = tuple(output.layers) if output.part else ()
     return ConvertResult(out=str(output.out_dir), kind=manifest.get("kind", "cpu"), method=manifest["method"],
-                         files=len(manifest["files"]), bytes=sum(int(f["bytes"]) for f in manifest["files"].values()),
-                         flags=dict(manifest["flags"]), sglang_args=sglang_args(manifest, str(output.out_dir)),
+                         files=sorted(manifest["files"]), file_count=len(manifest["files"]),
+                         bytes=sum(int(f["bytes"]) for f in manifest["files"].values()), flags=dict(manifest["flags"]),
+                         sglang_args="" if part else sglang_args(manifest, os.path.abspath(output.out_dir)), part=part,
                          timings={k: round(v, 3) for k, v in timings.items()}, complete_before=complete_before,
                          notes=tuple(output.notes()), details=output.details())

@@ -3,10 +3,15 @@ the command line, values case-insensitive, validated before anything is opened) 
 the plan found: the opened input, the layers, and a JSON-ready report)."""
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import ClassVar
 
 from ktconvert.errors import UsageError
+
+# Calibration sampling of the GPTQ paths (gptq.calibration.load_samples), as expert-stats has them: at most
+# `max_length` tokens per sample, the first `num_samples` samples (None: all). Journalled only when not the
+# default, so the journals of runs that leave them out stay as they were.
+SAMPLING_DEFAULTS = {"max_length": 2048, "num_samples": None}
 
 
 class Options:
@@ -34,6 +39,19 @@ class Options:
 
     def check(self) -> None:
         raise NotImplementedError
+
+    def check_sampling(self) -> None:
+        """UsageError for --max-length / --num-samples below 1, or given without --quant gptq."""
+        for name, value in (("--max-length", self.max_length), ("--num-samples", self.num_samples)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UsageError(f"{name} must be a whole number of at least 1", expected=">= 1", found=repr(value))
+        given = [f"--{k.replace('_', '-')}" for k, v in SAMPLING_DEFAULTS.items() if getattr(self, k) != v]
+        if given and self.quant != "gptq":
+            raise UsageError(f"{given[0]} is only used with --quant gptq (calibration)", found=f"--quant {self.quant}")
+
+    def journalled(self) -> dict:
+        """The options as the journal records them (the sampling options only when not the default)."""
+        return {k: v for k, v in asdict(self).items() if not (k in SAMPLING_DEFAULTS and v == SAMPLING_DEFAULTS[k])}
 
 
 class Plan:

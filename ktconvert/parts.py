@@ -54,16 +54,39 @@ def parse_range(text: str) -> tuple[int, int]:
     return first, last
 
 
+LAYERS_SYNTAX = "decoder layer numbers: ranges and lists, e.g. 3-17, 1,3,5 or 1-3,7"
+
+
+def parse_layers(text: str) -> list[int]:
+    """'1-3,7' -> [1, 2, 3, 7]: the one --layers syntax of conversions and verify (comma-separated numbers and
+    inclusive ranges A-B, sorted, duplicates once); UsageError for anything else."""
+    chosen: set[int] = set()
+    for item in str(text or "").split(","):
+        if not item.strip():
+            raise UsageError("--layers is not usable", expected=LAYERS_SYNTAX, found=repr(text))
+        try:
+            first, last = parse_range(item)
+        except UsageError as exc:
+            raise UsageError("--layers is not usable", expected=LAYERS_SYNTAX, found=repr(text)) from exc
+        chosen.update(range(first, last + 1))
+    return sorted(chosen)
+
+
 def select_layers(all_layers, layer_range) -> list[int] | None:
-    """The MoE layers of `all_layers` inside `layer_range` ((A, B), 'A-B' or None: no part -> None); UsageError
-    when the range holds none."""
+    """The MoE layers of `all_layers` that `layer_range` names ((A, B), a list of numbers, '1-3,7' as
+    parse_layers reads it, or None: no part -> None); UsageError when it names none."""
     if layer_range is None:
         return None
-    first, last = parse_range(layer_range) if isinstance(layer_range, str) else layer_range
-    chosen = [layer for layer in all_layers if first <= layer <= last]
+    if isinstance(layer_range, str):
+        wanted = set(parse_layers(layer_range))
+    elif isinstance(layer_range, tuple) and len(layer_range) == 2:
+        wanted = set(range(int(layer_range[0]), int(layer_range[1]) + 1))
+    else:
+        wanted = {int(x) for x in layer_range}
+    chosen = [layer for layer in all_layers if layer in wanted]
     if not chosen:
-        raise UsageError(f"--layers {first}-{last} holds no MoE layer of this conversion",
-                         expected=f"a range meeting layers {list(all_layers)}")
+        raise UsageError(f"--layers {layer_range if isinstance(layer_range, str) else sorted(wanted)} holds no MoE "
+                         f"layer of this conversion", expected=f"some of layers {list(all_layers)}")
     return chosen
 
 

@@ -3,7 +3,7 @@
 The CLI builds a reporter with `make_progress` and hands it to library code, which only calls four methods:
 
     with make_progress(quiet=False, json_lines=False) as progress:
-        progress.start(total_bytes, total_items, "convert")   # a new phase; may be called again for the next phase
+        progress.start(total_bytes, total_items, "convert", unit="matrices")   # a new phase (what items count)
         progress.advance(nbytes, items=1, detail="layer 3")    # thread-safe
         progress.message("resuming: 12 of 40 layers done")
     # on exit: a final line / event with totals and elapsed time, saying how the phase ended (done, interrupted
@@ -12,12 +12,15 @@ The CLI builds a reporter with `make_progress` and hands it to library code, whi
 Renderers, chosen once:
 * ``quiet=True`` or ``KTCONVERT_NO_PROGRESS=1``: nothing (messages too).
 * ``json_lines=True``: one JSON object per line on stderr: ``{"event": "start"|"progress"|"message"|"done"|
-  "interrupted"|"failed", ...}`` with ``label, bytes, total_bytes, items, total_items, elapsed_s`` (+ ``eta_s`` on
-  "progress", ``detail`` / ``text``). "progress" events are throttled to one per interval
-  (``KTCONVERT_PROGRESS_INTERVAL`` seconds, default 1). A phase ends with exactly one of done / interrupted / failed.
+  "interrupted"|"failed", ...}`` with ``label, bytes, total_bytes, items, total_items, unit, elapsed_s`` (+ ``eta_s``
+  on "progress", ``detail`` / ``text``). "progress" events are throttled to one per interval
+  (``KTCONVERT_PROGRESS_INTERVAL`` seconds, default 1); none repeats the counters of the event that ends the phase
+  (a phase at its totals says so once, in its end event). A phase ends with exactly one of done / interrupted /
+  failed.
 * stderr is a terminal: a tqdm bar in bytes, items and the last detail in the postfix.
-* otherwise (CI logs): a plain line per interval (default 10 s): ``label: 45.0% 1.20 GiB/2.67 GiB, 3/10 items, ...``;
-  the last line of a phase ends in ``done``, ``interrupted`` or ``failed``.
+* otherwise (CI logs): a plain line per interval (default 10 s): ``label: 45.0% 1.20 GiB/2.67 GiB, 3/10 layers,
+  ...`` (items named by the phase's ``unit``; a phase that counts no bytes shows none); the last line of a phase ends
+  in ``done``, ``interrupted`` or ``failed``. The terminal bar fits its label to the width (rate and ETA stay).
 
 Rate and ETA count from the first bytes reported (``advance``), not from ``start``: what runs before the first piece
 of work (imports of torch / compressed-tensors, opening the source) does not skew them.
@@ -33,6 +36,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -80,6 +84,7 @@ class Progress:
         self.label = ""
         self.total_bytes = 0
         self.total_items = 0
+        self.unit = "items"
         self.bytes_done = 0
         self.items_done = 0
         self.detail = ""
@@ -91,14 +96,16 @@ class Progress:
         self._active = False
 
     # public API ------------------------------------------------------------------------------------------
-    def start(self, total_bytes: int = 0, total_items: int = 0, label: str = "") -> None:
-        """Begin a phase of `total_bytes` bytes and `total_items` items (0 = unknown). Ends the previous phase."""
+    def start(self, total_bytes: int = 0, total_items: int = 0, label: str = "", unit: str = "items") -> None:
+        """Begin a phase of `total_bytes` bytes and `total_items` items (0 = unknown; `unit` names what an item is:
+        "layers", "files", "matrices"). Ends the previous phase."""
         with self._lock:
             if self._active:
                 self._finish_phase()
             self.label = label
             self.total_bytes = int(total_bytes or 0)
             self.total_items = int(total_items or 0)
+            self.unit = unit or "items"
             self.bytes_done = 0
             self.items_done = 0
             self.detail = ""
@@ -173,8 +180,14 @@ class Progress:
     def snapshot(self) -> dict:
         """The counters as a plain dict (what the JSON events carry)."""
         return {"label": self.label, "bytes": self.bytes_done, "total_bytes": self.total_bytes,
-                "items": self.items_done, "total_items": self.total_items,
+                "items": self.items_done, "total_items": self.total_items, "unit": self.unit,
                 "elapsed_s": round(self.elapsed(), 3)}
+
+    def at_totals(self) -> bool:
+        """Every known total reached (what the phase's end event then says)."""
+        known = [(done, total) for done, total in ((self.bytes_done, self.total_bytes),
+                                                   (self.items_done, self.total_items)) if total]
+        return bool(known) and all(done >= total for done, total in known)
 
     def _finish_phase(self, status: str = DONE) -> None:
         self._active = False
@@ -208,7 +221,7 @@ class JsonLinesProgress(Progress):
         self._emit("start")
 
     def _on_advance(self, nbytes: int, due: bool) -> None:
-        if due:
+        if due and not self.at_totals():       # at its totals the phase's end event says it, once
             eta = self.eta()
             self._emit("progress", detail=self.detail, eta_s=None if eta is None else round(eta, 1))
 
@@ -230,11 +243,13 @@ class PlainProgress(Progress):
         if self.total_bytes:
             pct = 100.0 * self.bytes_done / self.total_bytes
             parts.append(f"{pct:.1f}% {human_bytes(self.bytes_done)}/{human_bytes(self.total_bytes)}")
-        else:
+        elif self.bytes_done or not (self.total_items or self.items_done):
             parts.append(human_bytes(self.bytes_done))
+        elif self.total_items:                      # a phase counting items only (expert-stats: layers)
+            parts.append(f"{100.0 * self.items_done / self.total_items:.1f}%")
         if self.total_items or self.items_done:
             total = f"/{self.total_items}" if self.total_items else ""
-            parts.append(f"{self.items_done}{total} items")
+            parts.append(f"{self.items_done}{total} {self.unit}")
         rate, eta = self.rate(), self.eta()
         if rate is not None:
             parts.append(f"{human_bytes(rate)}/s")
@@ -251,8 +266,9 @@ class PlainProgress(Progress):
         self.stream.flush()
 
     def _on_start(self) -> None:
-        total = f" ({human_bytes(self.total_bytes)}" + (f", {self.total_items} items)" if self.total_items else ")") \
-            if self.total_bytes else (f" ({self.total_items} items)" if self.total_items else "")
+        items = f"{self.total_items} {self.unit}"
+        total = f" ({human_bytes(self.total_bytes)}" + (f", {items})" if self.total_items else ")") \
+            if self.total_bytes else (f" ({items})" if self.total_items else "")
         self._write(f"{self.label or 'progress'}: started{total}")
 
     def _on_advance(self, nbytes: int, due: bool) -> None:
@@ -272,26 +288,42 @@ class TqdmProgress(Progress):
     draws_bars = True
     silences = frozenset()
 
-    def __init__(self, stream=None, interval: float = 0.2):
+    def __init__(self, stream=None, interval: float = 0.2, ncols: int | None = None):
         super().__init__(stream, interval)
         self._bar = None
+        self._ncols = ncols                 # None: the terminal's width, followed as it changes
+        self._by_items = False              # a phase counting no bytes: the bar counts its items
+        self._items_shown = 0
 
     def _on_start(self) -> None:
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=self.total_bytes or None, desc=self.label or None, unit="B", unit_scale=True,
-                         unit_divisor=1024, file=self.stream, dynamic_ncols=True, leave=True)
+        width = self._ncols or shutil.get_terminal_size((80, 24)).columns
+        self._by_items = not self.total_bytes and bool(self.total_items)
+        self._items_shown = 0
+        if self._by_items:
+            unit = dict(unit=f" {self.unit}")
+        else:
+            unit = dict(unit="B", unit_scale=True, unit_divisor=1024)
+        self._bar = tqdm(total=(self.total_items if self._by_items else self.total_bytes) or None,
+                         desc=fit_label(self.label, width - BAR_STATS_WIDTH) or None, file=self.stream,
+                         dynamic_ncols=self._ncols is None, ncols=self._ncols, leave=True, **unit)
 
     def _postfix(self) -> str:
         items = ""
-        if self.total_items or self.items_done:
+        if (self.total_items or self.items_done) and not self._by_items:
             items = f"{self.items_done}/{self.total_items}" if self.total_items else str(self.items_done)
-        return " ".join(p for p in (items, self.detail) if p)
+            items += f" {self.unit}"
+        return items or self.detail         # the count when there is one: the line must fit its width
 
     def _on_advance(self, nbytes: int, due: bool) -> None:
         if self._bar is None:
             return
-        self._bar.update(nbytes)
+        if self._by_items:
+            self._bar.update(self.items_done - self._items_shown)
+            self._items_shown = self.items_done
+        else:
+            self._bar.update(nbytes)
         if due:
             self._bar.set_postfix_str(self._postfix(), refresh=False)
 
@@ -311,6 +343,23 @@ class TqdmProgress(Progress):
             self._bar.set_postfix_str(postfix, refresh=False)
             self._bar.close()
             self._bar = None
+
+
+BAR_STATS_WIDTH = 62     # what a tqdm byte bar needs beside its label: percent, a short bar, sizes, time, rate, ETA
+
+
+def fit_label(label: str, width: int) -> str:
+    """`label` in at most `width` characters (at least 12): a label joining several outputs with " + " becomes
+    "<its first word> N outputs", anything else is cut with "…"."""
+    width = max(12, width)
+    if len(label) <= width:
+        return label
+    parts = label.split(" + ")
+    if len(parts) > 1:
+        short = f"{parts[0].split(' ')[0]} {len(parts)} outputs"
+        if len(short) <= width:
+            return short
+    return label[:width - 1] + "…"
 
 
 def _interval(default: float) -> float:

@@ -292,7 +292,7 @@ def _run_tasks(ray, source: tuple, outputs, todo: list[int], ranges, folders, re
         targets = [(str(folders[(k, r)]), outputs[k].plan.options) for k in todo]
         refs[task.remote(*source, targets, r, cpus, board, index)] = r
     progress.start(total, len(outputs[0].layers), f"{len(ranges)} parts on Ray: "
-                   + " + ".join(outputs[k].label() for k in todo))
+                   + " + ".join(outputs[k].label() for k in todo), unit="layers")
     shown, pending = 0, list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_SECONDS)

@@ -14,9 +14,11 @@ class ConvertResult:
     """One output written (or found complete) by convert_cpu / convert_gpu / convert.
 
     out: the output folder; kind: "cpu" | "gpu"; method: the kt-kernel method ("AMXINT4", ...) of a CPU output or
-    the expert scheme ("W4A16" / "W8A16") of a GPU output; files / bytes: what ktconvert.json lists; flags: the
-    kt-kernel / SGLang options the output needs (``kt-weight-path`` / ``model`` "." = the output folder);
-    sglang_args: the same as one string with the folder filled in; timings: seconds per phase (plan, open,
+    the expert scheme ("W4A16" / "W8A16") of a GPU output; files: the relative paths ktconvert.json lists (a part:
+    its part manifest), file_count how many, bytes their size; flags: the kt-kernel / SGLang options the output
+    needs as ktconvert.json records them (``kt-weight-path`` / ``model`` "." = the output folder itself);
+    sglang_args: the same as one string with the folder's absolute path filled in ("" for a part, which cannot run
+    before ``merge``); part: a part's MoE layers (``--layers``), else (); timings: seconds per phase (plan, open,
     convert, finalize, total); complete_before: ``resume`` found the output complete and wrote nothing; notes: what
     the output needs at run time and what the conversion had to decide (e.g. GPTQ experts without calibration
     tokens); details: method-specific figures (GPTQ tokens per expert, ...).
@@ -25,7 +27,7 @@ class ConvertResult:
     out: str
     kind: str
     method: str
-    files: int
+    files: list
     bytes: int
     flags: dict
     sglang_args: str
@@ -33,11 +35,17 @@ class ConvertResult:
     complete_before: bool = False
     notes: tuple[str, ...] = ()
     details: dict = field(default_factory=dict)
+    part: tuple[int, ...] = ()
+    file_count: int = 0
 
     def summary(self) -> str:
         """One line for people: what was written and how to run it."""
         head = (f"{self.out}: already complete (ktconvert.json present); nothing to do" if self.complete_before
-                else f"wrote {self.out}: {self.files} files, {self.bytes} bytes")
+                else f"wrote {self.out}: {self.file_count} files, {self.bytes} bytes")
+        if self.part:      # a part holds some layers only: nothing to launch until the parts are merged
+            return "; ".join([head.replace("wrote ", "wrote part ", 1) + f" (MoE layers {_spans(self.part)})",
+                              *self.notes, "a part cannot be served: merge the parts with ktconvert merge OUT PART "
+                              "PART..."])
         how = f"run SGLang with {self.sglang_args}" if self.kind == "gpu" else f"run with {self.sglang_args}"
         check = [f"on the serving host: ktconvert check {shlex.quote(self.out)} -- {self.sglang_args}"] \
             if self.kind == "cpu" else []
@@ -78,7 +86,9 @@ class PlanResult:
 class VerifyResult:
     """What `verify` found: ok; out (the folder, bundle or repo checked); problems (one line each); checks
     [{name, status ("ok" | "failed" | "skipped"), detail}]; the reports of the checks that ran: hashes, numerics,
-    remote, gpu (a GPU checkpoint's checks), bundle; report: the path of the HTML page written (verify's report=)."""
+    remote, gpu (a GPU checkpoint's checks), bundle; report: the path of the HTML page written (verify's report=);
+    identified: for a folder without ktconvert.json, what its headers say it holds (``ktconvert check``'s
+    identification)."""
 
     ok: bool
     out: str
@@ -90,6 +100,7 @@ class VerifyResult:
     gpu: dict | None = None
     bundle: dict | None = None
     report: str | None = None
+    identified: dict | None = None
 
     @classmethod
     def from_dict(cls, report: dict) -> "VerifyResult":
@@ -131,3 +142,14 @@ class InspectResult:
     def to_dict(self) -> dict:
         out = asdict(self)
         return {k: v for k, v in out.items() if v is not None or k in ("quantization", "model_type", "family")}
+
+
+def _spans(layers) -> str:
+    """(1, 2, 3, 7) -> '1-3,7'."""
+    spans: list[list[int]] = []
+    for layer in sorted(layers):
+        if spans and layer == spans[-1][1] + 1:
+            spans[-1][1] = layer
+        else:
+            spans.append([layer, layer])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)

@@ -212,7 +212,7 @@ class _Pass:
             where = f"{job_tensor(job)} (layer {job.layer}, expert {job.expert}, {proj})"
             for _, consumer in targets:
                 consumer.put_matrix(proj, job.expert, w, where, stored=stored)
-        self.progress.advance(job.nbytes)
+        self.progress.advance(job.nbytes, items=1)      # items: expert matrices, which move with the bytes
         self.fault.tick()
 
     def _finish(self, layer: int) -> list:
@@ -234,7 +234,7 @@ class _Pass:
                 for out, result in self.finishing.pop(layer).result():
                     out.layer_finished(layer, result)
                 self.consumers.pop(layer, None)
-                self.progress.advance(0, items=1, detail=f"layer {layer}")
+                self.progress.advance(0, detail=f"layer {layer} written")
 
     def _throttle(self) -> None:
         """Bound memory: at most 2 jobs per worker in flight. A failed job stops the run here, not at the end."""

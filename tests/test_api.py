@@ -39,7 +39,9 @@ def test_convert_cpu_returns_a_result(tiny_model, tmp_path):
     result = ktconvert.convert_cpu(model, out, method="AMXINT8", numa=2, threads=1)
     assert dataclasses.is_dataclass(result) and result.kind == "cpu" and result.method == "AMXINT8"
     manifest = json.loads((out / "ktconvert.json").read_text())
-    assert result.files == len(manifest["files"]) and result.bytes == sum(f["bytes"] for f in manifest["files"].values())
+    assert result.file_count == len(manifest["files"])
+    assert result.bytes == sum(f["bytes"] for f in manifest["files"].values())
+    assert result.files == sorted(manifest["files"])     # relative paths (issue 30; before: only a count)
     assert result.flags == manifest["flags"]
     assert result.sglang_args == f"--kt-method AMXINT8 --kt-weight-path {out} --kt-threadpool-count 2"
     assert {"plan", "open", "convert", "finalize", "total"} <= set(result.timings) and not result.complete_before

@@ -405,3 +405,18 @@ def test_build_detection_matches_kt_kernels_own(monkeypatch):
         text = "processor : 0\nflags\t\t: " + " ".join(sorted(flags_set)) + "\n"
         monkeypatch.setattr(module, "open", lambda *a, **k: io.StringIO(text), raising=False)
         assert detect_build(flags_set)[0] == module.detect_cpu_features(), flags_set
+
+
+def test_verify_identifies_a_folder_without_ktconvert_json(tiny_model, tmp_path):
+    """verify on outputs it did not write (no ktconvert.json): still a failure (nothing recorded to verify against),
+    but it says what the headers hold, as `check` identifies it, and points at `ktconvert check`."""
+    from ktconvert.verification.run import verify
+
+    out = tmp_path / "out"
+    assert CliRunner().invoke(cli, ["cpu", str(tiny_model("qwen3_moe")), str(out), "--method", "amxint4", "--numa",
+                                    "2", "--quiet"]).exit_code == 0
+    (out / "ktconvert.json").unlink()
+    result = verify(out)
+    assert not result["ok"] and result["identified"]["method"] == "AMXINT4" and result["identified"]["numa"] == 2
+    row = next(c for c in result["checks"] if c["name"] == "identified")
+    assert row["status"] == "info" and "ktconvert check" in row["detail"]

@@ -47,7 +47,8 @@ def test_every_registered_method_is_complete():
         if method.writable:
             assert method.layouts and method.thresholds
             assert method.expert_bytes(256, 256, 1) > 0
-    assert writable_names() == ["amxint4", "amxint8", "bf16", "fp8", "rawint4"]
+    assert writable_names() == ["amxint4", "amxint8", "bf16", "fp8", "fp8_perchannel", "gptq_int4", "mxfp8", "nvfp4",
+                              "rawint4"]
 
 
 def test_group_sizes_are_validated_and_listed():
@@ -111,7 +112,7 @@ def test_runtime_notes_name_amx_only_where_it_is_missing():
     raw = METHODS.get("rawint4")
     assert any("needs AMX" in n for n in raw.runtime_notes(["avx512f", "avx512bw"]))
     assert raw.runtime_notes(["avx512f", "amx_tile", "amx_int8"]) == []
-    assert all(m.runtime_notes(["avx2"]) == [] for m in all_methods() if not m.needs_amx)
+    assert all(m.runtime_notes(["avx2"]) == [] for m in all_methods() if not (m.needs_amx or m.needs_avx512))
 
 
 def test_plan_says_rawint4_needs_amx(tiny_model, monkeypatch):

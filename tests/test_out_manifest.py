@@ -286,7 +286,7 @@ def test_numerics_and_remote_results_are_reported(tmp_path, monkeypatch):
     monkeypatch.setattr(ktconvert.verification.run, "check_source", lambda *args: ([], "not opened here"))
     result = verify(out, source="SRC", tokens=3, layers="1", experts="all", threshold=0.1, remote="me/repo")
     assert not result["ok"] and result["problems"] == ["blk.1: error 0.5"]
-    assert calls[0][2:] == ("SRC", 3, "1", "all", 0.1) and calls[0][1]["format"] == om.FORMAT
+    assert calls[0][2:] == ("SRC", 3, [1], "all", 0.1) and calls[0][1]["format"] == om.FORMAT   # --layers read once
     assert calls[1][1:] == ("me/repo", "hf", None, None)
     statuses = {c["name"]: c["status"] for c in result["checks"]}
     assert statuses["numerics"] == "failed" and statuses["remote"] == "ok"

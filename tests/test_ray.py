@@ -44,7 +44,7 @@ def test_worker_killed_mid_task_is_retried_with_same_bytes(cluster, source, sing
     results = convert_on_ray(source, [(tmp_path / "out", CPU)], parts=2, runtime_env=fault, progress=progress)
     assert died.exists(), "no worker was killed: the fault was not injected"
     assert tree(tmp_path / "out") == tree(single)
-    assert results[0].files == len(tree(single)) - 1
+    assert results[0].file_count == len(tree(single)) - 1
     assert progress.total_items == 3 and progress.bytes_done == progress.total_bytes > 0
 
 
@@ -120,7 +120,7 @@ def test_hub_source_on_ray_equals_single_run_and_driver_downloads_no_shard(clust
 
 def test_api_executor_ray_equals_local(cluster, source, single, tmp_path):
     result = api.convert_cpu(source, tmp_path / "cpu", executor="ray", parts=2, **CPU)
-    assert tree(tmp_path / "cpu") == tree(single) and result.files == len(tree(single)) - 1
+    assert tree(tmp_path / "cpu") == tree(single) and result.file_count == len(tree(single)) - 1
     api.convert(source, [(tmp_path / "multi", CPU)], executor="ray", parts=3, parts_dir=tmp_path / "parts")
     assert tree(tmp_path / "multi") == tree(single)
     assert sorted(p.name for p in (tmp_path / "parts" / "multi").iterdir()) == ["layers-1-1", "layers-2-2",

@@ -96,7 +96,7 @@ def test_workers_without_gptq_and_gptq_in_convert_are_refused(model, calib, tmp_
 @pytest.mark.parametrize("workers", [3, 1])
 def test_cpu_gptq_on_ray_any_worker_count_equals_single_process(cluster, model, calib, single, tmp_path, workers):
     result = api.convert_cpu(model, tmp_path / "out", **GPTQ, calibration=calib, executor="ray", workers=workers)
-    assert tree(tmp_path / "out") == tree(single) and result.files == len(tree(single)) - 1
+    assert tree(tmp_path / "out") == tree(single) and result.file_count == len(tree(single)) - 1
 
 
 @pytest.mark.slow

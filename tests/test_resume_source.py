@@ -10,31 +10,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from ktconvert.cli import cli
 from ktconvert.errors import EXIT_USAGE
+from test_resume_options import _killed_after, _run
 
 CPU = ("--method", "amxint4", "--numa", "2")
 JOURNAL = ".ktconvert-journal.json"
-
-
-def _run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def _killed_after(n_jobs: int, *args) -> None:
-    env = dict(os.environ, KTCONVERT_NO_PROGRESS="1", KTCONVERT_FAULT_AFTER_JOBS=str(n_jobs))
-    proc = subprocess.run([sys.executable, "-m", "ktconvert.cli", *map(str, args)], env=env, capture_output=True,
-                          text=True)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
 
 
 def _tree(root: Path) -> dict[str, bytes]:

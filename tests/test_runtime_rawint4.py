@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from ktconvert.cli import cli
 from ktconvert.errors import EXIT_VERIFY, NativeError, ShapeError, VerifyError
 from ktconvert.native import forward as rt
+from check_folders import write_safetensors
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason="native library not built")
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,20 +225,6 @@ def test_verify_runs_rawint4_through_the_runtime(g32):
         assert a["moe_kernel_rel"] < 1e-5 and abs(a["moe_rel_l2"] - b["moe_rel_l2"]) < 0.1
 
 
-def _save_safetensors(path: Path, tensors: dict) -> None:
-    """{name: (safetensors dtype, array)} -> a safetensors file, keys sorted."""
-    header, blobs, offset = {}, [], 0
-    for name in sorted(tensors):
-        dtype, array = tensors[name]
-        data = np.ascontiguousarray(array).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
-
-
 def group128_folder(src: Path, out: Path) -> Path:
     """The g32 output rewritten as a group-128 one, which the CLI no longer writes (an older ktconvert or
     llmcompressor's W4A16 did): each weight_scale keeps every 4th group's scale (the same packed bytes), the
@@ -254,7 +241,7 @@ def group128_folder(src: Path, out: Path) -> Path:
             if ref.file.name == shard.name:
                 array = ck.read(name)
                 tensors[name] = (ref.dtype, array[:, ::4] if name.endswith(".weight_scale") else array)
-        _save_safetensors(shard, tensors)
+        write_safetensors(shard, tensors)
         manifest["tensors"].update({name: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
                                     for name, (_, a) in tensors.items()})
     index = json.loads((out / "model.safetensors.index.json").read_text())

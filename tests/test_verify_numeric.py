@@ -135,6 +135,10 @@ def test_threshold_override_and_worst_experts_named(src, tmp_path):
     assert all(len(row["experts"]) == 3 for row in report["layers"])
 
 
-def test_bad_layer_selection_is_one_problem(src, tmp_path):
-    report = _check(_convert(src, tmp_path / "o"), src, layers="7")
-    assert not report["ok"] and len(report["problems"]) == 1 and "layers not converted" in report["problems"][0]
+def test_bad_layer_selection_is_usage(src, tmp_path):
+    """A --layers value naming a layer the output does not hold cannot work: UsageError (exit 2), naming the
+    converted layers (issue 30; before: a verification problem, exit 4)."""
+    from ktconvert.errors import UsageError
+
+    with pytest.raises(UsageError, match="does not hold"):
+        _check(_convert(src, tmp_path / "o"), src, layers="7")

@@ -60,7 +60,7 @@ def collect_activation(src, samples: list, *, dtype: str = "float32", device: st
     source = src if isinstance(src, HFSource) else HFSource.open(src)
     stream = RoutingStream(source, samples, dtype=torch_dtype(dtype), device=device)
     if progress is not None:
-        progress.start(0, len(stream.layers), "expert-stats")
+        progress.start(0, len(stream.layers), "expert-stats", unit="layers")
     per_layer, top_k = {}, None
     for L, counter in stream.run_all():
         if counter is not None:

@@ -38,6 +38,7 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     if options.quant == "gptq":
         refuse_gptq_part(output)
         make_stream = gptq_stream(plan.input) if gptq_stream is not None else None
-        return gptq_cpu.convert_cpu_gptq(output, progress or Progress(), timings, make_stream=make_stream)
+        return gptq_cpu.convert_cpu_gptq(output, progress or Progress(), timings, make_stream=make_stream,
+                                         max_length=options.max_length, num_samples=options.num_samples)
     return write_outputs([output], threads=threads, progress=progress, timings=timings,
                          verify_source_hash=verify_source_hash)[0]

@@ -11,7 +11,7 @@ layout the method does not have, missing or misshapen expert tensors, too little
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.cpu import sizes
@@ -20,7 +20,7 @@ from ktconvert.errors import InputError, OutputError, UsageError
 from ktconvert.inputs import Input, open_input
 from ktconvert.methods import METHODS
 from ktconvert.methods.base import CpuMethod, check
-from ktconvert.options import Options, Plan
+from ktconvert.options import SAMPLING_DEFAULTS, Options, Plan
 from ktconvert.gptq.holdout import SelectionOptions
 from ktconvert.gptq.loop import GptqOptions
 from ktconvert.quant.row_quant import ROW_QUANT
@@ -49,6 +49,8 @@ class CpuOptions(Options):
     calibration: str | None = None
     dampening: float = GPTQ_DAMPENING
     min_tokens: int = GPTQ_MIN_TOKENS
+    max_length: int = SAMPLING_DEFAULTS["max_length"]
+    num_samples: int | None = SAMPLING_DEFAULTS["num_samples"]
 
     kind, lowercase = "CPU", ("method", "layout", "quant")
 
@@ -90,6 +92,7 @@ class CpuOptions(Options):
         if not (0 <= self.dampening < float("inf")) or self.min_tokens < 0:
             raise UsageError("GPTQ options out of range", expected="dampening >= 0, min_tokens >= 0",
                              found=f"dampening {self.dampening}, min_tokens {self.min_tokens}")
+        self.check_sampling()
         if self.quant != "gptq" and (self.dampening, self.min_tokens) != (GPTQ_DAMPENING, GPTQ_MIN_TOKENS):
             raise UsageError("--dampening and --min-tokens are only used with --quant gptq",
                              found=f"--quant {self.quant}")
@@ -116,7 +119,7 @@ class CpuPlan(Plan):
 
     def journal_options(self) -> dict:
         """What a resumed run must have been started with."""
-        return {**asdict(self.options), "method": self.method.name, "layers": self.layers,
+        return {**self.options.journalled(), "method": self.method.name, "layers": self.layers,
                 "source_config_sha256": self.report["source_config_sha256"], "source": self.input.hub}
 
 

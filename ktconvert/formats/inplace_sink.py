@@ -1,10 +1,11 @@
-"""Writers for the in-place methods (bf16, rawint4, fp8): HF-named expert tensors kt-kernel's native loaders read.
+"""Writers for the in-place methods (bf16, rawint4, fp8, fp8_perchannel, gptq_int4, mxfp8, nvfp4): HF-named expert
+tensors kt-kernel's native loaders read.
 
 Layout: one shard per MoE layer, ``model-{i:05d}-of-{n:05d}.safetensors`` (i = position of the layer in the list of
 converted layers, from 1), holding ``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.<suffix>`` for every
-expert (suffixes from the method's ``tensor_specs``). ``finalize`` writes ``model.safetensors.index.json`` and a
-``config.json``: the source config with ``quantization_config`` describing the output (compressed-tensors
-pack-quantized for rawint4, ``quant_method: fp8`` for fp8, none for bf16).
+expert (suffixes from the method's ``tensor_specs``; a method may name its modules otherwise, see
+``expert_module``). ``finalize`` writes ``model.safetensors.index.json`` and a ``config.json``: the source config
+with the method's ``quantization_config`` describing the output (none for bf16).
 
 Every shard goes through ``StreamingSafetensorsWriter`` (temp name, atomic rename); memory is one expert.
 
@@ -33,6 +34,13 @@ PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 EXPERT_PREFIX = "model.layers.{L}.mlp.experts.{E}.{proj}"
 
 
+def expert_module(method, layer: int, expert: int, proj: str) -> str:
+    """The module name of one expert matrix in `method`'s output: its ``expert_template`` / ``proj_names`` where it
+    has them (MXFP8: kt-kernel reads ``block_sparse_moe.experts.E.{w1,w3,w2}`` only), else EXPERT_PREFIX."""
+    names = getattr(method, "proj_names", None) or PROJ_NAMES
+    return (getattr(method, "expert_template", None) or EXPERT_PREFIX).format(L=layer, E=expert, proj=names[proj])
+
+
 class InplaceSink:
     """Output directory for one in-place method. layers: MoE layer indices in output order."""
 
@@ -52,7 +60,7 @@ class InplaceSink:
         specs = []
         for e in range(self.n_experts):
             for proj, (n, k) in self.shapes.items():
-                base = EXPERT_PREFIX.format(L=layer, E=e, proj=PROJ_NAMES[proj])
+                base = expert_module(self.method, layer, e, proj)
                 specs += [(f"{base}.{suffix}", dtype, shape) for suffix, dtype, shape in self.method.tensor_specs(n, k)]
         return specs
 
@@ -91,7 +99,7 @@ class InplaceLayerWriter:
     def put_matrix(self, proj: str, expert: int, w_bf16) -> None:
         """Encode one expert matrix (uint16 BF16 bits in HF orientation) and write its tensors."""
         want = self.sink.shapes[proj]
-        base = EXPERT_PREFIX.format(L=self.layer, E=expert, proj=PROJ_NAMES[proj])
+        base = expert_module(self.sink.method, self.layer, expert, proj)
         if tuple(w_bf16.shape) != want:
             raise ShapeError("expert matrix has the wrong shape", tensor=base, expected=str(list(want)),
                              found=str(list(w_bf16.shape)))
@@ -101,7 +109,7 @@ class InplaceLayerWriter:
     def put_stored(self, proj: str, expert: int, tensors: dict) -> None:
         """Write one expert matrix's tensors as given ({suffix: array}, already this method's: a carried-over
         source's bytes)."""
-        base = EXPERT_PREFIX.format(L=self.layer, E=expert, proj=PROJ_NAMES[proj])
+        base = expert_module(self.sink.method, self.layer, expert, proj)
         for suffix, array in tensors.items():
             self.writer.write(f"{base}.{suffix}", array)
 

@@ -12,10 +12,19 @@ torch's global generator, which no other run reproduces.
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from ktconvert.errors import InputError, UsageError
 from ktconvert.safe_read import parse_json
+
+UNKNOWN_WARN, UNKNOWN_REFUSE = 0.05, 0.5     # share of the tokens that are the tokenizer's unknown token
+
+
+class CalibrationWarning(UserWarning):
+    """The calibration text is partly outside the tokenizer's vocabulary (a share of unknown tokens above
+    UNKNOWN_WARN; above UNKNOWN_REFUSE it is refused)."""
+
 
 MAX_LINE_BYTES = 16 << 20   # one calibration sample's JSON line (2048 tokens of text is ~10 KB): refused beyond
 
@@ -82,7 +91,9 @@ def load_samples(path, model_dir, max_length: int = 2048, num_samples: int | Non
     """Calibration samples as 1-D torch int64 tensors (at most `num_samples`, each at most `max_length` tokens).
 
     Token ids outside [0, vocab_size) raise InputError naming the line; a max_length or num_samples below 1
-    UsageError."""
+    UsageError. Text the tokenizer reads mostly as its unknown token (more than UNKNOWN_REFUSE of all the tokens)
+    is refused (InputError: the statistics would count one token's routing); above UNKNOWN_WARN a
+    CalibrationWarning says how much."""
     import torch
 
     for name, value in (("--max-length", max_length), ("--num-samples", num_samples)):
@@ -90,7 +101,7 @@ def load_samples(path, model_dir, max_length: int = 2048, num_samples: int | Non
             raise UsageError(f"{name} must be a whole number of at least 1", expected=">= 1", found=repr(value))
     records = read_jsonl(path, num_samples)
     tokenizer = None
-    samples = []
+    samples, unknown = [], 0
     for i, rec in enumerate(records, 1):
         if "input_ids" in rec:
             ids = rec["input_ids"]
@@ -105,12 +116,30 @@ def load_samples(path, model_dir, max_length: int = 2048, num_samples: int | Non
             ids = tokenizer(rec["text"])["input_ids"]
             if not ids:
                 raise InputError(f"calibration sample {i}: text tokenizes to nothing", file=Path(path).name)
+            unk = getattr(tokenizer, "unk_token_id", None)
+            unknown += 0 if unk is None else sum(t == unk for t in ids[:max_length])
         ids = ids[:max_length]
         if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
             raise InputError(f"calibration sample {i}: token id outside the vocabulary", file=Path(path).name,
                              expected=f"0..{vocab_size - 1}", found=f"{min(ids)}..{max(ids)}")
         samples.append(torch.tensor(ids, dtype=torch.long))
+    _check_unknown(path, model_dir, tokenizer, unknown, sum(len(s) for s in samples))
     return samples
+
+
+def _check_unknown(path, model_dir, tokenizer, unknown: int, total: int) -> None:
+    """InputError above UNKNOWN_REFUSE unknown tokens, a CalibrationWarning above UNKNOWN_WARN."""
+    share = unknown / total if total else 0.0
+    if share <= UNKNOWN_WARN:
+        return
+    what = (f"{unknown} of the {total} calibration tokens ({share:.0%}) are the tokenizer's unknown token "
+            f"{getattr(tokenizer, 'unk_token', None)!r}: the text is mostly outside {Path(model_dir).name}'s "
+            f"vocabulary")
+    if share > UNKNOWN_REFUSE:
+        raise InputError(what, file=Path(path).name, expected=f"at most {UNKNOWN_REFUSE:.0%} unknown tokens",
+                         hint="use text in the model's language, or {\"input_ids\": [...]} samples (a tiny-model's "
+                              "tokenizer reads only its words tok4, tok5, ...)")
+    warnings.warn(what, CalibrationWarning, stacklevel=2)
 
 
 def oneshot_permutation(samples: list) -> list[int]:

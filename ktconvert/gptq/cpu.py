@@ -214,7 +214,7 @@ def write_gptq_layers(output, samples: list, progress=None, *, options: GptqOpti
                          found=method.name)
     sizes = layer_source_bytes(source, output.layers)
     progress = progress or Progress()
-    progress.start(sum(sizes.values()), len(output.layers), f"cpu {method.name.upper()} gptq")
+    progress.start(sum(sizes.values()), len(output.layers), f"cpu {method.name.upper()} gptq", unit="layers")
     mtp = [layer for layer in output.layers if layer in source.info.mtp_layers]
     stream = amx_stream(source, samples, method.bits, output.options.numa, options=options, selection=selection,
                         mtp_layers=mtp, make_stream=make_stream)

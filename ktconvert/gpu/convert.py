@@ -45,8 +45,8 @@ def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | N
     timings = {"plan": time.monotonic() - t0}
     if options.quant == "gptq":
         refuse_gptq_part(output)
-        samples = load_samples(options.calibration, output.source.root,
-                               vocab_size=output.source.info.config.get("vocab_size"))
+        samples = load_samples(options.calibration, output.source.root, max_length=options.max_length,
+                               num_samples=options.num_samples, vocab_size=output.source.info.config.get("vocab_size"))
         make_stream = gptq_stream(plan.input) if gptq_stream is not None else None
         return write_in_layer_order(output, lambda o: _run_gptq(o, samples, progress or Progress(), make_stream),
                                     timings)
@@ -74,7 +74,7 @@ def _run_gptq(output: GpuOutput, samples: list, progress, make_stream=None) -> N
     write_gptq_layers = gptq_hook()
     opts, source = output.options, output.source
     sizes = layer_source_bytes(source, output.layers)
-    progress.start(sum(sizes.values()), len(output.layers), f"gpu {opts.experts.upper()} gptq")
+    progress.start(sum(sizes.values()), len(output.layers), f"gpu {opts.experts.upper()} gptq", unit="layers")
     state = write_gptq_layers(output, samples, progress, sizes, make_stream=make_stream)
     fingerprint = source_fingerprint(source.root, source.files())
     for name, entry in fingerprint["files"].items():

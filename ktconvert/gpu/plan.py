@@ -9,7 +9,7 @@ checkpoint checked and laid out from headers and config only, before OUT is crea
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import cached_property
 
 from ktconvert.errors import InputError, ShapeError, UsageError
@@ -19,7 +19,7 @@ from ktconvert.gpu.experts import GROUP_SIZES, bits_of, expert_bytes
 from ktconvert.gpu.layout import GpuLayout
 from ktconvert.gpu.linears import LINEAR_MODES, module_of
 from ktconvert.inputs import Input, open_input
-from ktconvert.options import Options, Plan
+from ktconvert.options import SAMPLING_DEFAULTS, Options, Plan
 
 QUANTS = ("rtn", "gptq")
 
@@ -37,6 +37,8 @@ class GpuOptions(Options):
     linears: str = "fp8"
     include_mtp: bool = False
     calibration: str | None = None
+    max_length: int = SAMPLING_DEFAULTS["max_length"]
+    num_samples: int | None = SAMPLING_DEFAULTS["num_samples"]
 
     kind, lowercase = "GPU", ("experts", "quant", "linears")
 
@@ -56,6 +58,7 @@ class GpuOptions(Options):
             raise UsageError("--quant gptq needs calibration data", expected="--calibration FILE (JSON lines)")
         if self.quant != "gptq" and self.calibration is not None:
             raise UsageError("--calibration is only used with --quant gptq", found=f"--quant {self.quant}")
+        self.check_sampling()
 
 
 class GpuPlan(Plan):
@@ -66,7 +69,7 @@ class GpuPlan(Plan):
         self.input, self.options, self.layers, self.layout, self.checks = input, options, layers, layout, checks
 
     def journal_options(self) -> dict:
-        return {"kind": "gpu", **asdict(self.options), "layers": self.layers,
+        return {"kind": "gpu", **self.options.journalled(), "layers": self.layers,
                 "source_config_sha256": self.input.source.config_sha256()}
 
     @cached_property

@@ -37,6 +37,7 @@ class CpuMethod:
     default: ClassVar[bool] = False          # the method used where none is given (demo)
     needs_conversion: ClassVar[bool] = True  # False: the output is HF tensors kt-kernel reads in place
     needs_amx: ClassVar[bool] = False        # kt-kernel 0.7.2 runs this method only on CPUs with AMX
+    needs_avx512: ClassVar[bool] = False     # kt-kernel 0.7.2 has no AVX2 kernel for it (amx / avx512_* builds only)
     n_multiple: ClassVar[int] = 1
     k_multiple: ClassVar[int] = 1
     layouts: ClassVar[tuple[str, ...]] = ("safetensors",)
@@ -177,6 +178,9 @@ class CpuMethod:
             return [f"kt-kernel 0.7.2's {cls.kt_method} backend needs AMX (amx_tile, amx_int8), which this CPU "
                     "lacks: without AMX its avx2 build crashes (SIGSEGV) and AVX-512 hosts returned NaN (measured); "
                     "run the output on an AMX CPU (Sapphire Rapids or later)"]
+        if cls.needs_avx512 and "avx512f" not in set(cpu_flags):
+            return [f"kt-kernel 0.7.2 has no AVX2 kernel for {cls.kt_method}: only its amx and avx512_* builds run "
+                    "it (its avx2 build raises RuntimeError); run the output on a CPU with AVX-512"]
         return []
 
     @classmethod

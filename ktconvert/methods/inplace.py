@@ -24,7 +24,7 @@ from ktconvert.methods.base import CpuMethod, check
 from ktconvert.quant import ct_int4, fp8
 from ktconvert.verification import numeric_inplace, structure
 
-_DTYPE_BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4, "I32": 4, "I64": 8}
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "F32": 4, "I32": 4, "I64": 8}
 TensorSpecs = list[tuple[str, str, tuple[int, ...]]]   # (suffix, safetensors dtype, shape)
 RAWINT4_TARGET = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 
@@ -123,7 +123,7 @@ class InplaceMethod(CpuMethod):
 
     @classmethod
     def expert_reader(cls, out, manifest: dict, folder=None):
-        return numeric_inplace.expert_reader(out, manifest, folder)
+        return numeric_inplace.expert_reader(out, manifest, folder, method=cls)
 
 
 class Bf16Inplace(InplaceMethod):

@@ -96,7 +96,7 @@ def bundle(out, dest, level: int = DEFAULT_LEVEL, progress=None, force: bool = F
     manifest_raw = (out / MANIFEST_NAME).read_bytes()
     files = manifest["files"]
     total = len(manifest_raw) + sum(int(e["bytes"]) for e in files.values())
-    progress.start(total, len(files) + 1, f"bundle {dest.name}")
+    progress.start(total, len(files) + 1, f"bundle {dest.name}", unit="files")
     new = None
     try:
         new = NewFile(dest)                     # .NAME.partial, never through a symlink
@@ -225,7 +225,8 @@ def _walk(path: Path, on_member, progress=None, strict: bool = False) -> tuple[d
                     files = _check_files_table(manifest, path)
                     content_git = manifest.get("format_version") == 1
                     if progress is not None:
-                        progress.start(sum(e["bytes"] for e in files.values()), len(files), f"check {path.name}")
+                        progress.start(sum(e["bytes"] for e in files.values()), len(files), f"check {path.name}",
+                                       unit="files")
                     continue
                 entry = files.get(name)
                 problem = _member_problem(name, entry, member.size, seen)

@@ -190,7 +190,7 @@ def _upload_missing(client, out: Path, repo: str, revision: str, manifest: dict,
     if len(todo) <= len(files):
         progress.message(f"{len(files) + 1 - len(todo)} of {len(files)} files already on the hub; "
                          f"uploading {len(todo) - 1} + {MANIFEST_NAME}")
-    progress.start(todo_bytes, len(todo), f"upload {client.name}:{repo}")
+    progress.start(todo_bytes, len(todo), f"upload {client.name}:{repo}", unit="files")
     message = f"ktconvert: {manifest.get('method')} NUMA {manifest.get('numa')} ({len(files)} files)"
     with remote_call(client, "upload", repo):
         client.upload(out, repo, revision, message, progress, fresh=fresh)
@@ -265,7 +265,7 @@ def download_checked(client: HubClient, src: str, pinned: str, cache_dir, wanted
     if missing:
         raise RemoteError(f"download incomplete: {len(missing)} file(s) missing, first {missing[0]}", file=src,
                           hint="run the same command again to resume the download")
-    progress.start(sum(f.size for f in wanted.values()), len(wanted), f"verify {src}")
+    progress.start(sum(f.size for f in wanted.values()), len(wanted), f"verify {src}", unit="files")
     for rel in sorted(wanted):
         size, sha256, git_sha1 = hash_file(root / rel)
         entry = {"bytes": size, "sha256": sha256, "git_sha1": git_sha1}

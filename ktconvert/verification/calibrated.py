@@ -21,7 +21,7 @@ and one expert of each output at a time.
 """
 from __future__ import annotations
 
-from ktconvert.errors import InputError, KtConvertError
+from ktconvert.errors import InputError, KtConvertError, UsageError
 from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.gptq.skeleton import expert_forward, experts_module, float_params, routed
 from ktconvert.gptq.stream import DecoderStream
@@ -119,6 +119,8 @@ def check_calibrated(out, manifest: dict, source, calibration, *, compare=None, 
     samples, calib = _samples(calibration, src, max_length, num_samples)   # a bad file is bad input: exit 3
     try:
         stream, outputs, chosen = _open(out, manifest, src, samples, compare, layers, folder, device)
+    except UsageError:                        # a --layers value that cannot work: exit 2, not a finding
+        raise
     except KtConvertError as exc:
         report["problems"].append(str(exc))
         return report

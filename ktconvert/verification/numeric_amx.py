@@ -25,6 +25,7 @@ import numpy as np
 from ktconvert.errors import InputError, KtConvertError, UsageError, VerifyError
 from ktconvert.formats.sources import open_recorded_source
 from ktconvert.native import forward as native_rt
+from ktconvert.parts import parse_layers
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verification.reader import KtOutput
 
@@ -34,7 +35,6 @@ KERNEL_TOL = 1e-5
 # cosine >= 0.83 on Gaussian with 1% 12-sigma outliers, Student-t(1.5, 2, 3) and the tiny models; per-row INT8
 # 0.03 / 0.9996. Garbage (tile layout misread as row-major, experts swapped) lands at 1.3-2.1 / cosine <= 0.15 for
 # both. The limits sit between the two.
-MAX_PROBLEMS = 20
 PROBE = "random"     # what the activations are: seeded Gaussian probe vectors (the report's "probe" key)
 
 
@@ -78,7 +78,6 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
         row = _check_layer(rt, src, layer, int(tokens), experts, thresholds, impl, threads, seed)
         report["layers"].append(row)
         report["problems"].extend(f"layer {layer}: {p}" for p in row.pop("problems"))
-    report["problems"] = _capped(report["problems"])
     report["ok"] = not report["problems"] and bool(report["layers"])
     report["summary"] = _summary(report, src is not None)
     report["verification"] = _verification(report)
@@ -132,15 +131,16 @@ def numeric_options(tokens, layers, experts, threshold) -> tuple[int, object, ob
         experts = "all"
     if isinstance(layers, str) and layers.strip().lower() == "all":
         layers = "all"
+    elif isinstance(layers, str):
+        layers = parse_layers(layers)         # the conversions' syntax: 1-3, 1,3,5, 1-3,7
     elif layers is not None:
-        items = layers.replace(" ", "").split(",") if isinstance(layers, str) else list(layers)
         try:
-            layers = sorted({int(x) for x in items if x != ""})
+            layers = sorted({int(x) for x in layers})
         except (TypeError, ValueError):
             layers = []
         if not layers:
-            raise UsageError("--layers is not usable", expected="'all' or layer numbers such as 1,3",
-                             found=repr(items))
+            raise UsageError("--layers is not usable", expected="'all' or layer numbers such as 1-3,7",
+                             found=repr(layers))
     if threshold is not None:
         try:
             threshold = float(threshold)
@@ -162,8 +162,8 @@ def _positive_int(value, option: str, expected: str) -> int:
 
 
 def choose_layers(all_layers: list[int], layers) -> list[int]:
-    """layers as numeric_options returns it: None: first, middle and last; "all"; a list: those (InputError, a
-    verification problem, naming the converted layers when one is not)."""
+    """layers as numeric_options returns it: None: first, middle and last; "all"; a list: those (UsageError, exit 2:
+    a --layers value naming a layer the output does not hold cannot work, naming the converted layers)."""
     if not all_layers:
         raise InputError("the manifest lists no converted MoE layers", file="ktconvert.json")
     if layers is None:
@@ -172,7 +172,8 @@ def choose_layers(all_layers: list[int], layers) -> list[int]:
         return list(all_layers)
     bad = [x for x in layers if x not in all_layers]
     if bad:
-        raise InputError("layers not converted", tensor=f"layers {bad}", expected=f"some of {all_layers}")
+        raise UsageError(f"--layers names layer(s) {bad} that this output does not hold",
+                         expected=f"some of {all_layers} or 'all'", found=",".join(map(str, layers)))
     return list(layers)
 
 
@@ -408,12 +409,6 @@ def _threshold_problems(row: dict, thresholds: dict) -> list[str]:
         problems.append(f"{row['rtn_bound_violations']} weight(s) farther from the source than round-to-nearest "
                         f"allows (corrupted or misplaced data; worst: {worst})")
     return problems
-
-
-def _capped(problems: list[str]) -> list[str]:
-    if len(problems) <= MAX_PROBLEMS:
-        return problems
-    return problems[:MAX_PROBLEMS] + [f"... and {len(problems) - MAX_PROBLEMS} more"]
 
 
 def _summary(report: dict, with_source: bool) -> str:

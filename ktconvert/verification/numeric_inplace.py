@@ -18,7 +18,7 @@ import hashlib
 import numpy as np
 
 from ktconvert.errors import InputError, KtConvertError, VerifyError
-from ktconvert.formats.inplace_sink import EXPERT_PREFIX, PROJ_NAMES
+from ktconvert.formats.inplace_sink import PROJ_NAMES, expert_module
 from ktconvert.formats.decoders import decode_matrix, detect_scheme, validate_matrix
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verification import numeric_rawint4
@@ -69,7 +69,7 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     rng = np.random.default_rng(seed)
     for layer in chosen:
         sample = choose_experts(rng, dims[2], experts)
-        row = _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng, runtime)
+        row = _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng, runtime, method)
         if src is not None and row["moe_rel_l2"] > limit:
             row["problems"].append(f"MoE output rel L2 {row['moe_rel_l2']:.4g} above the limit {limit:g}")
         report["layers"].append(row)
@@ -85,17 +85,17 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     return report
 
 
-def expert_reader(out, manifest: dict, folder: OutputFolder | None = None):
+def expert_reader(out, manifest: dict, folder: OutputFolder | None = None, method=None):
     """A function (layer, expert) -> {"gate", "up": float32 [I, H], "down": float32 [H, I]}: the expert as the
     folder's tensors hold it, decoded with the input decoders; every tensor read must hash as ``ktconvert.json``
-    records it (VerifyError otherwise)."""
+    records it (VerifyError otherwise). method: the manifest's CPU method (its module naming; None: HF's)."""
     ck = (folder or OutputFolder.scan(out)).checkpoint()
     scheme = detect_scheme(ck.config)
 
     def read(layer: int, e: int) -> dict:
         mats, problems = {}, []
-        for proj, name in PROJ_NAMES.items():
-            base = EXPERT_PREFIX.format(L=layer, E=e, proj=name)
+        for proj in PROJ_NAMES:
+            base = expert_module(method, layer, e, proj)
             _check_hashes(ck, base, manifest, problems)
             mats[proj] = _f32(decode_matrix(ck, base, scheme))
         if problems:
@@ -105,7 +105,7 @@ def expert_reader(out, manifest: dict, folder: OutputFolder | None = None):
     return read
 
 
-def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng, runtime=None) -> dict:
+def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng, runtime=None, method=None) -> dict:
     hidden, inter = int(manifest["model"]["hidden"]), int(manifest["model"]["intermediate"])
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     forward = runtime.layer(ck, layer, x, sample) if runtime is not None else None
@@ -116,7 +116,7 @@ def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng, runtime=
     experts = []
     for e in sample:
         try:
-            mats = _decoded_expert(ck, scheme, manifest, layer, e, (hidden, inter), row["problems"])
+            mats = _decoded_expert(ck, scheme, manifest, layer, e, (hidden, inter), row["problems"], method)
             if forward is not None:
                 forward.expert(e)
         except KtConvertError as exc:      # a tensor of the output missing, misshapen or undecodable
@@ -145,13 +145,14 @@ def _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng, runtime=
     return row
 
 
-def _decoded_expert(ck, scheme, manifest, layer: int, e: int, dims: tuple[int, int], problems: list) -> dict:
+def _decoded_expert(ck, scheme, manifest, layer: int, e: int, dims: tuple[int, int], problems: list,
+                    method=None) -> dict:
     """{proj: float32 matrix} of one output expert, each checked to be gate/up [I, H], down [H, I] (dims = (H, I))
     before decoding; hash and finiteness problems are appended to `problems`."""
     hidden, inter = dims
     mats = {}
-    for proj, name in PROJ_NAMES.items():
-        base = EXPERT_PREFIX.format(L=layer, E=e, proj=name)
+    for proj in PROJ_NAMES:
+        base = expert_module(method, layer, e, proj)
         validate_matrix(ck, base, scheme, (hidden, inter) if proj == "down" else (inter, hidden))
         _check_hashes(ck, base, manifest, problems)
         mats[proj] = _f32(decode_matrix(ck, base, scheme))

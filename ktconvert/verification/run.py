@@ -14,21 +14,26 @@ from __future__ import annotations
 
 import os
 
-from ktconvert.errors import InputError, ShapeError, UnknownNameError, UsageError
+from ktconvert.errors import InputError, KtConvertError, ShapeError, UnknownNameError, UsageError
 from ktconvert.extras import require
+from ktconvert.formats import out_manifest
 from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.gpu import verify as gpu_verify
 from ktconvert.methods import METHODS, CpuMethod
 from ktconvert.ops import bundle as ops_bundle, hub as ops_hub
+from ktconvert.parts import parse_layers
 from ktconvert.verification import calibrated
 from ktconvert.verification.folder import OutputFolder
 from ktconvert.verification.hashes import verify_hashes
 from ktconvert.verification.identity import check_integrity, check_source
 from ktconvert.verification.launch import check_launch
 
+SHOWN_PER_KIND = 10      # problem lines of one kind the text rendering shows; the result (and --json) holds all
+
 
 def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None, experts="4", threshold=None,
-           remote=None, hub: str = "hf", revision=None, endpoint=None, calibration=None, compare=None) -> dict:
+           remote=None, hub: str = "hf", revision=None, endpoint=None, calibration=None, compare=None,
+           max_length: int = 2048, num_samples=None) -> dict:
     """Verify output folder `out`. Returns {"ok": bool, "out", "problems": [one-line str], "checks": [{name,
     status ("ok" | "failed" | "skipped"), detail}], plus "hashes" / "numerics" / "remote" reports
     when those ran}. calibration: numerics on the hidden states these calibration tokens produce in `source`
@@ -36,6 +41,14 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
     "probe" says which ("calibration" or "random"). InputError when `out` (a folder or bundle) does not exist."""
     if remote != "" and not os.path.lexists(out):     # nothing to verify: bad input (3), like a missing SRC
         raise InputError("OUT does not exist", file=str(out))
+    if remote == "" and os.path.lexists(out):         # a local OUT is no hub repo id: ktconvert.json records none
+        raise UsageError("--remote needs the hub repo to compare OUT with (ktconvert.json records no published "
+                         "repo)", file=str(out), expected=f"verify {out} --remote OWNER/NAME, or verify OWNER/NAME "
+                         "--remote for a hub repo's own ktconvert.json", found="--remote without REPO")
+    if isinstance(source, str) and source.startswith(("hf://", "ms://")):   # as cpu / gpu take SRC: download once,
+        source = str(ops_hub.resolve_source(source)[0])                    # every file checked against the hub
+    if isinstance(layers, str):               # one --layers syntax (parts.parse_layers): 1-3, 1,3,5, 1-3,7, all
+        layers = "all" if layers.strip().lower() == "all" else parse_layers(layers)
     result = {"ok": True, "out": str(out), "problems": [], "checks": []}
     if str(out).endswith(".tar.zst"):
         report = ops_bundle.verify_bundle(out)
@@ -49,6 +62,7 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
         manifest = load_manifest(out)
     except InputError as exc:
         _add_check(result, "manifest", [str(exc)], "")
+        _identify_unrecorded(result, out)
         return result
     _add_check(result, "manifest", [], _manifest_summary(manifest))
     _add_check(result, "integrity", *check_integrity(manifest))
@@ -64,7 +78,8 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
             _add_check(result, check["name"], check["problems"], check["detail"])
     else:
         _skip(result, "structure", "skipped", f"no structure rules for kind {kind!r}")
-    _add_check(result, "flags", *check_launch(manifest))
+    problems, detail = check_launch(manifest)      # ktconvert.json's "." is the folder itself: shown as its path,
+    _add_check(result, "flags", problems, detail and out_manifest.sglang_args(manifest, os.path.abspath(out)))
     if hashes:
         report = verify_hashes(out, manifest, folder)
         result["hashes"] = report
@@ -78,7 +93,7 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
         _skip(result, "source", "skipped", "use --source SRC")
     if calibration is not None or compare is not None:
         _add_report(result, "numerics", _calibrated(out, manifest, kind, source, calibration, compare, layers,
-                                                    threshold, folder))
+                                                    threshold, folder, max_length, num_samples))
     elif kind == "cpu" and manifest.get("method", "") in METHODS:
         try:
             method = CpuMethod.from_manifest(manifest)
@@ -95,7 +110,8 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
     return result
 
 
-def _calibrated(out, manifest: dict, kind: str, source, calibration, compare, layers, threshold, folder) -> dict:
+def _calibrated(out, manifest: dict, kind: str, source, calibration, compare, layers, threshold, folder,
+                max_length: int = 2048, num_samples=None) -> dict:
     """verification.calibrated's report, or one naming what is missing (--compare without --calibration, a GPU
     output)."""
     if calibration is None:
@@ -103,7 +119,8 @@ def _calibrated(out, manifest: dict, kind: str, source, calibration, compare, la
     if kind != "cpu" or manifest.get("method", "") not in METHODS:
         return {"ok": False, "problems": [f"--calibration checks CPU expert outputs, not kind {kind!r}"]}
     return calibrated.check_calibrated(out, manifest, source, calibration, compare=compare, layers=layers,
-                                       threshold=threshold, folder=folder)
+                                       threshold=threshold, folder=folder, max_length=max_length,
+                                       num_samples=num_samples)
 
 
 def check_structure(folder: OutputFolder, manifest: dict) -> tuple[list[str], str]:
@@ -123,9 +140,35 @@ def check_structure(folder: OutputFolder, manifest: dict) -> tuple[list[str], st
 
 
 def _add_check(result: dict, name: str, problems: list[str], detail: str) -> None:
+    """One row; its problems join result["problems"] unless an earlier line already says the same (one truncated
+    shard is seen by the structure, hashes and numerics checks: one line)."""
     result["checks"].append({"name": name, "status": "failed" if problems else "ok", "detail": detail})
-    result["problems"].extend(problems)
+    for problem in problems:
+        if not any(problem == seen or problem in seen for seen in result["problems"]):
+            result["problems"].append(problem)
     result["ok"] = result["ok"] and not problems
+
+
+def _identify_unrecorded(result: dict, out) -> None:
+    """A folder without ktconvert.json (kt-kernel's own converter, a published folder, a native checkpoint): what
+    its headers say it holds (`ktconvert check`'s identification), as an "identified" row and result["identified"];
+    nothing can be verified against a record, so the result stays failed."""
+    from ktconvert.launchcheck.identify import identify
+    from ktconvert.launchcheck.readers import Reads
+
+    if not os.path.isdir(out) or os.path.lexists(os.path.join(out, "ktconvert.json")):
+        return
+    try:
+        identity, _ = identify(out, Reads())
+    except KtConvertError as exc:
+        _skip(result, "identified", "skipped", f"not identifiable from its headers ({exc})")
+        return
+    result["identified"] = identity.to_dict()
+    what = ", ".join(f"{k} {v}" for k, v in (("NUMA", identity.numa), ("group size", identity.group_size)) if v)
+    detail = (f"{identity.method or 'unknown method'} ({identity.layout}{', ' + what if what else ''}), "
+              f"{len(identity.layers)} MoE layers x {identity.experts} experts, H {identity.hidden}, "
+              f"I {identity.intermediate}: from its headers; `ktconvert check {out} -- <launch flags>` checks the flags")
+    _skip(result, "identified", "info", detail)
 
 
 def _skip(result: dict, name: str, status: str, detail: str) -> None:
@@ -160,5 +203,12 @@ def render(result: dict) -> str:
         lines += calibrated.render_rows(numerics)
     problems = result.get("problems", [])
     lines.append("result: OK" if result.get("ok") else f"result: FAILED ({len(problems)} problem line(s))")
-    lines += [f"  - {p}" for p in problems]
+    shown: dict[str, int] = {}
+    for problem in problems:                  # at most SHOWN_PER_KIND lines of one kind (same ending, "missing")
+        kind = problem.rsplit(": ", 1)[-1] if ": " in problem else problem
+        shown[kind] = shown.get(kind, 0) + 1
+        if shown[kind] <= SHOWN_PER_KIND:
+            lines.append(f"  - {problem}")
+    lines += [f"  ({n - SHOWN_PER_KIND} more '{kind}' lines; --json lists every problem line)"
+              for kind, n in shown.items() if n > SHOWN_PER_KIND]
     return "\n".join(lines)

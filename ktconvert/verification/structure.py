@@ -17,27 +17,20 @@ from ktconvert.layouts.naming import INDEX_NAME, PROJS, kt_relpath, merged_key, 
 from ktconvert.safe_read import read_json
 from ktconvert.verification.folder import OutputFolder
 
-MAX_LINES_PER_KIND = 10
 _EXPERT_KEY = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_exps\.")
 
 
 class Problems:
-    """One-line problems, at most MAX_LINES_PER_KIND per kind, then a count of the rest."""
+    """One-line problems, every one of them (verify --json lists them all; the text rendering shortens)."""
 
     def __init__(self):
         self.lines: list[str] = []
-        self.dropped: dict[str, int] = {}
-        self._kinds: dict[str, int] = {}
 
     def add(self, kind: str, line: str) -> None:
-        self._kinds[kind] = self._kinds.get(kind, 0) + 1
-        if self._kinds[kind] <= MAX_LINES_PER_KIND:
-            self.lines.append(line)
-        else:
-            self.dropped[kind] = self.dropped.get(kind, 0) + 1
+        self.lines.append(line)
 
     def all_lines(self) -> list[str]:
-        return self.lines + [f"... and {n} more: {kind}" for kind, n in sorted(self.dropped.items())]
+        return list(self.lines)
 
 
 def tile_sizes(method, manifest: dict) -> dict[str, tuple[int, int]]:
