@@ -35,6 +35,15 @@ def _weight_name(checkpoint, base: str, expert: int | None) -> str:
     return base if expert is not None and base in checkpoint.tensors else f"{base}.weight"
 
 
+def fp8_refs(checkpoint, base: str, expert: int | None, suffixes: tuple[str, ...]):
+    """(weight, scale) TensorRefs of an FP8 matrix, the weight's dtype checked (the scale's is the caller's)."""
+    w = tensor_ref(checkpoint, _weight_name(checkpoint, base, expert))
+    s = _scale_ref(checkpoint, w, suffixes)
+    if w.dtype != "F8_E4M3":
+        raise shape_error(w, "FP8 weight has the wrong dtype", "F8_E4M3", w.dtype)
+    return w, s
+
+
 def _scale_ref(checkpoint, weight, suffixes: tuple[str, ...]):
     """The scale tensor of FP8 weight `weight`: the weight's name + the first of `suffixes` present; InputError
     naming the shard holding the weight and the scheme's own scale name (suffixes[0]) when none is."""
@@ -69,10 +78,7 @@ class Fp8BlockDecoder(Decoder):
 
     @classmethod
     def locate(cls, checkpoint, base: str, group: QuantGroup, expert: int | None) -> MatrixRefs:
-        w = tensor_ref(checkpoint, _weight_name(checkpoint, base, expert))
-        s = _scale_ref(checkpoint, w, cls.scale_suffixes)
-        if w.dtype != "F8_E4M3":
-            raise shape_error(w, "FP8 weight has the wrong dtype", "F8_E4M3", w.dtype)
+        w, s = fp8_refs(checkpoint, base, expert, cls.scale_suffixes)
         if s.dtype in ("U8", "F8_E8M0"):             # E8M0 exponents: MXFP8 (decoders.fp8_scaled)
             return DECODERS.get("mxfp8").locate(checkpoint, base, group, expert)
         if s.dtype not in FLOAT_DTYPES:

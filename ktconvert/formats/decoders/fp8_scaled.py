@@ -16,8 +16,8 @@ import dataclasses
 import numpy as np
 
 from ktconvert.formats.decoders.base import (FLOAT_DTYPES, Decoder, MatrixRefs, QuantGroup, QuantScheme, bad_config,
-                                             matrix_shape, per_expert_shape, read_partner, shape_error, tensor_ref)
-from ktconvert.formats.decoders.fp8 import Fp8BlockDecoder, _scale_ref, _weight_name
+                                             matrix_shape, per_expert_shape, read_partner, shape_error)
+from ktconvert.formats.decoders.fp8 import Fp8BlockDecoder, fp8_refs
 from ktconvert.formats.decoders.gptq import hf_ignore
 from ktconvert.quant import fp8
 from ktconvert.quant.mxfp4 import e8m0_to_f32
@@ -45,10 +45,7 @@ class Fp8ScaledDecoder(Fp8BlockDecoder):
 
     @classmethod
     def locate(cls, checkpoint, base: str, group: QuantGroup, expert: int | None) -> MatrixRefs:
-        w = tensor_ref(checkpoint, _weight_name(checkpoint, base, expert))
-        s = _scale_ref(checkpoint, w, cls.scale_suffixes)
-        if w.dtype != "F8_E4M3":
-            raise shape_error(w, "FP8 weight has the wrong dtype", "F8_E4M3", w.dtype)
+        w, s = fp8_refs(checkpoint, base, expert, cls.scale_suffixes)
         if s.dtype in BYTE_SCALES:
             return Mxfp8Decoder.locate(checkpoint, base, dataclasses.replace(group, fmt="mxfp8"), expert)
         if s.dtype not in FLOAT_DTYPES:
@@ -121,10 +118,7 @@ class Mxfp8Decoder(Decoder):
 
     @classmethod
     def locate(cls, checkpoint, base: str, group: QuantGroup, expert: int | None) -> MatrixRefs:
-        w = tensor_ref(checkpoint, _weight_name(checkpoint, base, expert))
-        s = _scale_ref(checkpoint, w, ("_scale_inv", "_scale"))
-        if w.dtype != "F8_E4M3":
-            raise shape_error(w, "MXFP8 weight has the wrong dtype", "F8_E4M3", w.dtype)
+        w, s = fp8_refs(checkpoint, base, expert, ("_scale_inv", "_scale"))
         if s.dtype not in BYTE_SCALES:
             raise shape_error(s, "MXFP8 scale has the wrong dtype", "U8 or F8_E8M0 (E8M0 exponents)", s.dtype)
         n, k = matrix_shape(w, expert)
