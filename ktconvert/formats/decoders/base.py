@@ -262,6 +262,19 @@ def has_weight(checkpoint, base: str) -> bool:
         base + suffix in tensors for _, d in DECODERS.items() for suffix in d.primary_suffixes)
 
 
+def checked_g_idx(ref, expert: int | None, k: int):
+    """A g_idx tensor's header (compressed-tensors' weight_g_idx, GPTQ's g_idx): an integer vector of k group
+    indices ([E, k] for a fused tensor); ShapeError naming it otherwise. Returns `ref`."""
+    what = ref.name.rsplit(".", 1)[-1]
+    if ref.dtype not in ("I32", "I64"):
+        raise shape_error(ref, f"{what} has the wrong dtype", "I32 or I64", ref.dtype)
+    shape = per_expert_shape(ref, expert) if expert is not None and len(ref.shape) == 2 else tuple(ref.shape)
+    if tuple(shape) != (k,):
+        raise shape_error(ref, f"{what} does not give a group to each of the {k} input columns", f"[{k}]",
+                          str(list(ref.shape)))
+    return ref
+
+
 def locate(checkpoint, base_name: str, scheme: QuantScheme | None, expert: int | None = None) -> MatrixRefs:
     """Which tensors hold `base_name` (a module name like ``model.layers.3.mlp.experts.7.up_proj``, or a fused
     ``...experts.gate_up_proj`` with `expert`), by the scheme and the tensors present. InputError on any mismatch."""

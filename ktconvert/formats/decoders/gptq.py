@@ -19,6 +19,7 @@ import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.formats.decoders.base import (FLOAT_DTYPES, Decoder, MatrixRefs, QuantGroup, QuantScheme, bad_config,
+                                             checked_g_idx,
                                              float_values, matrix_shape, per_expert_shape, read_partner, shape_error,
                                              tensor_ref)
 from ktconvert.quant import qweight
@@ -127,7 +128,7 @@ class GptqDecoder(Decoder):
             tensor_ref(checkpoint, f"{base}.qzeros")          # asymmetric without zero points: missing tensor
         g_idx = checkpoint.tensors.get(f"{base}.g_idx")
         if g_idx is not None:
-            partners["g_idx"] = _check_g_idx(g_idx, expert, k).name
+            partners["g_idx"] = checked_g_idx(g_idx, expert, k).name
         return MatrixRefs(group.fmt, qw.name, partners, expert, (n, k), group)
 
     @classmethod
@@ -211,16 +212,6 @@ def read_zeros(checkpoint, refs: MatrixRefs, n: int, offset: int, order=None) ->
         return np.full((groups, n), 1 << (bits - 1), dtype=np.int16)
     packed = read_partner(checkpoint, refs.partners["zeros"], refs.index0)
     return qweight.unpack_cols(packed, bits, order).astype(np.int16) + np.int16(offset)
-
-
-def _check_g_idx(ref, expert: int | None, k: int):
-    if ref.dtype not in ("I32", "I64"):
-        raise shape_error(ref, "g_idx has the wrong dtype", "I32 or I64", ref.dtype)
-    shape = per_expert_shape(ref, expert) if expert is not None and len(ref.shape) == 2 else tuple(ref.shape)
-    if tuple(shape) != (k,):
-        raise shape_error(ref, f"g_idx does not give a group to each of the {k} input columns", f"[{k}]",
-                          str(list(ref.shape)))
-    return ref
 
 
 def checked_group_index(g_idx: np.ndarray, groups: int, group_size: int | None, ref) -> np.ndarray | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ktconvert.formats.decoders.base import (FLOAT_DTYPES, Decoder, MatrixRefs, QuantGroup, bad_config,
+from ktconvert.formats.decoders.base import (FLOAT_DTYPES, Decoder, MatrixRefs, QuantGroup, bad_config, checked_g_idx,
                                              float_values, matrix_shape, per_expert_shape, read_partner, shape_error,
                                              tensor_ref)
 from ktconvert.quant import ct_int4
@@ -70,7 +70,7 @@ class PackQuantizedDecoder(Decoder):
             partners["zero_point"] = tensor_ref(checkpoint, f"{base}.weight_zero_point").name
         g_idx = checkpoint.tensors.get(f"{base}.weight_g_idx")
         if g_idx is not None and group.strategy == "group":
-            partners["g_idx"] = _checked_g_idx(g_idx, expert, k).name
+            partners["g_idx"] = checked_g_idx(g_idx, expert, k).name
         return MatrixRefs(cls.scheme, p.name, partners, expert, (n, k), group)
 
     @classmethod
@@ -119,17 +119,6 @@ def _packed_k(checkpoint, base, group, n, words, s_shape, partners, expert=None)
     if group.strategy == "group" and len(s_shape) == 2:
         return s_shape[1] * group.group_size
     return words * 32 // group.num_bits
-
-
-def _checked_g_idx(ref, expert: int | None, k: int):
-    """weight_g_idx's header: an integer vector of k group indices ([E, k] for a fused tensor)."""
-    if ref.dtype not in ("I32", "I64"):
-        raise shape_error(ref, "weight_g_idx has the wrong dtype", "I32 or I64", ref.dtype)
-    shape = per_expert_shape(ref, expert) if expert is not None and len(ref.shape) == 2 else tuple(ref.shape)
-    if tuple(shape) != (k,):
-        raise shape_error(ref, f"weight_g_idx does not give a group to each of the {k} input columns", f"[{k}]",
-                          str(list(ref.shape)))
-    return ref
 
 
 def group_order(g_idx: np.ndarray, k: int, group_size: int, ref) -> np.ndarray | None:
