@@ -7,7 +7,7 @@
     recorded size (``verify``: also every file and tensor hash, every byte read, before anything is written)
     -> under OUT's lock: OUT/.ktconvert-merge.json names the merge (the sha256 of the manifest it will write)
     -> part by part, hard-link each file into OUT, or where OUT is on another filesystem copy it; every file is
-       proven against its part manifest as it is placed (``merge_proof``: file and tensor sha256s, one read;
+       proven against its part manifest as it is placed (``verification.merge_proof``: file and tensor sha256s, one read;
        VerifyError, exit 4, on a difference), the proofs kept in the journal so a rerun does not hash again
     -> ktconvert.json = the parts' manifests joined (files, tensors and source files united), written last; then
        the merge journal is removed
@@ -31,7 +31,7 @@ from pathlib import Path
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.fileio import fsync_dir, open_dir, remove_name, temp_path_for, write_atomic
 from ktconvert.formats.out_manifest import LOCK_NAME, MANIFEST_NAME, manifest_bytes, write_manifest
-from ktconvert.merge_proof import PartProof, Proofs, hash_pool
+from ktconvert.verification.merge_proof import PartProof, Proofs, hash_pool
 from ktconvert.output import lock_folder
 from ktconvert.parts import load_part
 from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json

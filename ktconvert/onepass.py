@@ -18,7 +18,7 @@ from ktconvert.formats.out_manifest import load_manifest, sglang_args
 from ktconvert.progress import Progress
 from ktconvert.results import ConvertResult
 from ktconvert.runner import JointJournal, run_jobs
-from ktconvert.source_identity import check_resumed_source
+from ktconvert.formats.source_identity import check_resumed_source
 
 
 def open_outputs(outputs: list) -> list:

@@ -2,7 +2,7 @@
 before, the resumed OUT mixed two checkpoints): exit 2 naming the file, before anything is converted, and the
 journal is left as it was, so a resume with the right source still finishes byte-identical to a clean run.
 
-What is compared (ktconvert.source_identity): every source file the interrupted run read to its end is trusted as is
+What is compared (ktconvert.formats.source_identity): every source file the interrupted run read to its end is trusted as is
 when it is the very file that was read (stat identity), else checked by size and the sha256 of its first MiB, then
 hashed whole; finished layers holding bytes of a file that was not read to its end are converted again."""
 from __future__ import annotations
