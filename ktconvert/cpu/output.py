@@ -49,8 +49,7 @@ class CpuOutput(Output):
         self.run_details: dict = {}
         self.manifest_extra: dict = {}   # ktconvert.json keys a calibrated run adds ("gptq", gptq/cpu.py)
         # the source's experts already are this method's tensors: copied byte for byte (None: quantized here)
-        self.carried_over = None if plan.options.quant == "gptq" else \
-            self.method.carry_over(self.source, self.all_layers)
+        self.carried_over = plan.report["carried_over"]   # planned once (cpu.plan: headers of every expert)
 
     def open(self) -> bool:
         if not super().open():

@@ -154,19 +154,18 @@ def plan_cpu(src, options: CpuOptions, out=None, threads: int | None = None) -> 
     if out:
         input.check_output(out)
     _add_disk(report, source, out)
-    report["notes"] += _notes(source, method, info, options)
+    report["notes"] += _notes(source, method, info, options, report)
     return CpuPlan(input, options, method, layers, report)
 
 
-def _notes(source, method, info, options: CpuOptions) -> list[str]:
+def _notes(source, method, info, options: CpuOptions, report: dict) -> list[str]:
     notes = []
     if source.has_expert_biases():
         notes.append(f"the experts have biases: kt-kernel's {method.kt_method} files carry no bias "
                      "(`cpu` refuses non-zero biases unless --allow-drop-bias)")
     if info.mtp_layers and not options.include_mtp and source.present_mtp_layers():
         notes.append(f"MTP layers {list(source.present_mtp_layers())} not converted (--include-mtp)")
-    carried = None if options.quant == "gptq" else \
-        method.carry_over(source, source.all_layers(options.include_mtp))
+    carried = report["carried_over"] = None if options.quant == "gptq" else method.carry_over(source, report["layers"])
     if carried:
         notes.append(f"the routed experts are already {method.kt_method}'s tensors ({carried}): carried over "
                      "byte for byte, not requantized")
