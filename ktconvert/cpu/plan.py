@@ -32,9 +32,9 @@ GPTQ_DAMPENING, GPTQ_MIN_TOKENS = GptqOptions.dampening, SelectionOptions.min_to
 class CpuOptions(Options):
     """What a CPU output is: method (a registered CPU method: amxint4, amxint8, bf16, fp8, rawint4), numa (T, =
     SGLang's --kt-threadpool-count), layout ("safetensors" merged shards or the "kt" tree), quant (the per-row
-    quantizer: "rtn", "mse", or "gptq" with calibration, a JSON-lines file), group_size (rawint4: 32,
-    the only size kt-kernel 0.7.2 runs; None = the method's default), include_dense (also the non-expert tensors), include_mtp (also the MTP layers' experts),
-    allow_drop_bias (convert although non-zero expert biases are dropped); with gptq: dampening (GPTQ's relative
+    quantizer: "rtn", "mse", or "gptq" with calibration, a JSON-lines file), group_size (a grouped method's; None =
+    the method's default, e.g. rawint4's 32, the only size kt-kernel 0.7.2 runs), include_dense (also the non-expert
+    tensors), include_mtp (also the MTP layers' experts), allow_drop_bias (convert although non-zero expert biases are dropped); with gptq: dampening (GPTQ's relative
     Hessian dampening) and min_tokens (routed calibration tokens an expert needs before GPTQ is tried;
     ktconvert.gptq.holdout)."""
 
