@@ -52,7 +52,7 @@ def emit(**fields) -> None:
 
 def tiny_model(arch: str, workdir: Path) -> tuple[Path, callable]:
     """(checkpoint, tokens(n, seed) -> list of 1-D token-id lists) for a family's tiny model."""
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     path = workdir / f"tiny-{arch}"
     if not (path / "config.json").exists():

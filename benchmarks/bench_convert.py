@@ -33,7 +33,7 @@ def emit(**fields) -> None:
 
 def make_model(path: Path, layers: int, experts: int, hidden: int, inter: int) -> Path:
     if not (path / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "ktconvert.cli", "tiny-model", str(path), "--arch", "qwen3_moe",
+        subprocess.run([sys.executable, "-m", "ktconvert.cli.main", "tiny-model", str(path), "--arch", "qwen3_moe",
                         "--layers", str(layers), "--experts", str(experts), "--hidden", str(hidden),
                         "--intermediate", str(inter), "--force"], check=True, stdout=subprocess.DEVNULL)
     return path
@@ -107,7 +107,7 @@ def main() -> None:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     from ktconvert import native
-    from ktconvert.envinfo import env_info
+    from ktconvert.util.envinfo import env_info
 
     emit(case="env", cpu_count=os.cpu_count(), native=native.implementation(), flags=env_info()["cpu_flags"])
 

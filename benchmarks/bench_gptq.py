@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=64)
     ap.add_argument("--which", nargs="+", default=["ours", "oneshot"])
     args = ap.parse_args()
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         for layers in args.layers:

@@ -26,7 +26,7 @@ def files(folder: Path) -> dict:
 
 def timed(convert) -> dict:
     """{"total_s", "first_layer_s", "layer_s"} of `convert(progress)`."""
-    from ktconvert.progress import Progress
+    from ktconvert.util.progress import Progress
 
     marks = []
 
@@ -59,7 +59,7 @@ def main() -> None:
     import torch
 
     from ktconvert import api
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")

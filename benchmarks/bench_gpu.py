@@ -60,7 +60,7 @@ def run_measured(cmd: list[str]) -> dict:
 
 
 def ktconvert(*args) -> list[str]:
-    return [sys.executable, "-c", "from ktconvert.cli import main; main()", *map(str, args)]
+    return [sys.executable, "-c", "from ktconvert.cli.main import main; main()", *map(str, args)]
 
 
 def model_bytes(path: Path) -> int:
@@ -69,7 +69,8 @@ def model_bytes(path: Path) -> int:
 
 ONE_PASS_MODEL = dict(layers=3, experts=128, hidden=2048, intermediate=768)
 CLI = ("import sys\nsys.path.insert(0, {src!r})\nsys.argv = ['ktconvert', *sys.argv[1:]]\n"
-       "from ktconvert.cli import main\ntry:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n")
+       "from ktconvert.cli.main import main\n"
+       "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n")
 
 
 def three_targets(src: Path, root: Path) -> dict:
@@ -110,7 +111,7 @@ def one_pass(root: Path, repeats: int, baseline: str | None, three: bool = False
     from peak_rss import run_python
 
     from ktconvert import native
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     src = root / "qwen3-30b-dims"
     if not (src / "config.json").is_file():
@@ -170,7 +171,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline-src", default=None, help="another ktconvert source tree to time in the same rounds")
     args = ap.parse_args()
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_gpu_"))
     if args.one_pass:

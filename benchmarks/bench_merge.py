@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from ktconvert import api
-from ktconvert.merge import merge
-from ktconvert.testing.tiny import make_tiny_model
+from ktconvert.distributed.merge import merge
+from ktconvert.examples.tiny import make_tiny_model
 
 
 def _no_link(src, dst, **kw):

@@ -198,7 +198,7 @@ def ktkernel_factors(name: str, experts_bf16: list[tuple], tmp: Path) -> None:
 
 def tiny_experts(arch: str, workdir: Path, count: int) -> list[tuple]:
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     path = workdir / f"tiny-{arch}"
     if not (path / "config.json").exists():
@@ -212,7 +212,7 @@ def tiny_experts(arch: str, workdir: Path, count: int) -> list[tuple]:
 def convert_times(workdir: Path, quick: bool) -> None:
     from ktconvert.cpu.convert import convert_cpu
     from ktconvert.methods.amx import quantize_impl
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     src = workdir / "qwen3-moe-convert"
     if not (src / "config.json").exists():

@@ -143,7 +143,7 @@ def make_header_only(root: Path, shards: int = 1000) -> Path:
 _TIMING_CHILD = """
 import json, sys, time
 t = time.perf_counter()
-from ktconvert.inspection import inspect
+from ktconvert.run.inspection import inspect
 from ktconvert.cpu.plan import plan
 first_import = time.perf_counter() - t
 runs = {"inspect": [], "plan": []}

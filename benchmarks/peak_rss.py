@@ -34,7 +34,7 @@ def run_python(code: str, env=None, cwd=None) -> tuple[float, int, str]:
 
 def run_cli(args: list[str], env=None) -> tuple[float, int]:
     """`ktconvert ARGS` in a fresh interpreter; (wall seconds, peak RSS bytes)."""
-    code = f"import sys; sys.argv = ['ktconvert', *{[str(a) for a in args]!r}]\nfrom ktconvert.cli import main\n" \
+    code = f"import sys; sys.argv = ['ktconvert', *{[str(a) for a in args]!r}]\nfrom ktconvert.cli.main import main\n" \
            "try:\n    main()\nexcept SystemExit as exc:\n    if exc.code: raise\n"
     wall, peak, _ = run_python(code, env)
     return wall, peak

@@ -8,10 +8,10 @@
 Sources (`src`): a checkpoint folder, a .safetensors or .gguf file, or ``hf://ORG/NAME[@REV]`` /
 ``ms://ORG/NAME[@REV]`` (downloaded and checked against the hub's hashes first).
 
-Progress protocol: the `progress` argument, when given, is a ``ktconvert.progress.Progress`` (or any object with
+Progress protocol: the `progress` argument, when given, is a ``ktconvert.util.progress.Progress`` (or any object with
 the same methods): ``start(total_bytes, total_items, label)`` per phase (optional ``unit="items"``: what an item
 is), ``advance(nbytes, items=0, detail="")`` (called from worker threads), ``message(text)``.
-``ktconvert.progress.make_progress()`` builds the renderers the command line uses.
+``ktconvert.util.progress.make_progress()`` builds the renderers the command line uses.
 
 Exceptions (``ktconvert.errors``; each names file, tensor, expected and found): UsageError (an option value that
 cannot work, listing those that do; UnknownNameError for an unknown name), InputError (unreadable or unsupported
@@ -25,27 +25,29 @@ import functools
 import json
 from pathlib import Path
 
-from ktconvert import inspection as inspect_module
+from ktconvert.run import inspection as inspect_module
 from ktconvert.activation import stats as activation_stats
 from ktconvert.activation.placement import plan_placement, render_placement
-from ktconvert.architecture import families as _families
-from ktconvert import ray_executor, ray_gptq
-from ktconvert.conversion import convert_here, plan_outputs, target_list  # noqa: F401  (plan_outputs: API)
+from ktconvert.architectures.manifests import families as _families
+from ktconvert.distributed import ray_convert as ray_executor
+from ktconvert.distributed import ray_gptq
+from ktconvert.run.local import convert_here, plan_outputs, target_list  # noqa: F401  (plan_outputs: API)
 from ktconvert.cpu import convert as cpu_convert
 from ktconvert.cpu.plan import CpuOptions, plan_cpu, render as render_cpu_plan
-from ktconvert.envinfo import env_info
+from ktconvert.util.envinfo import env_info
 from ktconvert.errors import UsageError
-from ktconvert.extras import require
+from ktconvert.util.extras import require
 from ktconvert.gpu import convert as gpu_convert
 from ktconvert.gpu.plan import GpuOptions, plan_gpu, render_gpu
-from ktconvert.inputs import open_input
+from ktconvert.run.inputs import open_input
 from ktconvert.launchcheck import run as launch_check
-from ktconvert.merge import merge
+from ktconvert.distributed.merge import merge
 from ktconvert.methods import all_methods
-from ktconvert.ops import batch as ops_batch, batch_ray, bundle as ops_bundle, hub as ops_hub
-from ktconvert.plan_targets import plan_targets, render_combined
+from ktconvert.ops import batch as ops_batch, bundle as ops_bundle, hub as ops_hub
+from ktconvert.distributed import batch_ray
+from ktconvert.run.planning import plan_targets, render_combined
 from ktconvert.results import ConvertResult, InspectResult, PlanResult, VerifyResult
-from ktconvert.testing.tiny import make_tiny_model
+from ktconvert.examples.tiny import make_tiny_model
 from ktconvert.verification import report_html, run as verify_run
 from ktconvert.vocabulary import choices, choose  # noqa: F401  (the API's vocabulary, asked by the CLI)
 
@@ -72,7 +74,7 @@ def convert(src, targets, *, threads: int | None = None, resume: bool = False, f
     """Write several outputs of `src` reading it once, each from every decoded layer as it goes by.
 
     targets: a list of tables, one per output: {"cpu": OUT, "method": ..., "numa": ..., ...} or {"gpu": OUT,
-    "experts": ..., ...} with the fields of CpuOptions / GpuOptions (ktconvert.targets; unknown keys and wrong
+    "experts": ..., ...} with the fields of CpuOptions / GpuOptions (ktconvert.run.targets; unknown keys and wrong
     types are UsageErrors naming the target and the key); or the path of a targets file holding them as
     [[targets]] tables; or (out, CpuOptions | GpuOptions | a dict of either's fields) pairs. RTN / MSE only:
     GPTQ runs one output at a time (use convert_cpu / convert_gpu).
@@ -101,7 +103,7 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     options: a CpuOptions, or its fields as keywords (method, numa, layout, quant, group_size, include_dense,
     include_mtp, allow_drop_bias, calibration; see CpuOptions). threads: worker threads (default: all cores; bytes
     never depend on it). resume: continue an interrupted run in `out` (a complete one is left as is); force:
-    empty `out` first. progress: a ktconvert.progress.Progress (start / advance / message are called).
+    empty `out` first. progress: a ktconvert.util.progress.Progress (start / advance / message are called).
     layers: MoE layers ("1-3,7": ranges and lists, as parts.parse_layers reads them; (A, B) inclusive; or a list):
     `out` becomes a part holding those layers' files and ktconvert-part.json (`ktconvert merge` joins the parts).
     verify_source_hash: hash also the source files whose sha256 a Hugging Face cache blob name gives (else taken
@@ -109,11 +111,11 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     executor: "local" (this process) or "ray": the MoE layers split into `parts` ranges of about equal bytes
     (None: the cluster's CPUs / threads), each a Ray task with `threads` CPUs on the cluster at `ray_address`
     (None: RAY_ADDRESS or a local instance) writing into `parts_dir` (None: OUT.parts next to `out`; a folder
-    every node sees), merged into `out` here: the same bytes (ktconvert.ray_executor; needs the [ray] extra).
+    every node sees), merged into `out` here: the same bytes (ktconvert.distributed.ray_convert; needs the [ray] extra).
     With quant "gptq", "ray" keeps the layers in order and splits each layer's work instead: the calibration
     samples into `workers` slices (None: the cluster's CPUs), each layer's experts into as many owners, one Ray
-    task of one CPU each, `out` written here: the bytes of this process's GPTQ (ktconvert.ray_gptq). Not with
-    `layers`; ray_address / parts / parts_dir / workers only with "ray", `workers` only with "gptq" and
+    task of one CPU each, `out` written here: the bytes of this process's GPTQ (ktconvert.distributed.ray_gptq).
+    Not with `layers`; ray_address / parts / parts_dir / workers only with "ray", `workers` only with "gptq" and
     parts / parts_dir not with it (UsageError).
     Raises UsageError (exit 2), MissingExtraError (2: quant "gptq" without the [gpu] extra, "ray" without the
     [ray] extra), InputError (3), OutputError (1, e.g. `out` not empty or locked by another process); nothing is

@@ -112,6 +112,6 @@ class RemoteError(KtConvertError):
 
 
 class MissingExtraError(KtConvertError):
-    """A feature needs an optional dependency group (extra) that is not installed (ktconvert.extras.require)."""
+    """A feature needs an optional dependency group (extra) that is not installed (ktconvert.util.extras.require)."""
 
     exit_code = EXIT_USAGE

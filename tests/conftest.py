@@ -1,6 +1,6 @@
 """Shared fixtures. `tiny_model(arch, **kw) -> Path` builds a seeded tiny checkpoint once per session and argument
-set (ktconvert.testing.tiny.make_tiny_model keywords: layers, experts, hidden, intermediate, dtype, seed). Treat the returned
-directory as read-only: other tests get the same one. `cluster`: a two-node local Ray cluster per test module."""
+set (ktconvert.examples.tiny.make_tiny_model keywords: layers, experts, hidden, intermediate, dtype, seed). Treat the
+returned directory as read-only: other tests get the same one. `cluster`: a two-node local Ray cluster per test module."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     cache: dict[tuple, Path] = {}
 

@@ -24,7 +24,7 @@ class HiddenModules:
 
 sys.meta_path.insert(0, HiddenModules(sys.argv[1].split(",")))
 sys.argv = ["ktconvert"] + sys.argv[2:]
-from ktconvert.cli import main
+from ktconvert.cli.main import main
 main()
 """
 

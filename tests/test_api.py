@@ -72,25 +72,25 @@ def test_convert_one_pass_gpu_plan_inspect_verify(tiny_model, tmp_path):
 
 
 def test_cli_reaches_the_library_through_the_api_only():
-    """docs/architecture.md: cli.py prints and exits and calls api.py; of our modules it imports only errors,
-    cli_options (which loads api), cli_targets (convert's --cpu / --gpu targets), cli_plan (the plan command,
-    itself built on cli_options and cli_targets only), cli_check (the check command, built on cli_options only),
-    progress and, for `hub-server`, the hub stand-in (no API function)."""
+    """docs/architecture.md: cli/main.py prints and exits and calls api.py; of our modules it imports only errors,
+    cli/options.py (which loads api), cli/targets.py (convert's --cpu / --gpu targets), cli/plan.py (the plan
+    command, itself built on cli/options.py and cli/targets.py only), cli/check.py (the check command, built on
+    cli/options.py only), progress and, for `hub-server`, the hub stand-in (no API function)."""
     import ast
     from pathlib import Path
 
-    tree = ast.parse(Path(ktconvert.__file__).with_name("cli.py").read_text())
+    tree = ast.parse((Path(ktconvert.__file__).with_name("cli") / "main.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 and node.module and node.module.startswith("ktconvert")}
-    assert imported == {"ktconvert.errors", "ktconvert.cli_options", "ktconvert.cli_targets", "ktconvert.cli_plan",
-                        "ktconvert.cli_check", "ktconvert.progress", "ktconvert.testing.hubserver"}
-    plan_tree = ast.parse(Path(ktconvert.__file__).with_name("cli_plan.py").read_text())
+    assert imported == {"ktconvert.errors", "ktconvert.cli.options", "ktconvert.cli.targets", "ktconvert.cli.plan",
+                        "ktconvert.cli.check", "ktconvert.util.progress", "ktconvert.ops.hub_standin.server"}
+    plan_tree = ast.parse((Path(ktconvert.__file__).with_name("cli") / "plan.py").read_text())
     assert {node.module for node in ast.walk(plan_tree) if isinstance(node, ast.ImportFrom)
-            and node.module and node.module.startswith("ktconvert")} == {"ktconvert.cli_options",
-                                                                         "ktconvert.cli_targets"}
-    check_tree = ast.parse(Path(ktconvert.__file__).with_name("cli_check.py").read_text())
+            and node.module and node.module.startswith("ktconvert")} == {"ktconvert.cli.options",
+                                                                         "ktconvert.cli.targets"}
+    check_tree = ast.parse((Path(ktconvert.__file__).with_name("cli") / "check.py").read_text())
     assert {node.module for node in ast.walk(check_tree) if isinstance(node, ast.ImportFrom)
-            and node.module and node.module.startswith("ktconvert")} == {"ktconvert.cli_options"}
+            and node.module and node.module.startswith("ktconvert")} == {"ktconvert.cli.options"}
 
 
 def test_bundle_unbundle_batch_publish_expert_stats_are_api_functions(tiny_model, tmp_path):

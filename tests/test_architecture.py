@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ktconvert.architecture import component_of, families, load_manifests, manifest_for, resolve
+from ktconvert.architectures.manifests import component_of, families, load_manifests, manifest_for, resolve
 from ktconvert.errors import ManifestError
 
 REQUIRED_TYPES = {"deepseek_v2", "deepseek_v3", "kimi_k2", "qwen2_moe", "qwen3_moe", "qwen3_next", "glm4_moe",

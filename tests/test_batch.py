@@ -93,7 +93,7 @@ def test_keep_going_runs_the_rest_and_publishes(tmp_path, fake_pipeline, server)
 def test_cli_summary_file_and_exit_code(tmp_path, fake_pipeline, server, monkeypatch):
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     path = _job_file(tmp_path, server.url)
     result = CliRunner().invoke(cli, ["batch", str(path), "--keep-going", "--quiet",
@@ -205,7 +205,7 @@ def test_revision_on_a_hub_source_is_kept(tmp_path):
 def test_cli_batch_bad_job_file_is_one_line(tmp_path):
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     path = tmp_path / "jobs.toml"
     path.write_text("jobs = [1]\n")

@@ -232,7 +232,7 @@ def test_partial_symlink_is_not_followed(tmp_path):
 def test_cli_unbundle_errors_are_one_line(tmp_path):
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     members = {"a": b"file", "a/b": b"inside"}
     _zst_tar(tmp_path / "clash.tar.zst", [("ktconvert.json", _manifest_for(members))] + list(members.items()))
@@ -245,7 +245,7 @@ def test_cli_unbundle_errors_are_one_line(tmp_path):
 def _cli(*args):
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     return CliRunner().invoke(cli, [str(a) for a in args])
 
@@ -287,7 +287,7 @@ def test_manifest_over_the_real_cap_is_refused_unread_in_little_memory(tmp_path)
     import subprocess
     import sys
 
-    from ktconvert.safe_read import MAX_MANIFEST_BYTES
+    from ktconvert.util.safe_read import MAX_MANIFEST_BYTES
 
     head = _manifest_for({"a.bin": b"abc"})
     size = 300_000_000                            # a size the old cap (512 MiB) let through

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.errors import InputError
 
 pytest.importorskip("transformers", reason="text calibration needs the [gpu] extra")

@@ -11,7 +11,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -52,8 +52,8 @@ def test_experts_already_in_the_method_are_copied_unchanged(tiny_model, tmp_path
         assert ours[name] == theirs[name], f"{name} differs from the source's tensor"
     assert manifest["carried_over"]["source_format"] and "not applied" in manifest["carried_over"]["quant"]
     # verify against the source: the output decodes to exactly the source's weights
-    proc = subprocess.run([sys.executable, "-m", "ktconvert.cli", "verify", str(out), "--source", str(src), "--hashes",
-                           "--json", "--sample-experts", "all"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "ktconvert.cli.main", "verify", str(out), "--source", str(src),
+                           "--hashes", "--json", "--sample-experts", "all"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)["numerics"]["layers"]
     assert rows and all(r["weight_rel_l2"] == 0.0 and r["moe_rel_l2"] == 0.0 for r in rows), rows
@@ -77,7 +77,7 @@ def test_a_killed_carry_over_resumes_to_the_same_bytes(tiny_model, tmp_path):
     clean = tmp_path / "clean"
     _convert(src, clean, "rawint4")
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-c", "from ktconvert.cli import main; main()", "cpu", str(src), str(out), "--method",
+    cmd = [sys.executable, "-c", "from ktconvert.cli.main import main; main()", "cpu", str(src), str(out), "--method",
            "rawint4", "--quiet"]
     env = {**__import__("os").environ, "KTCONVERT_FAULT_AFTER_JOBS": "20", "KTCONVERT_NO_PROGRESS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -22,7 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 import ktconvert
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.formats.safetensors_reader import parse_header
 
 sys.path.insert(0, str(Path(__file__).parent))

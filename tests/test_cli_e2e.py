@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 
 FAMILIES = ["deepseek_v3", "kimi_k2", "deepseek_v2", "qwen2_moe", "qwen3_moe", "qwen3_next", "glm4_moe",
             "minimax_m2", "mixtral", "gpt_oss", "qwen3_5_moe"]

@@ -6,7 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 
 
 def run(*args, code: int = 0):

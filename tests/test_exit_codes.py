@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from ktconvert import errors
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from test_bundle import _manifest_for, _zst_tar
 
 README = Path(__file__).parents[1] / "README.md"
@@ -181,7 +181,7 @@ def test_click_usage_errors_are_one_line(args):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "ktconvert.cli", *args], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "ktconvert.cli.main", *args], capture_output=True, text=True)
     assert proc.returncode == 2 and not proc.stdout
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "--help" in lines[0], proc.stderr

@@ -1,6 +1,6 @@
 """Issue 15: the routed experts' storage layout comes from the checkpoint, and never changes a byte of an output.
 
-Every family's tiny checkpoint is rewritten (ktconvert.testing.tiny_relayout: the same stored tensors, moved and
+Every family's tiny checkpoint is rewritten (ktconvert.examples.tiny_relayout: the same stored tensors, moved and
 stacked with our safetensors writer) into the other layouts: per-expert 2-D, fused gate_up + down in both
 orientations, separate fused gate / up / down in both orientations, under either MoE prefix where a family has
 two. The reference is the checkpoint as generated. Checked: the matrices the conversion streams and read_expert
@@ -38,7 +38,7 @@ def _variant_id(v) -> str:
 
 def _reference_variant(model_type: str) -> tuple[str, str]:
     """(layout, orientation) the family's tiny checkpoint is generated in (its manifest's usual layout)."""
-    from ktconvert.architecture import manifest_for
+    from ktconvert.architectures.manifests import manifest_for
 
     manifest = manifest_for(model_type)
     if manifest.experts.form == "per_expert":
@@ -53,7 +53,7 @@ OTHER_LAYOUTS = [(model_type, v) for model_type in sorted(FAMILIES) for v in VAR
 @pytest.fixture(scope="session")
 def layouts(tiny_model, tmp_path_factory):
     """layouts(model_type, variant, dtype="bf16") -> checkpoint path (cached; variant None: as generated)."""
-    from ktconvert.testing.tiny_relayout import relayout
+    from ktconvert.examples.tiny_relayout import relayout
 
     cache = {}
 
@@ -120,7 +120,7 @@ def _digest(out) -> dict:
 
 def _cpu(model, out, method, model_type, orientation=None) -> dict:
     from ktconvert.cpu.convert import convert_cpu
-    from ktconvert.inputs import open_input
+    from ktconvert.run.inputs import open_input
 
     convert_cpu(open_input(model, orientation), out, method=method, numa=2, include_mtp=FAMILIES[model_type][1],
                 allow_drop_bias=True, threads=2)
@@ -153,7 +153,7 @@ def test_cpu_output_identical_across_layouts_every_family(layouts, tmp_path, mod
 
 def _gpu(model, out, model_type, orientation=None) -> dict:
     from ktconvert.gpu.convert import convert_gpu
-    from ktconvert.inputs import open_input
+    from ktconvert.run.inputs import open_input
 
     convert_gpu(open_input(model, orientation), out, experts="w4a16", linears="keep",
                 include_mtp=FAMILIES[model_type][1], threads=2)
@@ -188,7 +188,7 @@ def test_gptq_output_identical_across_layouts(layouts, tmp_path, kind):
     pytest.importorskip("llmcompressor")
     from ktconvert.cpu.convert import convert_cpu
     from ktconvert.gpu.convert import convert_gpu
-    from ktconvert.inputs import open_input
+    from ktconvert.run.inputs import open_input
 
     calibration = tmp_path / "calib.jsonl"
     calibration.write_text("".join(json.dumps({"input_ids": list(range(5 + i, 37 + 2 * i))}) + "\n" for i in range(3)))
@@ -239,7 +239,7 @@ def test_cli_flag_reaches_the_conversion_and_verify(layouts, tmp_path):
     """--expert-orientation on `cpu`; the recorded orientation lets `verify --source` reopen the source."""
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     path = layouts("qwen3_moe", VARIANTS[3])
     refused = CliRunner().invoke(cli, ["cpu", str(path), str(tmp_path / "a"), "--method", "amxint8", "--quiet"])
@@ -262,7 +262,7 @@ def test_cli_flag_reaches_the_conversion_and_verify(layouts, tmp_path):
 def test_two_layouts_in_one_layer_are_refused(layouts, tmp_path):
     import shutil
 
-    from ktconvert.testing.tiny import _save_shard
+    from ktconvert.examples.tiny import _save_shard
 
     path = tmp_path / "both"
     shutil.copytree(layouts("qwen3_moe"), path)
@@ -293,7 +293,7 @@ def test_fused_shape_against_config_is_shape_error(layouts, tmp_path):
 
 
 def test_inspect_reports_layout_orientation_and_why(layouts):
-    from ktconvert.inspection import inspect, render
+    from ktconvert.run.inspection import inspect, render
 
     result = inspect(layouts("mixtral", VARIANTS[1]))
     el = result["expert_layout"]

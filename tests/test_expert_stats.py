@@ -117,7 +117,7 @@ def test_cli_file_loads_like_sglang_and_kt_kernel(tiny_model, tmp_path):
     """`ktconvert expert-stats` writes a .pt that SGLang-KT's loading rules accept, whose counts equal
     transformers' routing, with the metadata keys; kt-kernel's generate_gpu_experts_masks takes it; a second run
     gives the same bytes."""
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     src = tiny_model("deepseek_v3")
     samples = _samples()
@@ -158,7 +158,7 @@ def _kt_kernel_skip() -> str | None:
 
 
 def test_cli_refuses_existing_and_non_pt(tiny_model, tmp_path):
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     src = tiny_model("qwen3_moe")
     calib = _calibration(tmp_path, _samples((5,)))
@@ -247,7 +247,7 @@ def test_plan_placement_cli(tiny_model, tmp_path):
     """`plan --gpu-experts-ratio R --expert-stats FILE`: the experts per layer kt-kernel's rule picks from the
     file, and their VRAM = count x the GPU plan's bytes per expert; without the file, SGLang's uniform rule."""
     from ktconvert.activation.counts import ExpertActivation, write_activation
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
     from ktconvert.gpu.plan import GpuOptions, plan_gpu
 
     src = tiny_model("deepseek_v3")                           # layers 0 dense, 1-2 MoE, 8 experts
@@ -279,7 +279,7 @@ def test_plan_placement_cli(tiny_model, tmp_path):
 def test_plan_placement_with_the_gpu_plan(tiny_model, tmp_path, scheme_args):
     """`plan --experts S --gpu-experts N` plans the GPU checkpoint and the placement together: the placed experts'
     VRAM is priced with S and the group size of that plan (also with the deprecated `--gpu S`, which warns)."""
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
     from ktconvert.gpu.plan import GpuOptions, plan_gpu
 
     src = tiny_model("deepseek_v3")

@@ -10,7 +10,7 @@ import pytest
 
 from hidden_modules import NOT_IN_BASE, run_cli_without
 from ktconvert.errors import EXIT_USAGE, MissingExtraError
-from ktconvert.extras import EXTRAS, missing_modules, require
+from ktconvert.util.extras import EXTRAS, missing_modules, require
 
 GPU = EXTRAS["gpu"]
 GPU_LINE = ("needs the [gpu] extra: pip install 'ktconvert[gpu]' "

@@ -8,7 +8,7 @@ import shutil
 
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 
 
 def _run(*args):

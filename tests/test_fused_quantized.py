@@ -59,7 +59,7 @@ def _check_slices(path, reference, orientation=None) -> int:
 
 def _same_cpu_output(per_expert, fused, tmp_path, method, orientation=None) -> None:
     from ktconvert.cpu.convert import convert_cpu
-    from ktconvert.inputs import open_input
+    from ktconvert.run.inputs import open_input
 
     digests = []
     for name, path, flag in (("a", per_expert, None), ("b", fused, orientation)):
@@ -88,7 +88,7 @@ def _fp8_reference(names: str):
 @pytest.mark.parametrize("layout,orientation,names,flag", [
     ("fused", "out", "tensor", None), ("fused", "in", "module", None), ("fused_separate", "in", "tensor", "in")])
 def test_fp8_block_fused_bit_exact_and_same_bytes(tiny_model, tmp_path, layout, orientation, names, flag):
-    from ktconvert.testing.tiny_relayout import relayout
+    from ktconvert.examples.tiny_relayout import relayout
 
     per_expert = tiny_model("deepseek_v3", dtype="fp8")
     fused = relayout(per_expert, tmp_path / "fused", layout, orientation, fp8_names=names)
@@ -119,7 +119,7 @@ def _ct_int4_reference(ck, name, e):
 
 @pytest.mark.parametrize("layout", ["fused", "fused_separate"])
 def test_ct_int4_fused_bit_exact_and_same_bytes(tiny_model, tmp_path, layout):
-    from ktconvert.testing.tiny_relayout import relayout
+    from ktconvert.examples.tiny_relayout import relayout
 
     per_expert = tiny_model("kimi_k2", dtype="ct-int4")
     fused = relayout(per_expert, tmp_path / "fused", layout, "out")
@@ -142,7 +142,7 @@ def test_ct_int4_fused_bit_exact_and_same_bytes(tiny_model, tmp_path, layout):
 
 
 def test_ct_int4_cannot_be_stored_input_major(tiny_model, tmp_path):
-    from ktconvert.testing.tiny_relayout import relayout
+    from ktconvert.examples.tiny_relayout import relayout
 
     with pytest.raises(InputError, match="only as"):
         relayout(tiny_model("kimi_k2", dtype="ct-int4"), tmp_path / "x", "fused", "in")
@@ -152,7 +152,7 @@ def test_ct_int4_cannot_be_stored_input_major(tiny_model, tmp_path):
 
 def _to_ct_fp8(src, dst) -> None:
     """The DeepSeek FP8 checkpoint as llmcompressor's FP8_BLOCK names it: weight_scale, compressed-tensors config."""
-    from ktconvert.testing.tiny import _save_shard
+    from ktconvert.examples.tiny import _save_shard
 
     shutil.copytree(src, dst)
     ck = Checkpoint.open(dst)
@@ -179,7 +179,7 @@ def test_ct_fp8_block_fused_bit_exact_and_same_bytes(tiny_model, tmp_path):
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
-    from ktconvert.testing.tiny_relayout import relayout
+    from ktconvert.examples.tiny_relayout import relayout
 
     per_expert = tmp_path / "ct"
     _to_ct_fp8(tiny_model("deepseek_v3", dtype="fp8"), per_expert)

@@ -109,7 +109,7 @@ def test_dense_tensors_get_the_hf_names_and_gguf_py_values(tiny_model, tmp_path,
 def test_include_dense_output_verifies(tiny_model, tmp_path):
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
     from ktconvert.layouts.naming import dense_key
 
     path = tmp_path / "m.gguf"

@@ -21,7 +21,7 @@ from click.testing import CliRunner  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import GGUFReader, GGUFValueType  # noqa: E402
 
-from ktconvert.cli import cli  # noqa: E402
+from ktconvert.cli.main import cli  # noqa: E402
 from ktconvert.errors import InputError  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "gguf"

@@ -63,7 +63,7 @@ def _convert(model, calib, runs: list[tuple], command: str = "cpu") -> list[dict
     """The conversion as the command, per (OUT, env, threads) in `runs` in a fresh process of its own (side by
     side); per run the sha256 of every file of its OUT."""
     target = ["--method", "amxint4", "--numa", "2"] if command == "cpu" else ["--experts", "w4a16"]
-    procs = [subprocess.Popen([sys.executable, "-m", "ktconvert.cli", command, str(model), str(out), *target,
+    procs = [subprocess.Popen([sys.executable, "-m", "ktconvert.cli.main", command, str(model), str(out), *target,
                                "--quant", "gptq", "--calibration", str(calib), "--threads", str(threads), "--quiet"],
                               env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for out, env, threads in runs]
@@ -219,9 +219,9 @@ def test_ray_tasks_get_the_drivers_pins(model, monkeypatch):
     """ray_streams gives every task the pins in effect in this process as environment variables (over the
     runtime_env's own), so a task computes what this process would."""
     pytest.importorskip("ray")
-    from ktconvert import ray_gptq
+    from ktconvert.distributed import ray_gptq
     from ktconvert.gptq.determinism import worker_env
-    from ktconvert.inputs import open_input
+    from ktconvert.run.inputs import open_input
 
     class Cluster:
         def cluster_resources(self):

@@ -274,7 +274,7 @@ def test_manifest_counts_and_too_few_tokens(model, tmp_path):
 def test_gptq_options_only_with_gptq(model, tmp_path):
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     res = CliRunner().invoke(cli, ["cpu", str(model), str(tmp_path / "o"), "--method", "amxint4", "--numa", "2",
                                    "--dampening", "0.2"])

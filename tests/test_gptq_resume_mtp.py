@@ -104,7 +104,7 @@ def test_mtp_layer_is_calibrated_as_one_more_decoder_layer(tiny_model, tmp_path,
 def test_cpu_gptq_with_include_mtp_converts_and_verifies(tiny_model, tmp_path):
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
     from ktconvert.formats.out_manifest import load_manifest
 
     model = tiny_model("deepseek_v3", mtp=1)
@@ -137,7 +137,7 @@ def _interrupt_after_layer_1(monkeypatch, saved_at: str) -> None:
     """Make the next run stop right after layer 1 is journalled; the stream state then holds layer 1's output
     ("layer 1"), layer 0's ("layer 0": the save after layer 1 never happened) or nothing ("none")."""
     from ktconvert.gptq import resume
-    from ktconvert.output import Output
+    from ktconvert.run.output import Output
 
     finished, save = Output.layer_finished, resume.StreamState.save
 
@@ -161,7 +161,7 @@ def _interrupt_after_layer_1(monkeypatch, saved_at: str) -> None:
 def _record_work(monkeypatch) -> dict:
     """{"run": layers the stream runs, "written": layers the output writes} of the next run."""
     from ktconvert.gptq.loop import LayerStream
-    from ktconvert.output import Output
+    from ktconvert.run.output import Output
 
     work = {"run": [], "written": []}
     process, finished = LayerStream.process_layer, Output.layer_finished

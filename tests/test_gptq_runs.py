@@ -14,7 +14,7 @@ pytest.importorskip("llmcompressor")
 
 import ktconvert  # noqa: E402
 from ktconvert.errors import InputError  # noqa: E402
-from ktconvert.progress import JsonLinesProgress  # noqa: E402
+from ktconvert.util.progress import JsonLinesProgress  # noqa: E402
 
 CPU = dict(method="amxint4", numa=1, quant="gptq")
 

@@ -210,7 +210,7 @@ def test_verify_rejects_unknown_key_in_weights(gpu_out, tmp_path):
 def test_cli_gpu_verify_and_dry_run(tiny_model, tmp_path):
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     src = tiny_model("qwen3_moe")
     runner = CliRunner()

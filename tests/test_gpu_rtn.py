@@ -148,7 +148,7 @@ def test_shape_errors():
 
 def test_gpu_rtn_conversion_imports_no_torch(tiny_model, tmp_path):
     """A `gpu` RTN conversion (FP8-block linears included) loads neither torch, compressed-tensors nor llmcompressor."""
-    code = ("import sys, json\nfrom ktconvert.cli import main\nsys.argv = ['ktconvert'] + sys.argv[1:]\n"
+    code = ("import sys, json\nfrom ktconvert.cli.main import main\nsys.argv = ['ktconvert'] + sys.argv[1:]\n"
             "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
             "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'compressed_tensors', 'llmcompressor',"
             " 'transformers'})\nprint(json.dumps(heavy))\n")

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.errors import EXIT_INPUT, EXIT_VERIFY, InputError, UnknownNameError
 
 

@@ -1,5 +1,5 @@
-"""Publish / remote verify / hub sources against the local stand-in (ktconvert.testing.hubserver) with the real clients:
-huggingface_hub (Xet and LFS transports) and modelscope-hub. Everything runs on 127.0.0.1."""
+"""Publish / remote verify / hub sources against the local stand-in (ktconvert.ops.hub_standin.server) with the real
+clients: huggingface_hub (Xet and LFS transports) and modelscope-hub. Everything runs on 127.0.0.1."""
 from __future__ import annotations
 
 import hashlib
@@ -13,7 +13,7 @@ import pytest
 from ktconvert.errors import RemoteError, VerifyError
 from ktconvert.formats.fileio import record_for
 from ktconvert.formats.out_manifest import build_manifest, write_manifest
-from ktconvert.testing.hubserver import HubServer
+from ktconvert.ops.hub_standin.server import HubServer
 
 TOKEN = "hf_test_secret_token_123"
 
@@ -199,7 +199,7 @@ def test_publish_refuses_an_edited_manifest(server, hub_env):
 def test_cli_publish_exit_codes_and_token_never_printed(server, hub_env):
     make_out(hub_env / "out", sample_files(6))
     env = {**os.environ, "HF_ENDPOINT": server.url, "KTCONVERT_NO_PROGRESS": "1"}
-    cmd = [sys.executable, "-m", "ktconvert.cli"]
+    cmd = [sys.executable, "-m", "ktconvert.cli.main"]
     ok = subprocess.run(cmd + ["publish", str(hub_env / "out"), "org/cli"], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "OK" in ok.stdout and TOKEN not in ok.stdout + ok.stderr
@@ -250,7 +250,7 @@ def test_hub_source_then_convert(server, hub_env, monkeypatch):
     pipeline = pytest.importorskip("ktconvert.cpu.convert", reason="pipeline not importable yet")
     from ktconvert.formats.out_manifest import load_manifest
     from ktconvert.verification.hashes import verify_hashes
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     make_tiny_model(hub_env / "tiny", arch="qwen3_moe")
@@ -269,8 +269,8 @@ def test_hub_serving_a_corrupted_shard_is_a_verification_failure(hub, scheme, se
     network failures and refusals."""
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.cli.main import cli
+    from ktconvert.examples.tiny import make_tiny_model
 
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     monkeypatch.setenv("MODELSCOPE_ENDPOINT", server.url)
@@ -332,7 +332,7 @@ def test_hub_source_refuses_unsafe_remote_names(hub, scheme, bad, server, hub_en
 
 
 def test_remote_name_rules():
-    from ktconvert.safe_read import unsafe_name as unsafe_reason
+    from ktconvert.util.safe_read import unsafe_name as unsafe_reason
 
     for good in ("config.json", "sub/dir/model-00001-of-00002.safetensors", "a..b.json", ".gitattributes"):
         assert unsafe_reason(good) is None, good
@@ -344,7 +344,7 @@ def test_remote_name_rules():
 def test_invalid_repo_id_is_a_one_line_error(repo, server, hub_env):
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     make_out(hub_env / "out", sample_files(15))
     runner = CliRunner()
@@ -361,7 +361,7 @@ def test_invalid_repo_id_is_a_one_line_error(repo, server, hub_env):
 def test_non_ascii_token_is_a_one_line_error(server, hub_env, monkeypatch):
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     make_out(hub_env / "out", sample_files(16))
     secret = "hf_sécret_tøken_value"

@@ -13,8 +13,8 @@ import pytest
 
 from ktconvert import api
 from ktconvert.errors import RemoteError
-from ktconvert.inputs import open_input
-from ktconvert.merge import merge
+from ktconvert.run.inputs import open_input
+from ktconvert.distributed.merge import merge
 from test_hub import hub_env, server  # noqa: F401  (fixtures: the stand-in hub on 127.0.0.1)
 from test_parts import CPU, MODEL, tree  # noqa: F401  (MODEL: the tiny deepseek_v3)
 
@@ -24,7 +24,7 @@ RANGES = [(1, 1), (2, 2), (3, 3)]          # the tiny deepseek_v3: layer 0 dense
 @pytest.fixture
 def hub_model(server, hub_env, monkeypatch):
     """(spec hf://org/ds@commit, local folder of the same model) with HF_ENDPOINT set to the stand-in."""
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     local = make_tiny_model(hub_env / "ds", "deepseek_v3", **MODEL)
@@ -109,7 +109,7 @@ def test_shard_changed_since_its_header_was_read_is_refused(hub_model, hub_env, 
 
 def ms_model(server, hub_env, monkeypatch, name: str = "ds") -> tuple[str, object]:
     """(spec ms://org/NAME, local folder of the same tiny deepseek_v3) with MODELSCOPE_ENDPOINT set to the stand-in."""
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     monkeypatch.setenv("MODELSCOPE_ENDPOINT", server.url)
     local = make_tiny_model(hub_env / name, "deepseek_v3", **MODEL)
@@ -122,8 +122,7 @@ def test_ms_parts_download_only_their_shards(server, hub_env, monkeypatch, range
     """Planning reads the shard headers with Range requests (or, from a server that ignores Range, from the start
     of each file's stream); each part downloads exactly the shards holding what it reads."""
     from ktconvert.ops import hub_clients
-    from ktconvert.testing import hubserver
-
+    from ktconvert.ops.hub_standin import server as hubserver
     statuses, real_prefix = [], hub_clients._stream_prefix
     monkeypatch.setattr(hub_clients, "_stream_prefix", lambda response, limit: (
         statuses.append(response.status_code), real_prefix(response, limit))[1])
@@ -173,7 +172,7 @@ def test_repo_without_index_is_downloaded_whole(server, hub_env, monkeypatch):
     import shutil
 
     from ktconvert.ops.hub_shards import resolve_in_part
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     monkeypatch.setenv("MODELSCOPE_ENDPOINT", server.url)
     local = make_tiny_model(hub_env / "ds", "deepseek_v3", **MODEL)

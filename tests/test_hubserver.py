@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from ktconvert.testing.hubserver import HubServer
+from ktconvert.ops.hub_standin.server import HubServer
 
 BAD_OIDS = ["/etc/passwd", "../../secret", "../secret", "A" * 64, "0" * 63, "0" * 65, "g" * 64, "",
             "..%2f..%2fsecret", "0" * 62 + "/.", "0" * 64 + "\x00"]

@@ -142,7 +142,7 @@ def test_unreadable_configs_are_refused(qc, message):
 # ---------------------------------------------------------------- tiny checkpoints, end to end
 
 def test_tiny_checkpoint_decodes_converts_and_verifies(tiny_model, tmp_path):
-    import ktconvert.testing.tiny_quantized  # noqa: F401  (registers the awq writer)
+    import ktconvert.examples.tiny_quantized  # noqa: F401  (registers the awq writer)
 
     src = tiny_model("qwen3_moe", dtype="awq-int4")
     ck = Checkpoint.open(src)
@@ -161,13 +161,13 @@ def test_tiny_checkpoint_decodes_converts_and_verifies(tiny_model, tmp_path):
 
 
 def test_gpu_checkpoint_decodes_quantized_attention(tiny_model, tmp_path):
-    import ktconvert.testing.tiny_quantized  # noqa: F401
+    import ktconvert.examples.tiny_quantized  # noqa: F401
 
     gpu_checkpoint_decodes_quantized_linears(tiny_model("qwen3_moe", dtype="awq-int4"), tmp_path / "gpu", "bf16")
 
 
 def test_fused_tiny_checkpoint_decodes_each_slice(tiny_model):
-    import ktconvert.testing.tiny_quantized  # noqa: F401
+    import ktconvert.examples.tiny_quantized  # noqa: F401
 
     src = tiny_model("qwen3_5_moe", dtype="awq-int4")
     ck = Checkpoint.open(src)
@@ -181,7 +181,7 @@ def test_fused_tiny_checkpoint_decodes_each_slice(tiny_model):
 
 
 def test_malformed_tensors_exit_3_naming_file_and_tensor(tiny_model, tmp_path):
-    import ktconvert.testing.tiny_quantized  # noqa: F401
+    import ktconvert.examples.tiny_quantized  # noqa: F401
 
     src = tiny_model("qwen3_moe", dtype="awq-int4")
     ck = Checkpoint.open(src)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.errors import InputError
 from ktconvert.formats.decoders import decode_matrix, detect_scheme
 from ktconvert.formats.safetensors_reader import Checkpoint
@@ -183,7 +183,7 @@ def _column_rule(ck: Checkpoint, base: str) -> np.ndarray:
 
 
 def test_cpu_bf16_applies_g_idx_end_to_end(tiny_model, tmp_path):
-    import ktconvert.testing.tiny_quantized  # noqa: F401  (registers the ct-int4 writer)
+    import ktconvert.examples.tiny_quantized  # noqa: F401  (registers the ct-int4 writer)
 
     src = tiny_model("kimi_k2", layers=2, experts=3, dtype="ct-int4", seed=2)
     outs = {}
@@ -211,7 +211,7 @@ def test_cpu_bf16_applies_g_idx_end_to_end(tiny_model, tmp_path):
 def test_rawint4_is_not_read_as_is_with_g_idx(tiny_model, tmp_path):
     """kt-kernel's RAWINT4 loader reads weight_packed / weight_scale in column order: with a g_idx the experts must
     be converted, and inspect must not say "as is"."""
-    import ktconvert.testing.tiny_quantized  # noqa: F401
+    import ktconvert.examples.tiny_quantized  # noqa: F401
     from ktconvert.formats.hf_source import HFSource
     from ktconvert.methods import METHODS
 

@@ -174,10 +174,10 @@ def test_ignored_module_reads_plain_weight(tmp_path):
 
 
 def test_hfsource_reads_tiny_ct_int4(tmp_path):
-    import ktconvert.testing.tiny_quantized  # noqa: F401  (registers the ct-int4 writer)
+    import ktconvert.examples.tiny_quantized  # noqa: F401  (registers the ct-int4 writer)
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor as PQC
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     out = make_tiny_model(tmp_path / "m", "kimi_k2", layers=2, experts=3, dtype="ct-int4", seed=2)
     src = HFSource.open(out)

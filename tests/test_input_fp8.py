@@ -171,10 +171,10 @@ def test_bad_configs_are_input_errors(qc, words):
 
 
 def test_hfsource_reads_tiny_fp8_with_partial_blocks(tmp_path):
-    pytest.importorskip("ktconvert.testing.tiny")
-    import ktconvert.testing.tiny_quantized  # noqa: F401  (registers the fp8 writer)
+    pytest.importorskip("ktconvert.examples.tiny")
+    import ktconvert.examples.tiny_quantized  # noqa: F401  (registers the fp8 writer)
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     out = make_tiny_model(tmp_path / "m", "deepseek_v3", layers=2, experts=2, hidden=320, intermediate=192,
                           dtype="fp8", seed=4)

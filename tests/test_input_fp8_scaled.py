@@ -136,7 +136,7 @@ def test_mxfp8_scale_shape_and_dtype_are_checked(tmp_path):
 
 @pytest.mark.parametrize("dtype,fmt", [("fp8-channel", "fp8-channel"), ("mxfp8", "mxfp8")])
 def test_tiny_checkpoint_converts_verifies_and_decodes_attention(tiny_model, tmp_path, dtype, fmt):
-    import ktconvert.testing.tiny_quantized  # noqa: F401  (registers the writers)
+    import ktconvert.examples.tiny_quantized  # noqa: F401  (registers the writers)
 
     src = tiny_model("qwen3_moe", dtype=dtype)
     ck = Checkpoint.open(src)

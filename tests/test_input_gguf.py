@@ -369,7 +369,7 @@ def _fixture_with(type_name: str) -> Path:
 
 def test_inspect_and_plan_show_gguf(tmp_path):
     from ktconvert.api import plan
-    from ktconvert.inspection import inspect, render
+    from ktconvert.run.inspection import inspect, render
 
     path = _fixture_with("Q4_K")
     info = inspect(path)

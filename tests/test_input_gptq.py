@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.errors import InputError
 from ktconvert.formats.decoders import decode_matrix, detect_scheme, validate_matrix
 from ktconvert.formats.safetensors_reader import Checkpoint
@@ -219,7 +219,7 @@ def _run(*args):
 
 @pytest.mark.parametrize("dtype", list(VARIANTS))
 def test_tiny_checkpoint_decodes_converts_and_verifies(tiny_model, tmp_path, dtype):
-    import ktconvert.testing.tiny_quantized  # noqa: F401  (registers the gptq writers)
+    import ktconvert.examples.tiny_quantized  # noqa: F401  (registers the gptq writers)
 
     bits, v1 = VARIANTS[dtype]
     src = tiny_model("qwen3_moe", dtype=dtype)
@@ -241,7 +241,7 @@ def test_tiny_checkpoint_decodes_converts_and_verifies(tiny_model, tmp_path, dty
 
 
 def test_fused_tiny_checkpoint_decodes_each_slice(tiny_model):
-    import ktconvert.testing.tiny_quantized  # noqa: F401
+    import ktconvert.examples.tiny_quantized  # noqa: F401
 
     src = tiny_model("qwen3_5_moe", dtype="gptq-v2-int4-asym")
     ck = Checkpoint.open(src)
@@ -257,9 +257,9 @@ def test_fused_tiny_checkpoint_decodes_each_slice(tiny_model):
 def test_fused_separate_relayout_reads_the_same_experts(tiny_model, tmp_path):
     """The per-expert tensors stacked into [E, ...] (fused_separate) decode to the same experts; joining gate and
     up of input-major GPTQ tensors is refused by relayout rather than written wrong."""
-    import ktconvert.testing.tiny_quantized  # noqa: F401
+    import ktconvert.examples.tiny_quantized  # noqa: F401
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.testing.tiny_relayout import relayout
+    from ktconvert.examples.tiny_relayout import relayout
 
     src = tiny_model("qwen3_moe", dtype="gptq-v2-int4-asym")
     fused = relayout(src, tmp_path / "fs", "fused_separate", "out")
@@ -297,7 +297,7 @@ def gpu_checkpoint_decodes_quantized_linears(src, out, linears: str,
 
 @pytest.mark.parametrize("linears", ["bf16", "fp8"])
 def test_gpu_checkpoint_decodes_quantized_attention(tiny_model, tmp_path, linears):
-    import ktconvert.testing.tiny_quantized  # noqa: F401
+    import ktconvert.examples.tiny_quantized  # noqa: F401
 
     gpu_checkpoint_decodes_quantized_linears(tiny_model("qwen3_moe", dtype="gptq-int4-actorder"), tmp_path / "gpu",
                                              linears)
@@ -307,7 +307,7 @@ def test_gpu_checkpoint_decodes_quantized_attention(tiny_model, tmp_path, linear
 
 def edited(src, dst, changes: dict):
     """A copy of checkpoint `src` with tensors replaced: changes {name: (array, safetensors dtype)}."""
-    from ktconvert.testing.tiny import _save_shard
+    from ktconvert.examples.tiny import _save_shard
 
     shutil.copytree(src, dst)
     ck = Checkpoint.open(dst)
@@ -329,7 +329,7 @@ def one_line_error(result, *needles: str) -> str:
 
 
 def test_malformed_tensors_exit_3_naming_file_and_tensor(tiny_model, tmp_path):
-    import ktconvert.testing.tiny_quantized  # noqa: F401
+    import ktconvert.examples.tiny_quantized  # noqa: F401
 
     src = tiny_model("qwen3_moe", dtype="gptq-int4-actorder")
     ck = Checkpoint.open(src)

@@ -78,9 +78,9 @@ def test_bad_scales_shape_is_input_error(tmp_path):
 
 
 def test_hfsource_reads_tiny_gpt_oss_mxfp4(tmp_path):
-    import ktconvert.testing.tiny_quantized  # noqa: F401  (registers the mxfp4 writer)
+    import ktconvert.examples.tiny_quantized  # noqa: F401  (registers the mxfp4 writer)
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     out = make_tiny_model(tmp_path / "m", "gpt_oss", layers=1, experts=2, hidden=64, intermediate=64,
                           dtype="mxfp4", seed=5)

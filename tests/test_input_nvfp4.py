@@ -149,7 +149,7 @@ def test_unreadable_modelopt_configs_are_refused(qc, message):
 
 
 def test_tiny_checkpoint_converts_verifies_and_decodes_attention(tiny_model, tmp_path):
-    import ktconvert.testing.tiny_quantized  # noqa: F401  (registers the nvfp4 writer)
+    import ktconvert.examples.tiny_quantized  # noqa: F401  (registers the nvfp4 writer)
 
     src = tiny_model("qwen3_moe", dtype="nvfp4")
     ck = Checkpoint.open(src)

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 from ktconvert.errors import EXIT_INPUT, OutputError, ShapeError
 from ktconvert import api
 from ktconvert.cpu.plan import render as render_plan
-from ktconvert.inspection import inspect, render as render_inspect
+from ktconvert.run.inspection import inspect, render as render_inspect
 
 HIDDEN, INTER, EXPERTS = 128, 128, 4
 EXPERT_RE = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?:(\d+)\.|gate_up_proj|down_proj)")
@@ -33,14 +33,14 @@ def plan(src, **options):
 
 
 def _families() -> list[str]:
-    from ktconvert.architecture import families
+    from ktconvert.architectures.manifests import families
 
     return sorted(next(iter(m.tiny)) for m in families().values() if m.tiny)
 
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
     return {mt: make_tiny_model(root / mt, arch=mt, experts=EXPERTS, hidden=HIDDEN, intermediate=INTER)
@@ -173,8 +173,7 @@ def test_plan_rejects_bad_numa(tiny_models, method, T, valid):
 
 
 def test_plan_cli_bad_numa_exit_code(tiny_models, monkeypatch, capsys):
-    from ktconvert import cli
-
+    from ktconvert.cli import main as cli
     monkeypatch.setattr(sys, "argv", ["ktconvert", "plan", str(tiny_models["mixtral"]), "--method", "amxint4",
                                       "--numa", "2"])
     with pytest.raises(SystemExit) as info:
@@ -207,13 +206,13 @@ def test_plan_biases_and_in_place_methods(tiny_models):
 
 
 def test_inspect_json_cli(tiny_models):
-    out = subprocess.run([sys.executable, "-m", "ktconvert.cli", "inspect", "--json",
+    out = subprocess.run([sys.executable, "-m", "ktconvert.cli.main", "inspect", "--json",
                           str(tiny_models["qwen3_moe"])], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["experts"] == EXPERTS
 
 
 def test_cli_import_does_not_load_numpy():
-    res = subprocess.run([sys.executable, "-X", "importtime", "-c", "import ktconvert.cli"],
+    res = subprocess.run([sys.executable, "-X", "importtime", "-c", "import ktconvert.cli.main"],
                          capture_output=True, text=True, check=True)
     modules = {line.split("|")[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
     assert "click" in modules and "numpy" not in modules

@@ -29,7 +29,7 @@ def _needs_ktkernel():
 def test_ktkernel_on_fused_checkpoint_equals_ours(tiny_model, tmp_path, model_type, method, numa):
     from ktconvert.cpu.convert import convert_cpu
     from ktconvert.formats.hf_source import HFSource
-    from ktconvert.testing.tiny_relayout import relayout
+    from ktconvert.examples.tiny_relayout import relayout
 
     model = tiny_model(model_type)
     fused = model if model_type == "qwen3_5_moe" else relayout(model, tmp_path / "fused", "fused", "out")

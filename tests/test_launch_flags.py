@@ -14,7 +14,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.errors import EXIT_VERIFY
 from ktconvert.formats.fileio import record_for
 from test_hub import hub_env, server  # noqa: F401  (fixtures)

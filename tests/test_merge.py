@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from ktconvert import merge as merge_module, profile
+from ktconvert.distributed import merge as merge_module
+
+from ktconvert.util import profile
 from ktconvert.errors import KtConvertError
 from ktconvert.formats.out_manifest import MANIFEST_NAME
-from ktconvert.merge import MERGE_JOURNAL, merge
-from ktconvert.parts import load_part
+from ktconvert.distributed.merge import MERGE_JOURNAL, merge
+from ktconvert.distributed.parts import load_part
 from test_parts import CPU, run_cli, source, single, tree, write_parts  # noqa: F401  (fixtures)
 
 RANGES = ["1-1", "2-3"]
@@ -127,7 +129,7 @@ def test_merge_interrupted_by_an_exception_finishes_when_run_again(parts, single
 
 def test_merge_killed_mid_way_finishes_when_run_again(parts, single, tmp_path):
     script = ("import os, signal, sys\n"
-              "from ktconvert.merge import merge\n"
+              "from ktconvert.distributed.merge import merge\n"
               "real, calls = os.link, []\n"
               "def link(src, dst, **kw):\n"
               "    calls.append(dst)\n"

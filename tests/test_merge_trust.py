@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from ktconvert import merge as merge_module, profile
+from ktconvert.distributed import merge as merge_module
+
+from ktconvert.util import profile
 from ktconvert.formats.out_manifest import MANIFEST_NAME, manifest_bytes
-from ktconvert.merge import MERGE_JOURNAL, merge
-from ktconvert.parts import PART_NAME, load_part
+from ktconvert.distributed.merge import MERGE_JOURNAL, merge
+from ktconvert.distributed.parts import PART_NAME, load_part
 from test_merge import flip_a_byte, interrupt_merge_after, no_link
 from test_parts import CPU, MODEL, run_cli, source, single, tree, write_parts  # noqa: F401  (fixtures)
 
@@ -131,7 +133,7 @@ def test_a_part_naming_an_own_or_unplain_name_is_refused(parts, tmp_path, name):
 
 
 def test_own_names_and_unplain_names():
-    from ktconvert.parts import output_name_problem
+    from ktconvert.distributed.parts import output_name_problem
 
     for name in ("ktconvert.json", "ktconvert-part.json", ".ktconvert-merge.json", ".ktconvert.lock",
                  ".ktconvert-journal.json", "a/.ktconvert-journal.stream.pt", "a/.x.safetensors.partial",
@@ -168,8 +170,7 @@ def test_a_malformed_part_manifest_is_one_line_exit_3(parts, tmp_path, what):
 
 
 def test_a_huge_part_manifest_is_one_line_exit_3(parts, tmp_path, monkeypatch):
-    from ktconvert import parts as parts_module
-
+    from ktconvert.distributed import parts as parts_module
     monkeypatch.setattr(parts_module, "MAX_MANIFEST_BYTES", 4096)
     refused(tmp_path, *parts, code=3, words=[parts[0] / PART_NAME, "larger than 4096 bytes"])
 
@@ -177,7 +178,7 @@ def test_a_huge_part_manifest_is_one_line_exit_3(parts, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- the source
 
 def test_parts_of_two_checkpoints_sharing_a_config_are_refused(source, parts, tmp_path):
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     other = make_tiny_model(tmp_path / "other-model", "deepseek_v3", seed=7, **MODEL)
     assert (other / "config.json").read_bytes() == (source / "config.json").read_bytes()
@@ -282,7 +283,7 @@ def test_ray_run_reusing_parts_of_another_checkpoint_at_src_is_refused(cluster, 
     (their journals match the plan), but their source sample is not SRC's: exit 3."""
     import shutil
 
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     src = tmp_path / "src"
     shutil.copytree(source, src)

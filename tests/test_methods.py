@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.errors import EXIT_USAGE, ShapeError, UsageError
 from ktconvert.methods import METHODS, CpuMethod, all_methods, writable_names
 from ktconvert.methods.inplace import InplaceMethod
@@ -131,7 +131,7 @@ def test_plan_says_rawint4_needs_amx(tiny_model, monkeypatch):
 
 def test_inspect_offers_every_writable_method_for_a_bf16_model(tiny_model):
     """A BF16 model is not FP8 / RAWINT4 as is, but `cpu` converts it into both (issue 12 item 8)."""
-    from ktconvert.inspection import inspect
+    from ktconvert.run.inspection import inspect
 
     lines = inspect(tiny_model("qwen3_moe"))["kt_methods"]
     assert lines["BF16"].startswith("as is")

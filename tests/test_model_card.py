@@ -65,7 +65,7 @@ def test_local_source_and_bf16_copy_claim_no_quantized_base(tmp_path):
 def test_publish_rejects_a_bad_base_model(tmp_path):
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     res = CliRunner().invoke(cli, ["publish", str(tmp_path), "org/x", "--base-model", "not a repo!"])
     assert res.exit_code != 0

@@ -329,8 +329,8 @@ def test_cli_fp8_numpy_and_native_identical(tiny_model, tmp_path):
     for label, force in (("numpy", "numpy"), ("native", "")):
         env = {**os.environ, "KTCONVERT_FORCE_IMPL": force}
         out = tmp_path / label
-        subprocess.run([sys.executable, "-c", "from ktconvert.cli import main; main()", "cpu", str(model), str(out),
-                        "--method", "bf16", "--threads", "2"], env=env, check=True, capture_output=True)
+        subprocess.run([sys.executable, "-c", "from ktconvert.cli.main import main; main()", "cpu", str(model),
+                        str(out), "--method", "bf16", "--threads", "2"], env=env, check=True, capture_output=True)
         outs[label] = _tree_bytes(out)
     assert outs["numpy"].keys() == outs["native"].keys() and any(k.endswith(".safetensors") for k in outs["native"])
     differing = [name for name in outs["numpy"] if outs["numpy"][name] != outs["native"][name]]

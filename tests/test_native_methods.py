@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.formats.decoders import decode_matrix, detect_scheme
 from ktconvert.formats.inplace_sink import InplaceSink, expert_module
 from ktconvert.formats.safetensors_reader import Checkpoint

@@ -1,4 +1,4 @@
-"""What every output directory shares (ktconvert/output.py): one writer at a time (a lock held by a real second
+"""What every output directory shares (ktconvert/run/output.py): one writer at a time (a lock held by a real second
 process), validation before OUT exists (the GPU side too), and each command reading the source and the family
 manifests once."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.errors import EXIT_ERROR, InputError
 
 
@@ -40,7 +40,7 @@ def _hold_lock(src, out, kind: str) -> subprocess.Popen:
 
 
 def _ktconvert(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ktconvert.cli", *map(str, args)], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "ktconvert.cli.main", *map(str, args)], capture_output=True, text=True)
 
 
 def test_a_second_writer_is_refused_naming_the_holder(tiny_model, tmp_path):
@@ -102,7 +102,7 @@ def test_gpu_refuses_before_creating_out(tmp_path):
 
 
 def test_one_command_opens_the_source_and_parses_the_manifests_once(tiny_model, tmp_path, monkeypatch):
-    from ktconvert import architecture
+    from ktconvert.architectures import manifests as architecture
     from ktconvert.api import CpuOptions, GpuOptions, convert
     from ktconvert.formats import safetensors_reader
 

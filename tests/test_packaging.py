@@ -145,7 +145,7 @@ def _command_paths(group: click.Group, prefix: tuple = ()) -> list[tuple[str, ..
 
 
 def test_installed_wheel_runs_every_command_help(built):
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     script = built.venv / "bin" / "ktconvert"
     top = _run([script, "--help"], cwd=built.run_dir, env=_clean_env())

@@ -15,7 +15,7 @@ from huggingface_hub.utils.sha import git_hash
 from safetensors.numpy import load_file
 
 import ktconvert
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.formats import stream
 
 MODEL_KW = dict(layers=4, experts=8)   # one shard per layer: four source files in flight
@@ -120,7 +120,7 @@ def test_gpu_expert_tensors_hashed_as_written_not_read_back(tiny_model, tmp_path
     """Each GPU shard's weight_shape tensors (first in the file) are written on open, so the file hash follows the
     experts as they go out: with a small parking budget only non-expert tensors (written on open, out of file
     order) are ever read back to hash them, never an expert's."""
-    from ktconvert import profile
+    from ktconvert.util import profile
     from ktconvert.formats import ordered_hash
 
     monkeypatch.setattr(ordered_hash, "PARK_BYTES", 64 << 10)

@@ -13,9 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 from ktconvert import api
-from ktconvert.cli import cli
-from ktconvert.merge import merge
-from ktconvert.parts import PART_NAME, balanced_ranges, load_part, parse_range
+from ktconvert.cli.main import cli
+from ktconvert.distributed.merge import merge
+from ktconvert.distributed.parts import PART_NAME, balanced_ranges, load_part, parse_range
 
 MODEL = dict(layers=4, experts=4, hidden=128, intermediate=256)   # deepseek_v3: layer 0 dense, MoE layers 1..3
 CPU = dict(method="amxint4", numa=2)
@@ -28,7 +28,7 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("parts") / "ds", "deepseek_v3", **MODEL)
 

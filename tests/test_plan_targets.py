@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from ktconvert import api
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 
 
 
@@ -21,7 +21,7 @@ def needs_gpu_extra() -> None:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("plan") / "qwen", "qwen3_moe", layers=3, experts=4)
 
@@ -90,8 +90,7 @@ def test_targets_file_plans_the_same_and_text_names_each_target(model, tmp_path)
 
 
 def test_plan_targets_refusals(model, tmp_path, monkeypatch):
-    from ktconvert import plan_targets
-
+    from ktconvert.run import planning as plan_targets
     res = run("plan", model, "--cpu", tmp_path / "a", "--numa", "2", code=2)
     assert "'method' is required" in res.stderr
     res = run("plan", model, "--cpu", tmp_path / "a", "--method", "amxint4", tmp_path / "out", code=2)

@@ -8,8 +8,8 @@ import time
 
 from click.testing import CliRunner
 
-from ktconvert import profile
-from ktconvert.cli import cli
+from ktconvert.util import profile
+from ktconvert.cli.main import cli
 
 
 def test_nested_spans_report_self_time():

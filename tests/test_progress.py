@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from ktconvert.progress import make_progress
+from ktconvert.util.progress import make_progress
 
 
 class FakeTty(io.StringIO):
@@ -121,7 +121,7 @@ def test_cli_ctrl_c_prints_interrupted_not_done(tmp_path, monkeypatch):
     """The CLI's progress and its exit: the conversion is interrupted after its last byte."""
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     def interrupted_convert(src, out, progress, **options):
         progress.start(100, 1, "convert AMXINT4 T=1")
@@ -173,7 +173,7 @@ def test_eta_counts_from_the_first_work_not_from_start(monkeypatch):
 
 THIRD_PARTY = """
 import logging, sys, warnings
-from ktconvert.progress import make_progress
+from ktconvert.util.progress import make_progress
 
 with make_progress(quiet=sys.argv[1] == "quiet", json_lines=sys.argv[1] == "json") as progress:
     progress.start(10, 1, "x")
@@ -213,7 +213,7 @@ def test_quiet_and_json_progress_silence_third_party_output():
 
 @pytest.fixture
 def hub_with_tiny_model(tmp_path, tiny_model):
-    from ktconvert.testing.hubserver import HubServer
+    from ktconvert.ops.hub_standin.server import HubServer
 
     server = HubServer(tmp_path / "hub-root").start()
     server.store.seed("hf", "org/tiny", tiny_model("qwen3_moe", layers=2, experts=4, hidden=128, intermediate=128))
@@ -227,7 +227,7 @@ def hub_with_tiny_model(tmp_path, tiny_model):
 
 def test_hub_source_download_json_progress_and_quiet_are_exact(tmp_path, hub_with_tiny_model):
     """`ktconvert cpu hf://...` downloads through huggingface_hub from the local stand-in, then converts."""
-    cmd = [sys.executable, "-m", "ktconvert.cli", "cpu", "hf://org/tiny"]
+    cmd = [sys.executable, "-m", "ktconvert.cli.main", "cpu", "hf://org/tiny"]
     for flag in ("--json-progress", "--quiet"):
         out = tmp_path / f"out{flag}"
         result = subprocess.run(cmd + [str(out), "--method", "amxint4", flag], capture_output=True, text=True,
@@ -252,8 +252,8 @@ def test_gptq_json_progress_and_quiet_are_exact(tmp_path, tiny_model, command, f
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KTCONVERT_", "TQDM_", "LLM_COMPRESSOR_"))}
     out = tmp_path / "out"
     args = [command[0], str(model), str(out), *command[1:], "--calibration", str(calib), flag]
-    result = subprocess.run([sys.executable, "-m", "ktconvert.cli", *args], capture_output=True, text=True, env=env,
-                            timeout=600)
+    result = subprocess.run([sys.executable, "-m", "ktconvert.cli.main", *args], capture_output=True, text=True,
+                            env=env, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"wrote {out}") and len(result.stdout.splitlines()) == 1, result.stdout
     if flag == "--quiet":

@@ -10,8 +10,8 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
-from ktconvert.progress import PlainProgress, TqdmProgress
+from ktconvert.cli.main import cli
+from ktconvert.util.progress import PlainProgress, TqdmProgress
 
 LABEL = "convert BF16 T=1 + convert AMXINT4 T=1 + convert AMXINT8 T=1"    # what a 3-output convert is called
 

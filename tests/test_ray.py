@@ -14,10 +14,10 @@ from click.testing import CliRunner
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed (pip install 'ktconvert[ray]')")
 
 from ktconvert import api  # noqa: E402
-from ktconvert.cli import cli  # noqa: E402
+from ktconvert.cli.main import cli  # noqa: E402
 from ktconvert.errors import KtConvertError  # noqa: E402
-from ktconvert.progress import Progress  # noqa: E402
-from ktconvert.ray_executor import convert_on_ray  # noqa: E402
+from ktconvert.util.progress import Progress  # noqa: E402
+from ktconvert.distributed.ray_convert import convert_on_ray  # noqa: E402
 from test_parts import CPU, MODEL, source, single, tree  # noqa: E402,F401  (fixtures: a tiny deepseek_v3, its single run)
 from test_hub import hub_env, server  # noqa: E402,F401  (fixtures: the stand-in hub on 127.0.0.1)
 
@@ -58,7 +58,7 @@ def test_convert_cpu_and_gpu_on_ray_equal_single_run(cluster, source, tmp_path):
 
 
 def test_cli_does_not_import_ray():
-    code = "import sys, ktconvert.cli; sys.exit('ray' in sys.modules)"
+    code = "import sys, ktconvert.cli.main; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -74,7 +74,7 @@ def job_file(folder, source) -> str:
 
 def test_batch_on_ray_gives_the_local_summary(cluster, source, tmp_path):
     from ktconvert.ops.batch import load_jobs, run_jobs
-    from ktconvert.ops.batch_ray import run_jobs_on_ray
+    from ktconvert.distributed.batch_ray import run_jobs_on_ray
 
     summaries = {}
     for name, runner in (("local", run_jobs), ("ray", run_jobs_on_ray)):
@@ -99,7 +99,7 @@ def test_part_no_node_can_run_is_refused_before_any_task(cluster, source, tmp_pa
 @pytest.mark.parametrize("hub, endpoint_var", [("hf", "HF_ENDPOINT"), ("ms", "MODELSCOPE_ENDPOINT")])
 def test_hub_source_on_ray_equals_single_run_and_driver_downloads_no_shard(cluster, server, hub_env, monkeypatch,
                                                                            hub, endpoint_var):
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
     from test_hub_parts import cached_shards
 
     local = make_tiny_model(hub_env / "ds", "deepseek_v3", **MODEL)
@@ -150,7 +150,7 @@ def test_verify_source_hash_reaches_the_part_tasks(cluster, source, tmp_path):
 
 
 def test_ray_run_interrupted_in_its_merge_resumes(cluster, source, single, tmp_path, monkeypatch):
-    from ktconvert import merge as merge_module
+    from ktconvert.distributed import merge as merge_module
     from test_merge import interrupt_merge_after
 
     real_place = merge_module._place

@@ -19,7 +19,7 @@ pytest.importorskip("llmcompressor", reason="--quant gptq needs the [gpu] extra"
 torch = pytest.importorskip("torch")
 
 from ktconvert import api  # noqa: E402
-from ktconvert.cli import cli  # noqa: E402
+from ktconvert.cli.main import cli  # noqa: E402
 from ktconvert.errors import UsageError  # noqa: E402
 from test_hub import hub_env, server  # noqa: E402,F401  (fixtures: the stand-in hub on 127.0.0.1)
 from test_parts import tree  # noqa: E402
@@ -172,8 +172,8 @@ def test_routed_only_stream_on_ray_equals_single_process(cluster, model, calib, 
     from ktconvert.gptq.calibration import load_samples
     from ktconvert.gptq.cpu import AmxQuantizer
     from ktconvert.gptq.loop import GpuQuantizer, GptqOptions, LayerStream
-    from ktconvert.inputs import open_input
-    from ktconvert.ray_gptq import ray_streams
+    from ktconvert.run.inputs import open_input
+    from ktconvert.distributed.ray_gptq import ray_streams
 
     samples = load_samples(calib, model)
     options = GptqOptions(calibrate_all=False)
@@ -201,7 +201,7 @@ def test_worker_killed_mid_layer_gives_the_same_bytes(cluster, model, calib, sin
     """A task's worker process SIGKILLs itself (KTCONVERT_FAULT_GPTQ_STEP) in the middle of a layer: Ray re-runs
     the task from the handles the driver holds, and OUT is the single process's, byte for byte."""
     from ktconvert.cpu.convert import convert_cpu
-    from ktconvert.ray_gptq import ray_streams
+    from ktconvert.distributed.ray_gptq import ray_streams
 
     died = tmp_path / "died"
     fault = {"env_vars": {"KTCONVERT_FAULT_GPTQ_STEP": step, "KTCONVERT_FAULT_ONCE": str(died)}}
@@ -249,7 +249,7 @@ def test_hub_source_gptq_on_ray_equals_single_process(cluster, model, calib, sin
     reads into its own cache. OUT equals a local run from the same hub source (the manifest records the source),
     and its expert files those of the local run from the folder."""
     from ktconvert.cpu.convert import convert_cpu
-    from ktconvert.ray_gptq import ray_streams
+    from ktconvert.distributed.ray_gptq import ray_streams
     from test_hub_parts import cached_shards
 
     server.store.seed("hf", "org/q", model)

@@ -13,7 +13,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed (pip install 'ktconvert[ray]')")
 
-from ktconvert.ray_executor import (TOKEN_VARS, convert_on_ray, hub_tokens, remote_task,  # noqa: E402
+from ktconvert.distributed.ray_convert import (TOKEN_VARS, convert_on_ray, hub_tokens, remote_task,  # noqa: E402
                                     task_runtime_env)
 from test_hub import hub_env, server  # noqa: E402,F401  (fixtures: the stand-in hub on 127.0.0.1)
 from test_parts import CPU, MODEL, source, single, tree  # noqa: E402,F401
@@ -74,8 +74,8 @@ def test_local_source_ray_run_leaves_no_token_on_disk(cluster, source, single, t
 @pytest.mark.parametrize("hub, endpoint_var", [("hf", "HF_ENDPOINT"), ("ms", "MODELSCOPE_ENDPOINT")])
 def test_hub_source_ray_run_authenticates_and_leaves_no_token_on_disk(cluster, server, hub_env, monkeypatch, hub,
                                                                       endpoint_var):
-    from ktconvert.testing import hubserver
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.ops.hub_standin import server as hubserver
+    from ktconvert.examples.tiny import make_tiny_model
 
     token = f"hf_{uuid.uuid4().hex}"
     for var in TOKEN_VARS:

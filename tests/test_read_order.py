@@ -1,4 +1,4 @@
-"""The order the source is read in (ktconvert.read_order, issue 16 item 2: outputs hashed as written, never read
+"""The order the source is read in (ktconvert.run.read_order, issue 16 item 2: outputs hashed as written, never read
 back): files holding the same layers are read together, their matrices merged in name order, which is the order of
 a GPU shard's tensors. Golden values: hashlib over the finished files; the bytes of the same conversion read file
 after file (the order changes no byte)."""
@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 import ktconvert
-from ktconvert import profile, read_order
+from ktconvert.util import profile
+from ktconvert.run import read_order
 from ktconvert.formats import ordered_hash
 from ktconvert.formats.stream import MatrixJob
-from ktconvert.testing import tiny_layout
-from ktconvert.testing.tiny import make_tiny_model
+from ktconvert.examples import tiny_layout
+from ktconvert.examples.tiny import make_tiny_model
 
 
 def test_groups_join_files_sharing_a_layer_in_source_order():

@@ -197,8 +197,7 @@ def test_parse_header_reads_only_header(tmp_path):
 
 
 def _run_cli(monkeypatch, capsys, *args) -> tuple[int, str]:
-    from ktconvert import cli
-
+    from ktconvert.cli import main as cli
     monkeypatch.setattr(sys, "argv", ["ktconvert", *map(str, args)])
     monkeypatch.delenv("KTCONVERT_DEBUG", raising=False)
     with pytest.raises(SystemExit) as info:
@@ -419,7 +418,7 @@ def test_open_source_registry(tmp_path, test_manifests):
 
 @pytest.mark.parametrize("gu_t,down_t", [(False, False), (True, True), (True, False)])
 def test_inspect_reports_fused_orientation(tmp_path, test_manifests, gu_t, down_t):
-    from ktconvert.inspection import inspect
+    from ktconvert.run.inspection import inspect
 
     root, _, tensors = _fused_model(tmp_path / "m", gu_t, down_t)
     r = inspect(root)
@@ -433,7 +432,7 @@ def test_inspect_reports_fused_orientation(tmp_path, test_manifests, gu_t, down_
 
 
 def test_ambiguous_down_follows_gate_up_convention(tmp_path, test_manifests):
-    from ktconvert.inspection import inspect
+    from ktconvert.run.inspection import inspect
 
     h = i = 64   # H == I: down's shape cannot tell; gate_up [E, H, 2I] (2I != H) can
     root, logical, _ = _fused_model(tmp_path / "m", True, True, h=h, i=i)

@@ -1,4 +1,4 @@
-"""ktconvert.report: self-contained HTML pages with inline SVG plots (and the expert-stats page built on it).
+"""ktconvert.util.svg_report: self-contained HTML pages with inline SVG plots (and the expert-stats page built on it).
 
 Checks: the page parses as HTML with every non-void element closed in order (html.parser), every <svg> is
 well-formed XML (xml.etree) in the SVG namespace, the plots hold what was asked (cells, series, rows), and the page
@@ -12,8 +12,7 @@ from html.parser import HTMLParser
 
 import numpy as np
 
-from ktconvert import report
-
+from ktconvert.util import svg_report as report
 SVG = "{http://www.w3.org/2000/svg}"
 VOID = {"meta", "br", "img", "hr", "input", "link", "rect", "circle", "line", "path", "polyline", "stop"}
 

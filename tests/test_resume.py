@@ -17,7 +17,7 @@ MODEL_KW = dict(layers=6, experts=8)   # deepseek_v3: 1 dense + 5 MoE layers -> 
 
 def _cli(*args, env_extra=None, check=True) -> subprocess.CompletedProcess:
     env = dict(os.environ, KTCONVERT_NO_PROGRESS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-c", "from ktconvert.cli import main; main()", *map(str, args)]
+    cmd = [sys.executable, "-c", "from ktconvert.cli.main import main; main()", *map(str, args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if check:
         assert proc.returncode == 0, proc.stderr
@@ -80,7 +80,7 @@ def test_repeated_kills_and_a_timed_kill(model, references, tmp_path):
         _assert_nothing_looks_complete(out, references["safetensors"])
     # a kill from outside at an arbitrary moment (not at a job boundary)
     env = dict(os.environ, KTCONVERT_NO_PROGRESS="1")
-    cmd = [sys.executable, "-c", "from ktconvert.cli import main; main()", "cpu", str(model), str(out),
+    cmd = [sys.executable, "-c", "from ktconvert.cli.main import main; main()", "cpu", str(model), str(out),
            "--method", "amxint4", "--numa", "2", "--resume"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(random.Random(5).uniform(0.3, 1.0))

@@ -13,7 +13,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.errors import EXIT_USAGE
 
 CPU = ("--method", "amxint4", "--numa", "2")
@@ -26,7 +26,7 @@ def _run(*args):
 def _killed_after(n_jobs: int, *args) -> None:
     """Run the CLI in a child that SIGKILLs itself after `n_jobs` converted matrices: OUT stays unfinished."""
     env = dict(os.environ, KTCONVERT_NO_PROGRESS="1", KTCONVERT_FAULT_AFTER_JOBS=str(n_jobs))
-    proc = subprocess.run([sys.executable, "-m", "ktconvert.cli", *map(str, args)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "ktconvert.cli.main", *map(str, args)], env=env, capture_output=True,
                           text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
 

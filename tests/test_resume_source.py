@@ -64,7 +64,7 @@ def interrupted(model, tmp_path):
 
 
 def test_another_checkpoint_of_the_same_shapes_is_refused(interrupted, reference, tmp_path):
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     src, out, name = interrupted
     other = make_tiny_model(tmp_path / "other", "deepseek_v3", layers=6, experts=8, seed=7)
@@ -159,7 +159,7 @@ def test_a_digest_recorded_before_must_not_change(tmp_path):
     """A source file read again (its layers not all finished) must hash as recorded: a file changed during the
     run is refused there too."""
     from ktconvert.errors import ResumeMismatchError
-    from ktconvert.journal import Journal
+    from ktconvert.run.journal import Journal
 
     journal = Journal.start(tmp_path, {"method": "amxint4"}, resume=False)
     journal.finish_source("a.safetensors", {"bytes": 3, "sha256": "1" * 64})
@@ -180,7 +180,7 @@ def test_a_digest_recorded_before_must_not_change(tmp_path):
 def test_a_resume_mismatch_never_shows_two_equal_values(recorded, requested):
     """Before, values were cut to their first 37 characters: "expected X..., found X..." for MoE layer lists,
     hub revisions or paths differing further on; str() made None and "None" read the same."""
-    from ktconvert.journal import mismatch_error
+    from ktconvert.run.journal import mismatch_error
 
     error = mismatch_error("/out", [("--opt", recorded, requested)])
     assert error.expected != error.found, (error.expected, error.found)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.errors import EXIT_VERIFY, NativeError, ShapeError, VerifyError
 from ktconvert.native import forward as rt
 from check_folders import write_safetensors
@@ -296,7 +296,7 @@ def test_down_scale_at_another_group_size_is_named(g32, tmp_path):
 
 def test_verify_without_the_native_library_says_so(g32):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KTCONVERT_")}
-    proc = subprocess.run([sys.executable, "-m", "ktconvert.cli", "verify", str(g32[1]), "--sample-experts", "1",
+    proc = subprocess.run([sys.executable, "-m", "ktconvert.cli.main", "verify", str(g32[1]), "--sample-experts", "1",
                            "--layers", "1"], env={**env, "KTCONVERT_NO_NATIVE": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

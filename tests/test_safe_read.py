@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ktconvert.errors import InputError, KtConvertError, OutputError, VerifyError
-from ktconvert.safe_read import MAX_DEPTH, parse_json, read_json
+from ktconvert.util.safe_read import MAX_DEPTH, parse_json, read_json
 
 DEEP = "[" * 200_000 + "]" * 200_000
 
@@ -55,7 +55,7 @@ def _refused(fn, fifos=(), error=InputError, needles=("not a regular file",)) ->
 
 
 def _model(tmp_path: Path) -> Path:
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path / "m", "qwen3_moe", layers=1, experts=2, hidden=128, intermediate=128)
 
@@ -128,7 +128,7 @@ def test_cli_inspect_of_a_fifo_checkpoint_exits_3(tmp_path):
     env = {**os.environ, "KTCONVERT_NO_PROGRESS": "1"}
     env.pop("KTCONVERT_DEBUG", None)
     try:
-        run = subprocess.run([sys.executable, "-m", "ktconvert.cli", "inspect", str(root)], env=env,
+        run = subprocess.run([sys.executable, "-m", "ktconvert.cli.main", "inspect", str(root)], env=env,
                              capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail("ktconvert inspect hung on a FIFO")
@@ -196,7 +196,7 @@ def test_deep_config_and_index(tmp_path, name):
 
 def test_deep_output_manifest_and_journal(tmp_path):
     from ktconvert.formats.out_manifest import load_manifest
-    from ktconvert.journal import JOURNAL_NAME, Journal
+    from ktconvert.run.journal import JOURNAL_NAME, Journal
 
     out = tmp_path / "out"
     out.mkdir()
@@ -250,7 +250,7 @@ def test_header_with_too_many_tensors_is_refused_before_parsing(tmp_path, monkey
     more than MAX_TENSORS per file is refused from the raw bytes (counted objects), in about a second."""
     import time
 
-    from ktconvert import safe_read
+    from ktconvert.util import safe_read
     from ktconvert.formats.safetensors_reader import MAX_TENSORS, parse_header
 
     count = MAX_TENSORS + 2          # MAX_TENSORS + 1 objects may be tensors and __metadata__

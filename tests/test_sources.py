@@ -111,7 +111,7 @@ def test_source_registry_refuses_non_subclasses_and_duplicates(monkeypatch):
 
 def test_inspect_describes_any_registered_source(tmp_path, monkeypatch, tiny_model):
     """A new container format is one Source subclass: inspect asks it, and the method registry judges it."""
-    from ktconvert.inspection import inspect
+    from ktconvert.run.inspection import inspect
 
     monkeypatch.setattr(SOURCES, "_items", dict(SOURCES._items))
     monkeypatch.setattr(SOURCES, "_aliases", dict(SOURCES._aliases))

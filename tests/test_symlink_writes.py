@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats import fileio
 from ktconvert.formats.fileio import temp_path_for, write_atomic
 from ktconvert.formats.out_manifest import JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME
-from ktconvert.parts import PART_NAME
+from ktconvert.distributed.parts import PART_NAME
 
 CPU = ["--method", "amxint4", "--numa", "2", "--quiet"]
 GPU = ["--experts", "w8a16", "--quiet"]
@@ -73,7 +73,7 @@ def _visible(root: Path) -> dict[str, bytes]:
 
 def _interrupted(monkeypatch, *args) -> None:
     """Run the CLI with the output's finalize failing: every layer written and journalled, no ktconvert.json."""
-    from ktconvert.output import Output
+    from ktconvert.run.output import Output
 
     def fail(self):
         raise OutputError("stopped before finalize (test)")
@@ -211,8 +211,7 @@ def test_merge_refuses_a_symlinked_lock(parts, tmp_path, victims):
 
 
 def test_merge_never_writes_through_a_symlink(parts, tmp_path, monkeypatch, victims):
-    from ktconvert import merge as merge_module
-
+    from ktconvert.distributed import merge as merge_module
     out = tmp_path / "merged"
     with monkeypatch.context() as patch:                     # interrupted before ktconvert.json
         patch.setattr(merge_module, "write_manifest", lambda *a: (_ for _ in ()).throw(OutputError("stop")))
@@ -240,8 +239,7 @@ def test_merge_never_writes_through_a_symlink(parts, tmp_path, monkeypatch, vict
 
 def test_merge_refuses_a_symlinked_folder(model, tmp_path, monkeypatch, victims):
     from ktconvert import api
-    from ktconvert import merge as merge_module
-
+    from ktconvert.distributed import merge as merge_module
     args = dict(method="amxint4", numa=2, layout="kt")
     for text in ("1-1", "2-3"):
         api.convert_cpu(model, tmp_path / text, layers=text, **args)
@@ -373,7 +371,7 @@ def test_expert_stats_never_writes_through_a_symlink(model, tmp_path, victims, c
 # ---------------------------------------------------------------------------------------------- journal, helper
 
 def test_journal_and_stream_state_never_write_through_a_symlink(tmp_path, victims):
-    from ktconvert.journal import Journal
+    from ktconvert.run.journal import Journal
 
     victims.plant(tmp_path / (JOURNAL_NAME + ".tmp"))
     journal = Journal.start(tmp_path, {"method": "x"}, resume=False)

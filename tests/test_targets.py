@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 import ktconvert
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.errors import EXIT_ERROR, EXIT_INPUT, EXIT_USAGE, UsageError
 
 pytest.importorskip("torch")       # the GPU target needs the [gpu] extra
@@ -158,8 +158,7 @@ def test_every_plan_is_checked_before_any_out_exists(singles, tmp_path, monkeypa
     res = run("convert", src, *bad, "--quiet", code=EXIT_INPUT)
     assert f"target 2 (cpu {outs[1]}): --numa 3 cannot work for --method amxint8" in res.output
     assert not any(o.exists() for o in outs)
-    from ktconvert import conversion
-
+    from ktconvert.run import local as conversion
     monkeypatch.setattr(conversion, "free_at", lambda path: (str(tmp_path), 5_000_000))   # each fits, not all three
     res = run("convert", src, *args, "--quiet", code=EXIT_ERROR)
     assert "not enough free disk space for these outputs together" in res.output
@@ -187,7 +186,7 @@ def test_resume_continues_each_target_from_its_own_state(singles, tmp_path):
     args, outs = three(tmp_path)
     run("cpu", src, outs[0], "--method", "amxint4", "--numa", "2", "--quiet")
     env = dict(os.environ, KTCONVERT_NO_PROGRESS="1", KTCONVERT_FAULT_AFTER_JOBS="70")
-    killed = subprocess.run([sys.executable, "-m", "ktconvert.cli", "cpu", str(src), str(outs[1]), "--method",
+    killed = subprocess.run([sys.executable, "-m", "ktconvert.cli.main", "cpu", str(src), str(outs[1]), "--method",
                              "amxint8", "--threads", "1"], env=env, capture_output=True, text=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     journal = json.loads((outs[1] / ".ktconvert-journal.json").read_text())
@@ -237,7 +236,7 @@ def test_gptq_target_is_refused_and_names_it(singles, tmp_path):
 
 
 def test_the_example_targets_file_is_valid():
-    from ktconvert.targets import load_targets
+    from ktconvert.run.targets import load_targets
 
     path = Path(__file__).resolve().parents[1] / "examples" / "targets.toml"
     targets = load_targets(path)
@@ -265,7 +264,7 @@ def test_old_spelling_warns_when_an_option_both_sides_take_now_goes_to_one(capsy
     outputs; now it is B's only. That change is said on stderr, not made silently."""
     import click
 
-    from ktconvert.cli_targets import _tables
+    from ktconvert.cli.targets import _tables
 
     ctx = click.Context(click.Command("convert"))
     kinds = [("cpu", "A"), ("gpu", "B")]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ktconvert.errors import OutputError, UnknownNameError
-from ktconvert.testing.tiny import make_tiny_model
+from ktconvert.examples.tiny import make_tiny_model
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -181,7 +181,7 @@ def test_unknown_dtype_lists_supported(tmp_path):
 def test_cli_tiny_model(tmp_path):
     from click.testing import CliRunner
 
-    from ktconvert.cli import cli
+    from ktconvert.cli.main import cli
 
     result = CliRunner().invoke(cli, ["tiny-model", str(tmp_path / "x"), "--arch", "deepseek_v3", "--layers", "2"])
     assert result.exit_code == 0, result.output

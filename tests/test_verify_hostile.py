@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.native import forward as native_rt
 
 SHARD = "model-00002-of-00002.safetensors"
@@ -114,7 +114,7 @@ def _verify_subprocess(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "KTCONVERT_NO_PROGRESS": "1"}
     env.pop("KTCONVERT_DEBUG", None)
     try:
-        return subprocess.run([sys.executable, "-m", "ktconvert.cli", "verify", *map(str, args)], env=env,
+        return subprocess.run([sys.executable, "-m", "ktconvert.cli.main", "verify", *map(str, args)], env=env,
                               capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail("ktconvert verify hung on a FIFO")

@@ -14,7 +14,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.formats.out_manifest import SELF_KEY, self_sha256
 
 SHARD = "model-00002-of-00002.safetensors"
@@ -113,7 +113,7 @@ def test_source_edits_without_a_self_hash_are_caught_against_the_source(converte
 
 def test_another_source_of_the_same_shapes(converted, tmp_path):
     """Same config.json and sizes, other weights: the files' sha256 (--hashes) tell it."""
-    from ktconvert.testing.tiny import make_tiny_model
+    from ktconvert.examples.tiny import make_tiny_model
 
     src, out = converted
     other = make_tiny_model(tmp_path / "other", "qwen3_moe", seed=1)

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 import ktconvert
-from ktconvert.cli import cli
+from ktconvert.cli.main import cli
 from ktconvert.errors import OutputError, UsageError
 from ktconvert.layouts.naming import PROJS, merged_key
 from ktconvert.native import forward as native_rt

@@ -27,7 +27,7 @@ import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.formats.fileio import write_atomic
-from ktconvert.safe_read import check_regular
+from ktconvert.util.safe_read import check_regular
 
 FILE_NAME = "expert_activation.pt"
 FORMAT = "ktconvert-expert-activation"

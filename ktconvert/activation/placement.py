@@ -30,9 +30,9 @@ import numpy as np
 from ktconvert.activation.counts import load_activation
 from ktconvert.errors import InputError
 from ktconvert.formats.hf_source import HFSource
-from ktconvert.inputs import Input
+from ktconvert.run.inputs import Input
 from ktconvert.gpu.plan import GpuOptions, plan_gpu
-from ktconvert.progress import human_bytes
+from ktconvert.util.progress import human_bytes
 
 STRATEGIES = ("frequency", "uniform")
 

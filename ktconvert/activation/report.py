@@ -1,4 +1,4 @@
-"""``expert-stats --report FILE.html``: the counts as a picture (ktconvert.report building blocks).
+"""``expert-stats --report FILE.html``: the counts as a picture (ktconvert.util.svg_report building blocks).
 
 * a summary table (model, tokens, top-k, calibration identity);
 * a layer × expert heat map of each MoE layer's share of routed (token, expert) pairs (dense layers: no data);
@@ -12,7 +12,7 @@ import numpy as np
 
 from pathlib import Path
 
-from ktconvert import report as html
+from ktconvert.util import svg_report as html
 from ktconvert.activation.counts import ExpertActivation
 from ktconvert.activation.placement import SglangMoeLayers, gpu_expert_budget, placement, routed_share
 from ktconvert.formats.fileio import write_atomic

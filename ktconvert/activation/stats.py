@@ -20,7 +20,7 @@ from ktconvert.activation.placement import coverage, sglang_moe_layers
 from ktconvert.activation.report import write_report
 from ktconvert.activation.routing import counting
 from ktconvert.errors import InputError, OutputError
-from ktconvert.extras import require
+from ktconvert.util.extras import require
 from ktconvert.formats.fileio import record_for
 from ktconvert.formats.hf_source import HFSource
 from ktconvert.formats.out_manifest import placement_flags

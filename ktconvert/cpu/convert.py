@@ -12,12 +12,12 @@ import time
 
 from ktconvert.cpu.output import CpuOutput
 from ktconvert.cpu.plan import CpuOptions, plan_cpu
-from ktconvert.extras import require
+from ktconvert.util.extras import require
 from ktconvert.gptq import cpu as gptq_cpu
-from ktconvert.inputs import open_input
-from ktconvert.onepass import refuse_gptq_part, write_outputs
-from ktconvert.parts import select_layers
-from ktconvert.progress import Progress
+from ktconvert.run.inputs import open_input
+from ktconvert.run.outputs import refuse_gptq_part, write_outputs
+from ktconvert.distributed.parts import select_layers
+from ktconvert.util.progress import Progress
 from ktconvert.results import ConvertResult
 
 

@@ -3,11 +3,11 @@ HF tensors), plus the non-expert tensors with ``include_dense``, the copied conf
 """
 from __future__ import annotations
 
-from ktconvert import profile
+from ktconvert.util import profile
 from ktconvert.cpu.plan import CpuPlan
-from ktconvert.envinfo import cpu_flags
+from ktconvert.util.envinfo import cpu_flags
 from ktconvert.formats.fileio import LayerResult
-from ktconvert.output import Output
+from ktconvert.run.output import Output
 
 
 class LayerConsumer:

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.cpu import sizes
-from ktconvert.envinfo import cpu_flags
+from ktconvert.util.envinfo import cpu_flags
 from ktconvert.errors import InputError, OutputError, UsageError
-from ktconvert.inputs import Input, open_input
+from ktconvert.run.inputs import Input, open_input
 from ktconvert.methods import METHODS
 from ktconvert.methods.base import CpuMethod, check
-from ktconvert.options import SAMPLING_DEFAULTS, Options, Plan
+from ktconvert.run.options import SAMPLING_DEFAULTS, Options, Plan
 from ktconvert.gptq.holdout import SelectionOptions
 from ktconvert.gptq.loop import GptqOptions
 from ktconvert.quant.row_quant import ROW_QUANT

@@ -15,7 +15,7 @@ from ktconvert.formats.ordered_hash import PARK_BYTES
 from ktconvert.formats.stream import CHUNK as READ_CHUNK_BYTES, HASH_BUDGET
 from ktconvert.formats.st_writer import build_header
 from ktconvert.layouts.naming import INDEX_NAME, PROJS, kt_relpath, merged_key, part_shape, shard_name
-from ktconvert.runner import MAX_READERS
+from ktconvert.run.read_loop import MAX_READERS
 
 PROCESS_BASE_BYTES = 160 << 20  # interpreter + numpy + modules, measured order of magnitude
 JOBS_PER_WORKER = 2             # runner._Pass._throttle keeps at most 2 jobs per worker in flight

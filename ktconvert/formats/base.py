@@ -11,7 +11,7 @@ from ktconvert.registry import Registry
 if TYPE_CHECKING:
     import numpy as np
 
-    from ktconvert.architecture import ModelInfo
+    from ktconvert.architectures.manifests import ModelInfo
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class Source:
         return {**source.describe(), "path": str(Path(path))}, source
 
     def describe(self) -> dict:
-        """The keys ktconvert.inspection.render reads: files, bytes, dtypes, quantization, layers, experts, ..."""
+        """The keys ktconvert.run.inspection.render reads: files, bytes, dtypes, quantization, layers, experts, ..."""
         raise NotImplementedError
 
     # -- files

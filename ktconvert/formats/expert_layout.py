@@ -4,7 +4,8 @@ tensors present (headers only), never from the family: ``model_type`` gives the 
     detect_layer(checkpoint, info, scheme, layer) -> LayerLayout | None    per_expert / fused / fused_separate
     decide_orientation(layouts, info, forced=None) -> {role: Orientation}  over every fused tensor of the model
 
-Layouts and names: ``ktconvert.expert_names``. Orientation of a fused role (gate_up, gate, up, down): "out" is
+Layouts and names: ``ktconvert.architectures.expert_names``.
+Orientation of a fused role (gate_up, gate, up, down): "out" is
 stored [E, out_features, in_features] (transformers' in-memory form: gate_up [E, 2I, H], down [E, H, I]), "in"
 is [E, in, out] (gate_up [E, H, 2I], down [E, I, H]). Evidence, strongest first:
 

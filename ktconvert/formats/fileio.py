@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from ktconvert import profile
+from ktconvert.util import profile
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.safetensors_reader import ShardHeader, parse_header
-from ktconvert.safe_read import check_regular, open_regular
+from ktconvert.util.safe_read import check_regular, open_regular
 
 HASH_CHUNK = 8 << 20
 LFS_THRESHOLD = 10 << 20  # files this large are LFS files on the hubs (HF refuses larger regular files)

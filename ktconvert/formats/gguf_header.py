@@ -24,7 +24,7 @@ from pathlib import Path
 from ktconvert.errors import InputError
 from ktconvert.formats.base import TensorRef
 from ktconvert.quant import ggml
-from ktconvert.safe_read import check_regular
+from ktconvert.util.safe_read import check_regular
 
 MAX_DIMS = 4            # GGML_MAX_DIMS
 MAX_NAME_BYTES = 63     # GGML_MAX_NAME - 1

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ktconvert.architecture import ModelInfo, manifest_for
+from ktconvert.architectures.manifests import ModelInfo, manifest_for
 from ktconvert.errors import InputError, ManifestError, ShapeError
 from ktconvert.formats import gguf_dense
 from ktconvert.formats.base import ExpertWeights, Source, TensorRef
 from ktconvert.formats.gguf_header import read_header
 from ktconvert.formats.stream import MatrixJob
 from ktconvert.quant import ggml
-from ktconvert.safe_read import open_regular
+from ktconvert.util.safe_read import open_regular
 
 GGUF_MAGIC = b"GGUF"
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -118,8 +118,8 @@ def _check_blocks(tensors: dict[str, TensorRef], n_blocks: int, n_layers: int, a
 
 
 def model_info(meta: dict, tensors: dict[str, TensorRef], file: str) -> ModelInfo:
-    """ModelInfo (ktconvert.architecture) from GGUF metadata + tensor names; InputError naming the metadata key for
-    a value that is not an integer in range or that contradicts the tensors."""
+    """ModelInfo (ktconvert.architectures.manifests) from GGUF metadata + tensor names; InputError naming the metadata
+    key for a value that is not an integer in range or that contradicts the tensors."""
     arch = str(_meta(meta, "general.architecture", file))
     model_type = GGUF_ARCH_MODEL_TYPES.get(arch)
     if model_type is None:
@@ -389,7 +389,7 @@ class GGUFSource(Source):
 
 
 def describe(source: GGUFSource) -> dict:
-    """`ktconvert inspect` for an opened GGUF model: the keys ktconvert.inspection.render reads (headers only)."""
+    """`ktconvert inspect` for an opened GGUF model: the keys ktconvert.run.inspection.render reads (headers only)."""
     info = source.info
     dtypes: dict[str, int] = {}
     components: dict[str, int] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ktconvert.architecture import component_of
+from ktconvert.architectures.manifests import component_of
 from ktconvert.errors import KtConvertError, ManifestError
 from ktconvert.formats.decoders import config_summary
 from ktconvert.formats.expert_layout import stored_label
@@ -30,7 +30,7 @@ def describe_path(source_cls, path, expert_orientation: str | None = None) -> tu
 
 
 def describe(source, path=None) -> dict:
-    """The keys ktconvert.inspection.render reads, for an opened HFSource."""
+    """The keys ktconvert.run.inspection.render reads, for an opened HFSource."""
     info = source.info
     out = _files(source.checkpoint, path or source.root, info)
     dense = [layer for layer in range(info.n_layers) if layer not in set(info.moe_layers)]

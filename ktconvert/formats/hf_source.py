@@ -1,7 +1,7 @@
 """Expert source for HF safetensors checkpoints: one routed expert at a time, as BF16 bits in HF orientation.
 
 The layout of each layer's routed experts is detected from the tensors present (``formats/expert_layout.py``;
-names of every layout in ``ktconvert.expert_names``), whatever the family usually stores:
+names of every layout in ``ktconvert.architectures.expert_names``), whatever the family usually stores:
   per_expert      2-D tensors gate/up [I, H], down [H, I] per expert (optionally with .bias next to .weight)
   fused           3-D per layer: gate_up [E, 2I, H] or [E, H, 2I], down [E, H, I] or [E, I, H]
   fused_separate  3-D per layer: gate, up [E, I, H] or [E, H, I], down as above
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ktconvert.architecture import resolve
+from ktconvert.architectures.manifests import resolve
 from ktconvert.errors import InputError, KtConvertError, ShapeError
 from ktconvert.formats import decoders, expert_layout, hf_describe
 from ktconvert.formats.base import ExpertWeights, Source
@@ -34,7 +34,7 @@ PROJS = ("gate", "up", "down")
 
 
 class HFSource(Source):
-    """Lazily read HF safetensors checkpoint with a resolved ModelInfo (ktconvert.architecture.resolve).
+    """Lazily read HF safetensors checkpoint with a resolved ModelInfo (ktconvert.architectures.manifests.resolve).
 
     input_format: "bf16" | "fp16" | "fp32" | a quantized format ("fp8-block", "ct-int4", "mxfp4", ...), or the
     config's quant_method when no decoder reads it (then validate() and reads raise the decoders' InputError).

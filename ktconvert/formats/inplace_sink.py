@@ -28,7 +28,7 @@ from ktconvert.formats.fileio import FileRecord, LayerResult, write_record
 from ktconvert.formats.kt_sink import copy_sources
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter
 from ktconvert.layouts.naming import INDEX_NAME, shard_name
-from ktconvert.safe_read import parse_json
+from ktconvert.util.safe_read import parse_json
 
 PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 EXPERT_PREFIX = "model.layers.{L}.mlp.experts.{E}.{proj}"

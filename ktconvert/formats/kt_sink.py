@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from ktconvert import profile
+from ktconvert.util import profile
 from ktconvert.errors import OutputError
 from ktconvert.formats.fileio import (FileRecord, LayerResult, fsync_dir, hash_bytes, open_dir, remove_tree,
                                       write_atomic, write_record)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 
-from ktconvert import profile
+from ktconvert.util import profile
 from ktconvert.errors import OutputError
 from ktconvert.formats import fileio
 

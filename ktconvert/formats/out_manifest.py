@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Iterable
 
 from ktconvert import __version__
-from ktconvert.architecture import MAX_DIM, MAX_EXPERTS, MAX_LAYERS
+from ktconvert.architectures.manifests import MAX_DIM, MAX_EXPERTS, MAX_LAYERS
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.fileio import FileRecord, git_blob_id, hash_file, write_atomic
-from ktconvert.safe_read import MAX_MANIFEST_BYTES, read_json
+from ktconvert.util.safe_read import MAX_MANIFEST_BYTES, read_json
 
 MANIFEST_NAME = "ktconvert.json"
 JOURNAL_NAME = ".ktconvert-journal.json"

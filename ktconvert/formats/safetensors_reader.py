@@ -19,7 +19,7 @@ import numpy as np
 from ktconvert.errors import InputError
 from ktconvert.formats.base import TensorRef
 from ktconvert.layouts.naming import INDEX_NAME
-from ktconvert.safe_read import check_regular, open_regular, parse_json, read_json, unsafe_name
+from ktconvert.util.safe_read import check_regular, open_regular, parse_json, read_json, unsafe_name
 
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit

@@ -27,8 +27,8 @@ from pathlib import Path
 from ktconvert.errors import InputError
 from ktconvert.formats.fileio import hash_file
 from ktconvert.formats.stream import HEAD_BYTES, head_sha256, known_sha256, stat_identity
-from ktconvert.journal import digest_mismatch, source_mismatch
-from ktconvert.safe_read import open_regular
+from ktconvert.run.journal import digest_mismatch, source_mismatch
+from ktconvert.util.safe_read import open_regular
 
 HASH_THREADS = 4
 

@@ -10,7 +10,7 @@ import os
 from ktconvert.errors import InputError
 from ktconvert.formats import gguf_source, hf_source  # noqa: F401  (register the sources)
 from ktconvert.formats.base import SOURCES, Source
-from ktconvert.safe_read import check_regular
+from ktconvert.util.safe_read import check_regular
 
 
 def source_class(path) -> type[Source]:

@@ -30,7 +30,7 @@ from typing import Iterable
 
 import numpy as np
 
-from ktconvert import profile
+from ktconvert.util import profile
 from ktconvert.errors import OutputError
 from ktconvert.formats.fileio import FileRecord, LayerResult, NewFile, temp_path_for
 from ktconvert.formats.ordered_hash import OrderedFileHash

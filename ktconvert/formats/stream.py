@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ktconvert import profile
+from ktconvert.util import profile
 from ktconvert.errors import InputError
-from ktconvert.safe_read import open_regular
+from ktconvert.util.safe_read import open_regular
 
 CHUNK = 8 << 20   # bytes read at a time for data no job needs (non-expert tensors, headers)
 HASH_QUEUE_DEPTH = 4   # buffers a file's reader may queue for its sha256 thread

@@ -9,7 +9,7 @@ on that stream (llmcompressor's own functions for the GPU checkpoint, a fixed-gr
   the host's instruction set or cores.
 * ``loop.py``: ``LayerStream`` (GPTQ on the stream; ``ExpertSolver``: its per-expert part, no forward),
   ``GpuQuantizer``; ``distributed.py``: the same stream with each layer's forward split by calibration sample and
-  its experts by owner (``DistributedStream``; on Ray: ktconvert.ray_gptq); ``cpu.py``: the AMX variant
+  its experts by owner (``DistributedStream``; on Ray: ktconvert.distributed.ray_gptq); ``cpu.py``: the AMX variant
   (``mse``-searched per-row scales mapped 1:1 onto kt-kernel's AMXINT4/AMXINT8 files, codes from ``grid.py``).
 * ``holdout.py``: the fit / held-out split and the per-expert choice between GPTQ and the data-free codes.
 * ``calibration.py``: ``--calibration FILE`` (jsonl of {"text": ...} or {"input_ids": [...]}).

@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from ktconvert.errors import InputError, UsageError
-from ktconvert.safe_read import parse_json
+from ktconvert.util.safe_read import parse_json
 
 UNKNOWN_WARN, UNKNOWN_REFUSE = 0.05, 0.5     # share of the tokens that are the tokenizer's unknown token
 

@@ -35,8 +35,8 @@ from ktconvert.gptq.resume import restore_for, samples_digest
 from ktconvert.layouts.naming import PROJS
 from ktconvert.layouts.numa import numa_slices
 from ktconvert.methods import METHODS
-from ktconvert.onepass import layer_source_bytes, write_in_layer_order
-from ktconvert.progress import Progress
+from ktconvert.run.outputs import layer_source_bytes, write_in_layer_order
+from ktconvert.util.progress import Progress
 from ktconvert.quant import mse  # noqa: F401  (registers the "mse" row quantizer)
 from ktconvert.quant.row_quant import ROW_QUANT
 from ktconvert.results import ConvertResult

@@ -2,7 +2,7 @@
 still in order: the steps and their order, free of any cluster library. ``DistributedStream`` gives the writers
 what ``loop.LayerStream`` gives them (the same LayerResults, the same stream state to save and restore), byte for
 byte, running its steps as tasks of an executor: ``LocalTasks`` (inline, in this process) or
-``ktconvert.ray_gptq.RayTasks``.
+``ktconvert.distributed.ray_gptq.RayTasks``.
 
 Per layer L, with the calibration samples in calibration order (``oneshot_permutation``) cut into contiguous slices:
 
@@ -39,8 +39,8 @@ from ktconvert.gptq.determinism import deterministic_cpu, pin_process
 from ktconvert.gptq.loop import ExpertSolver, GptqOptions, LayerResult, calibration_holdout, propagation_context
 from ktconvert.gptq.skeleton import experts_module, malloc_trim
 from ktconvert.gptq.stream import DecoderStream, to_device_but_meta
-from ktconvert.inputs import open_input
-from ktconvert.runner import FaultInjector
+from ktconvert.run.inputs import open_input
+from ktconvert.run.read_loop import FaultInjector
 
 
 def contiguous(n: int, parts: int) -> list[range]:

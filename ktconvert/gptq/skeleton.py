@@ -12,7 +12,7 @@ import gc
 from pathlib import Path
 
 from ktconvert.errors import InputError
-from ktconvert.safe_read import read_json
+from ktconvert.util.safe_read import read_json
 
 # model_types whose checkpoints transformers runs with another model_type's classes (same tensors, same forward)
 TRANSFORMERS_ALIASES = {"kimi_k2": "deepseek_v3"}

@@ -17,15 +17,15 @@ import time
 
 from ktconvert.activation.stats import write_gptq_activation
 from ktconvert.errors import KtConvertError
-from ktconvert.extras import require
+from ktconvert.util.extras import require
 from ktconvert.formats.out_manifest import source_fingerprint
 from ktconvert.gpu.output import GpuOutput
 from ktconvert.gpu.plan import GpuOptions, plan_gpu
 from ktconvert.gptq.calibration import load_samples
-from ktconvert.inputs import open_input
-from ktconvert.onepass import layer_source_bytes, refuse_gptq_part, write_in_layer_order, write_outputs
-from ktconvert.parts import select_layers
-from ktconvert.progress import Progress
+from ktconvert.run.inputs import open_input
+from ktconvert.run.outputs import layer_source_bytes, refuse_gptq_part, write_in_layer_order, write_outputs
+from ktconvert.distributed.parts import select_layers
+from ktconvert.util.progress import Progress
 from ktconvert.results import ConvertResult
 
 

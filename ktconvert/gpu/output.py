@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ktconvert import profile
+from ktconvert.util import profile
 from ktconvert.errors import OutputError
 from ktconvert.formats.fileio import LayerResult, write_record
 from ktconvert.formats.out_manifest import BYTE_PACKAGES, GPU_FLAGS, MANIFEST_NAME, package_versions
@@ -24,7 +24,7 @@ from ktconvert.gpu import config as gpu_config
 from ktconvert.gpu.experts import SUFFIXES as EXPERT_SUFFIXES, quantize_expert_rtn
 from ktconvert.gpu.plan import GpuPlan
 from ktconvert.layouts.naming import INDEX_NAME
-from ktconvert.output import Output
+from ktconvert.run.output import Output
 
 NO_COPY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 NO_COPY_NAMES = ("config.json", INDEX_NAME, MANIFEST_NAME, "README.md")

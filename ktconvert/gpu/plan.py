@@ -18,8 +18,8 @@ from ktconvert.formats.st_writer import build_header, tensor_nbytes
 from ktconvert.gpu.experts import GROUP_SIZES, bits_of, expert_bytes
 from ktconvert.gpu.layout import GpuLayout
 from ktconvert.gpu.linears import LINEAR_MODES, module_of
-from ktconvert.inputs import Input, open_input
-from ktconvert.options import SAMPLING_DEFAULTS, Options, Plan
+from ktconvert.run.inputs import Input, open_input
+from ktconvert.run.options import SAMPLING_DEFAULTS, Options, Plan
 
 QUANTS = ("rtn", "gptq")
 

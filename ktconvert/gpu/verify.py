@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ktconvert.architecture import resolve
+from ktconvert.architectures.manifests import resolve
 from ktconvert.errors import InputError, KtConvertError
 from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.formats.safetensors_reader import Checkpoint
@@ -27,7 +27,7 @@ from ktconvert.gpu.experts import decompress_expert
 from ktconvert.gpu.linears import FUSED_SHARDS, is_linear_base, sglang_names
 from ktconvert.layouts.naming import INDEX_NAME
 from ktconvert.quant.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from ktconvert.safe_read import read_json
+from ktconvert.util.safe_read import read_json
 from ktconvert.verification.folder import OutputFolder
 
 ACTORDERS = (None, "static", "weight")

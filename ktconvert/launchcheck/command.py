@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ktconvert.errors import UsageError
-from ktconvert.safe_read import check_regular
+from ktconvert.util.safe_read import check_regular
 
 ENV_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 # canonical option name -> the spellings SGLang (old and new releases) accepts for it

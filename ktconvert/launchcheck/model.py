@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ktconvert.architecture import resolve
+from ktconvert.architectures.manifests import resolve
 from ktconvert.errors import KtConvertError
 from ktconvert.launchcheck.readers import Reads
 

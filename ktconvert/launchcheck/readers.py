@@ -18,7 +18,7 @@ from ktconvert.errors import InputError
 from ktconvert.formats import gguf_header
 from ktconvert.formats.safetensors_reader import DTYPES, MAX_HEADER_BYTES, ShardHeader, parse_remote_header
 from ktconvert.layouts.naming import INDEX_NAME
-from ktconvert.safe_read import open_regular, read_json, unsafe_name
+from ktconvert.util.safe_read import open_regular, read_json, unsafe_name
 
 
 @dataclass

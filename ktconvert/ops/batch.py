@@ -35,9 +35,9 @@ from pathlib import Path
 
 from ktconvert.cpu.plan import CpuOptions, plan_cpu
 from ktconvert.errors import EXIT_ERROR, InputError, KtConvertError, OutputError
-from ktconvert.inputs import open_input
+from ktconvert.run.inputs import open_input
 from ktconvert.vocabulary import choices, choose
-from ktconvert.toml_schema import Field, check_table as _check_table, read_toml
+from ktconvert.util.toml_schema import Field, check_table as _check_table, read_toml
 
 CPU_FIELDS = {"method": Field(str), "numa": Field(int, 1), "layout": Field(str, choices=("safetensors", "kt")),
               "quant": Field(str), "group_size": Field(int, 1), "threads": Field(int, 1),
@@ -193,7 +193,7 @@ def plan_jobs(jobs: list[dict]) -> list[dict]:
 def run_jobs(jobs: list[dict], keep_going: bool = False, progress=None) -> dict:
     """Run every job in order; returns {"ok", "exit_code", "jobs": [per-job summary]}. Never raises for a job's
     failure (it is recorded); stops after the first failure unless keep_going (the rest are "skipped")."""
-    from ktconvert.progress import Progress
+    from ktconvert.util.progress import Progress
 
     progress = progress or Progress()
     results, stop, exit_code = [], False, 0

@@ -23,7 +23,7 @@ from pathlib import Path
 from ktconvert.errors import KtConvertError, OutputError, VerifyError
 from ktconvert.formats.fileio import FileHasher, NewFile, create_new, open_dir
 from ktconvert.ops.hub import files_digest
-from ktconvert.safe_read import MAX_MANIFEST_BYTES, open_regular, parse_json, unsafe_name
+from ktconvert.util.safe_read import MAX_MANIFEST_BYTES, open_regular, parse_json, unsafe_name
 
 MANIFEST_NAME = "ktconvert.json"
 CHUNK = 4 << 20
@@ -81,7 +81,7 @@ def bundle(out, dest, level: int = DEFAULT_LEVEL, progress=None, force: bool = F
     import zstandard
 
     from ktconvert.formats.out_manifest import load_manifest, self_hash_problem
-    from ktconvert.progress import Progress
+    from ktconvert.util.progress import Progress
 
     progress = progress or Progress()
     out, dest = Path(out), Path(dest)

@@ -19,7 +19,7 @@ from pathlib import Path
 from ktconvert.errors import InputError, RemoteError, VerifyError
 from ktconvert.ops.hub_clients import HUBS, HubClient, RemoteFile, client_for, remote_call  # noqa: F401  (API)
 from ktconvert.ops.remote_names import check_remote_names, check_repo_id
-from ktconvert.safe_read import MAX_MANIFEST_BYTES, parse_json
+from ktconvert.util.safe_read import MAX_MANIFEST_BYTES, parse_json
 from ktconvert.verification.identity import check_integrity
 from ktconvert.verification.launch import check_launch
 
@@ -125,7 +125,7 @@ def publish(out, repo: str, hub: str = "hf", revision: str | None = None, privat
     "files". VerifyError if the local folder or the remote does not match; RemoteError on hub failures."""
     from ktconvert.formats.out_manifest import load_manifest
     from ktconvert.verification.hashes import verify_hashes
-    from ktconvert.progress import Progress
+    from ktconvert.util.progress import Progress
 
     progress = progress or Progress()
     out = Path(out)
@@ -219,7 +219,7 @@ def resolve_source(src: str, revision: str | None = None, endpoint: str | None =
     The repo's listing is read first and every name in it checked (remote_names.check_remote_names): a repo naming
     a file outside the download folder is refused (RemoteError) before any file is requested; then exactly the
     listed *.json / *.safetensors / *.gguf files are downloaded."""
-    from ktconvert.progress import Progress
+    from ktconvert.util.progress import Progress
 
     progress = progress or Progress()
     client, repo, pinned, remote, cache_dir = list_source(src, revision, endpoint, cache_dir)

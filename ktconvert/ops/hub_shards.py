@@ -27,7 +27,7 @@ from ktconvert.formats.safetensors_reader import MAX_HEADER_BYTES
 from ktconvert.layouts.naming import INDEX_NAME
 from ktconvert.ops.hub import download_checked, list_source, remote_call, source_files, source_record
 from ktconvert.ops.hub_clients import HubClient, RemoteFile
-from ktconvert.progress import Progress
+from ktconvert.util.progress import Progress
 
 HEAD_BYTES = 1 << 16       # the first request of a shard's header: most headers fit; a longer one takes a second
 

@@ -17,7 +17,7 @@ import re
 from typing import Iterable
 
 from ktconvert.errors import InputError, RemoteError
-from ktconvert.safe_read import unsafe_name
+from ktconvert.util.safe_read import unsafe_name
 
 # ModelScope: owner/name with the characters Hugging Face allows (its server's exact rule is not documented)
 _MS_REPO = re.compile(r"[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ktconvert.errors import InputError
 from ktconvert.formats.safetensors_reader import Checkpoint, ShardHeader, parse_header
-from ktconvert.safe_read import read_json
+from ktconvert.util.safe_read import read_json
 
 
 @dataclass

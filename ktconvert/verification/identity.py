@@ -17,7 +17,7 @@ import re
 
 from ktconvert.formats.fileio import hash_file
 from ktconvert.formats.out_manifest import MANIFEST_NAME, SELF_KEY, self_hash_problem
-from ktconvert.safe_read import unsafe_name
+from ktconvert.util.safe_read import unsafe_name
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 

@@ -30,7 +30,7 @@ from ktconvert.formats.fileio import TensorHasher, copy_hashed, remove_name, wri
 from ktconvert.formats.out_manifest import manifest_bytes
 from ktconvert.formats.safetensors_reader import parse_header
 from ktconvert.layouts.naming import key_for_kt_path
-from ktconvert.parts import PART_NAME
+from ktconvert.distributed.parts import PART_NAME
 from ktconvert.verification.hashes import file_hashes
 
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))    # linked files hashed at once

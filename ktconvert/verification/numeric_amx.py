@@ -25,7 +25,7 @@ import numpy as np
 from ktconvert.errors import InputError, KtConvertError, UsageError, VerifyError
 from ktconvert.formats.sources import open_recorded_source
 from ktconvert.native import forward as native_rt
-from ktconvert.parts import parse_layers
+from ktconvert.distributed.parts import parse_layers
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verification.reader import KtOutput
 

@@ -25,7 +25,7 @@ import numpy as np
 from ktconvert.errors import InputError, UnknownNameError, VerifyError
 from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.layouts.naming import PROJS, kt_relpath, merged_key, parse_kt_relpath, part_shape
-from ktconvert.safe_read import check_regular, open_regular
+from ktconvert.util.safe_read import check_regular, open_regular
 from ktconvert.verification.folder import OutputFolder
 
 _NUMA_DIR = re.compile(r"^_numa_(\d+)$")

@@ -1,4 +1,4 @@
-"""``verify --report FILE.html``: what ``verify`` measured, as one self-contained page (``ktconvert.report``).
+"""``verify --report FILE.html``: what ``verify`` measured, as one self-contained page (``ktconvert.util.svg_report``).
 
 The page, in order:
 
@@ -24,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ktconvert import __version__, report as html
+from ktconvert import __version__
+
+from ktconvert.util import svg_report as html
 from ktconvert.errors import KtConvertError, OutputError, UsageError
 from ktconvert.formats.fileio import write_atomic
 from ktconvert.formats.out_manifest import MANIFEST_NAME, load_manifest

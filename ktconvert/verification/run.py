@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 
 from ktconvert.errors import InputError, KtConvertError, ShapeError, UnknownNameError, UsageError
-from ktconvert.extras import require
+from ktconvert.util.extras import require
 from ktconvert.formats import out_manifest
 from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.gpu import verify as gpu_verify
 from ktconvert.methods import METHODS, CpuMethod
 from ktconvert.ops import bundle as ops_bundle, hub as ops_hub
-from ktconvert.parts import parse_layers
+from ktconvert.distributed.parts import parse_layers
 from ktconvert.verification import calibrated
 from ktconvert.verification.folder import OutputFolder
 from ktconvert.verification.hashes import verify_hashes

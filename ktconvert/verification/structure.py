@@ -14,7 +14,7 @@ from ktconvert.errors import InputError
 from ktconvert.formats.inplace_sink import InplaceSink
 from ktconvert.formats.safetensors_reader import DTYPES
 from ktconvert.layouts.naming import INDEX_NAME, PROJS, kt_relpath, merged_key, part_shape
-from ktconvert.safe_read import read_json
+from ktconvert.util.safe_read import read_json
 from ktconvert.verification.folder import OutputFolder
 
 _EXPERT_KEY = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_exps\.")

@@ -1,0 +1,1 @@
+"""MoE families: the manifests/ loader and resolver, and expert tensor names."""

@@ -1,0 +1,1 @@
+"""Beyond one process: layer-range parts, their merge, and Ray executors."""

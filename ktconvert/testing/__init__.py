@@ -1,1 +1,0 @@
-"""Test fixtures that ship with the package: seeded tiny checkpoints and a local hub stand-in."""
