@@ -33,12 +33,13 @@ from ktconvert.distributed import ray_convert as ray_executor
 from ktconvert.distributed import ray_gptq
 from ktconvert.run.local import convert_here, plan_outputs, target_list  # noqa: F401  (plan_outputs: API)
 from ktconvert.cpu import convert as cpu_convert
-from ktconvert.cpu.plan import CpuOptions, plan_cpu, render as render_cpu_plan
+from ktconvert.cpu.options import CpuOptions
 from ktconvert.util.envinfo import env_info
 from ktconvert.errors import UsageError
 from ktconvert.util.extras import require
 from ktconvert.gpu import convert as gpu_convert
-from ktconvert.gpu.plan import GpuOptions, plan_gpu, render_gpu
+from ktconvert.gpu.options import GpuOptions
+from ktconvert.kinds import KINDS
 from ktconvert.run.inputs import open_input
 from ktconvert.launchcheck import run as launch_check
 from ktconvert.distributed.merge import merge
@@ -52,8 +53,8 @@ from ktconvert.verification import report_html, run as verify_run
 from ktconvert.vocabulary import choices, choose  # noqa: F401  (the API's vocabulary, asked by the CLI)
 
 __all__ = ["ConvertResult", "CpuOptions", "GpuOptions", "InspectResult", "PlanResult", "VerifyResult", "batch",
-           "bundle", "check", "convert", "convert_cpu", "convert_gpu", "env_info", "expert_stats", "families", "inspect",
-           "load_jobs", "make_tiny_model", "merge", "methods", "plan", "publish", "unbundle", "verify"]
+           "bundle", "check", "convert", "convert_cpu", "convert_gpu", "env_info", "expert_stats", "families",
+           "inspect", "load_jobs", "make_tiny_model", "merge", "methods", "plan", "publish", "unbundle", "verify"]
 
 EXECUTORS = ("local", "ray")            # where a conversion runs: this process, or Ray tasks (ray_executor)
 
@@ -74,9 +75,10 @@ def convert(src, targets, *, threads: int | None = None, resume: bool = False, f
     """Write several outputs of `src` reading it once, each from every decoded layer as it goes by.
 
     targets: a list of tables, one per output: {"cpu": OUT, "method": ..., "numa": ..., ...} or {"gpu": OUT,
-    "experts": ..., ...} with the fields of CpuOptions / GpuOptions (ktconvert.run.targets; unknown keys and wrong
-    types are UsageErrors naming the target and the key); or the path of a targets file holding them as
-    [[targets]] tables; or (out, CpuOptions | GpuOptions | a dict of either's fields) pairs. RTN / MSE only:
+    "experts": ..., ...}: the key of an output kind (ktconvert.kinds.KINDS) holding OUT, with the fields of its
+    options (CpuOptions / GpuOptions; ktconvert.run.targets: unknown keys and wrong types are UsageErrors naming the
+    target and the key); or the path of a targets file holding them as [[targets]] tables; or (out, options) pairs
+    (CpuOptions | GpuOptions | any kind's options, or a dict of their fields). RTN / MSE only:
     GPTQ runs one output at a time (use convert_cpu / convert_gpu).
     Each output's bytes, manifest included, equal what convert_cpu / convert_gpu write alone. Every plan is
     checked (also the free disk the outputs need together) before any OUT is created; two targets may not share
@@ -207,15 +209,16 @@ def plan(src, cpu=None, gpu=None, *, out=None, threads: int | None = None, place
             raise UsageError("plan takes targets or cpu / gpu / out options, not both")
         wanted = target_list(targets)
         planned, combined = plan_targets(open_input(src), wanted, threads)
-        gpu = next((GpuOptions.make(**t.values) for t in wanted if t.kind == "gpu"), None)
+        gpu = next((GpuOptions.make(**t.values) for t in wanted if t.kind == "gpu"), None)   # placement's scheme
         return PlanResult(source=str(getattr(src, "spec", src)), targets=planned, combined=combined,
                           placement=None if placement is None else _plan_placement(src, gpu, placement))
     if cpu is None and gpu is None and placement is None:
         raise UsageError("nothing to plan", expected="CPU options (method=...), GPU options (gpu=...), targets "
                                                      "and / or a GPU expert placement (placement=...)")
     input = open_input(src)
-    return PlanResult(source=input.spec, cpu=None if cpu is None else plan_cpu(input, cpu, out=out, threads=threads),
-                      gpu=None if gpu is None else plan_gpu(input, gpu),
+    cpu_plan, gpu_plan = (None if options is None else KINDS.get(name).plan(input, options, out=out, threads=threads)
+                          for name, options in (("cpu", cpu), ("gpu", gpu)))
+    return PlanResult(source=input.spec, cpu=cpu_plan, gpu=gpu_plan,
                       placement=None if placement is None else _plan_placement(src, gpu, placement))
 
 
@@ -363,8 +366,8 @@ def methods() -> dict:
     sizes, NUMA rule (n/k multiples) and whether kt-kernel needs AMX to run it."""
     return {"methods": [{"name": m.name, "kt_method": m.kt_method, "writable": m.writable,
                          "converted": m.needs_conversion, "layouts": list(m.layouts) if m.writable else [],
-                         "group_sizes": list(m.group_sizes), "quants": list(m.quants), "n_multiple": m.n_multiple, "k_multiple": m.k_multiple,
-                         "needs_amx": m.needs_amx,
+                         "group_sizes": list(m.group_sizes), "quants": list(m.quants), "n_multiple": m.n_multiple,
+                         "k_multiple": m.k_multiple, "needs_amx": m.needs_amx,
                          "needs_avx512": m.needs_avx512, "description": (m.__doc__ or "").strip().splitlines()[0]}
                         for m in all_methods()]}
 
@@ -389,11 +392,10 @@ def render(result, kind: str | None = None) -> str:
     if isinstance(result, ConvertResult):
         return result.summary()
     if isinstance(result, PlanResult):
-        parts = [f"{t['name']}:\n" + (render_cpu_plan if t["kind"] == "cpu" else render_gpu)(t["plan"].report)
-                 for t in result.targets or []]
+        parts = [f"{t['name']}:\n" + KINDS.get(t["kind"]).render(t["plan"].report) for t in result.targets or []]
         parts += [render_combined(result.source, result.targets, result.combined)] if result.targets else []
-        parts += [render_cpu_plan(result.cpu.report)] if result.cpu is not None else []
-        parts += [render_gpu(result.gpu.report)] if result.gpu is not None else []
+        parts += [KINDS.get(name).render(one.report) for name, one in (("cpu", result.cpu), ("gpu", result.gpu))
+                  if one is not None]
         return "\n\n".join(parts + ([render_placement(result.placement)] if result.placement is not None else []))
     if isinstance(result, VerifyResult):
         text = verify_run.render(result.to_dict())

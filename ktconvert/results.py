@@ -5,23 +5,25 @@ dumps ``to_dict()`` for ``--json``.
 """
 from __future__ import annotations
 
-import shlex
 from dataclasses import asdict, dataclass, field
+
+from ktconvert.kinds import KINDS, OutputKind
 
 
 @dataclass(frozen=True)
 class ConvertResult:
     """One output written (or found complete) by convert_cpu / convert_gpu / convert.
 
-    out: the output folder; kind: "cpu" | "gpu"; method: the kt-kernel method ("AMXINT4", ...) of a CPU output or
-    the expert scheme ("W4A16" / "W8A16") of a GPU output; files: the relative paths ktconvert.json lists (a part:
-    its part manifest), file_count how many, bytes their size; flags: the kt-kernel / SGLang options the output
-    needs as ktconvert.json records them (``kt-weight-path`` / ``model`` "." = the output folder itself);
-    sglang_args: the same as one string with the folder's absolute path filled in ("" for a part, which cannot run
-    before ``merge``); part: a part's MoE layers (``--layers``), else (); timings: seconds per phase (plan, open,
-    convert, finalize, total); complete_before: ``resume`` found the output complete and wrote nothing; notes: what
-    the output needs at run time and what the conversion had to decide (e.g. GPTQ experts without calibration
-    tokens); details: method-specific figures (GPTQ tokens per expert, ...).
+    out: the output folder; kind: its output kind (kinds.KINDS: "cpu", "gpu", ...); method: the kt-kernel method
+    ("AMXINT4", ...) of a CPU output or the expert scheme ("W4A16" / "W8A16") of a GPU output; files: the relative
+    paths ktconvert.json lists (a part: its part manifest), file_count how many, bytes their size; flags: the
+    kt-kernel / SGLang options the output needs as ktconvert.json records them (``kt-weight-path`` / ``model`` "." =
+    the output folder itself); sglang_args: the same as one string with the folder's absolute path filled in ("" for
+    a part, which cannot run before ``merge``); part: a part's MoE layers (``--layers``), else (); timings: seconds
+    per phase (plan, open, convert, finalize, total); complete_before: ``resume`` found the output complete and
+    wrote nothing; notes: what the output needs at run time and what the conversion had to decide (e.g. GPTQ experts
+    without calibration tokens); details: method-specific figures (GPTQ tokens per expert, ...). summary() ends with
+    the kind's launch lines (``OutputKind.launch_lines``).
     """
 
     out: str
@@ -46,10 +48,8 @@ class ConvertResult:
             return "; ".join([head.replace("wrote ", "wrote part ", 1) + f" (MoE layers {_spans(self.part)})",
                               *self.notes, "a part cannot be served: merge the parts with ktconvert merge OUT PART "
                               "PART..."])
-        how = f"run SGLang with {self.sglang_args}" if self.kind == "gpu" else f"run with {self.sglang_args}"
-        check = [f"on the serving host: ktconvert check {shlex.quote(self.out)} -- {self.sglang_args}"] \
-            if self.kind == "cpu" else []
-        return "; ".join([head, *self.notes, how, *check])
+        kind = KINDS.get(self.kind) if self.kind in KINDS else OutputKind
+        return "; ".join([head, *self.notes, *kind.launch_lines(self.sglang_args, self.out)])
 
     __str__ = summary
 

@@ -7,15 +7,17 @@ from ktconvert.errors import UnknownNameError, UsageError
 from ktconvert.gpu.experts import EXPERT_SCHEMES
 from ktconvert.gpu.plan import QUANTS as GPU_QUANTS
 from ktconvert.methods import METHODS, writable_names
+from ktconvert.methods.base import method_option_values
 from ktconvert.quant.row_quant import ROW_QUANT
 
 _CHOICES = {"method": writable_names, "cpu-quant": lambda: ROW_QUANT.names() + ["gptq"],
-            "gpu-quant": lambda: list(GPU_QUANTS), "experts": lambda: sorted(EXPERT_SCHEMES)}
+            "gpu-quant": lambda: list(GPU_QUANTS), "experts": lambda: sorted(EXPERT_SCHEMES),
+            "ggml-type": lambda: method_option_values("ggml_type")}
 
 
 def choices(kind: str) -> list[str]:
-    """The values an option of `kind` accepts ("method", "cpu-quant", "gpu-quant", "experts"), from the
-    registries."""
+    """The values an option of `kind` accepts ("method", "cpu-quant", "gpu-quant", "experts", "ggml-type": a
+    method option's), from the registries."""
     return _CHOICES[kind]()
 
 

@@ -36,8 +36,13 @@ def test_choices_are_case_insensitive(tiny_model, tmp_path):
     assert (manifest["method"], manifest["quant"], manifest["layout"]) == ("AMXINT4", "mse", "kt")
     plan = json.loads(run("plan", model, "--experts", "W8A16", "--linears", "FP8", "--json").stdout)
     assert plan["gpu"]["experts"] == "w8a16" and plan["gpu"]["linears"] == "fp8"
-    bad = run("cpu", model, tmp_path / "b", "--method", "llamafile", code=2)
-    assert "does not write LLAMAFILE" in bad.output and not (tmp_path / "b").exists()
+    run("cpu", model, tmp_path / "c", "--method", "LlamaFile", "--ggml-type", "q8_0", "--quiet")
+    manifest = json.loads((tmp_path / "c" / "ktconvert.json").read_text())
+    assert (manifest["method"], manifest["layout"], manifest["ggml_type"]) == ("LLAMAFILE", "gguf", "Q8_0")
+    bad = run("cpu", model, tmp_path / "b", "--method", "amxint4", "--ggml-type", "Q4_K", code=2)
+    assert "--ggml-type does not apply to --method amxint4" in bad.output and not (tmp_path / "b").exists()
+    bad = run("cpu", model, tmp_path / "b", "--method", "llamafile", "--ggml-type", "Q3_K", code=2)
+    assert "Q3_K" in bad.output and "Q4_K" in bad.output and not (tmp_path / "b").exists()
 
 
 def test_deprecated_spellings_warn_and_still_work(tiny_model, tmp_path):

@@ -196,7 +196,9 @@ def test_plan_biases_and_in_place_methods(tiny_models):
     p = plan(tiny_models["gpt_oss"], method="amxint4", numa=1)
     assert any("carry no bias" in n for n in p["notes"])
     b = plan(tiny_models["qwen3_moe"], method="bf16", numa=2)
-    assert b["expert_bytes"] == 3 * INTER * HIDDEN * 2 and b["total_bytes"] == 2 * EXPERTS * b["expert_bytes"]
+    assert b["expert_bytes"] == 3 * INTER * HIDDEN * 2 and b["total_bytes"] == sum(f["bytes"] for f in b["files"])
+    shards = [f["bytes"] for f in b["files"] if f["path"].endswith(".safetensors")]
+    assert len(shards) == 2 and 0 < sum(shards) - 2 * EXPERTS * b["expert_bytes"] <= 2 * EXPERTS * 3 * 200  # headers
     r = plan(tiny_models["qwen3_moe"], method="rawint4", numa=1)
     assert r["expert_bytes"] == 3 * (INTER * HIDDEN // 2 + 2 * INTER * HIDDEN // 32 + 16)
     f = plan(tiny_models["qwen3_moe"], method="fp8", numa=1)
@@ -219,12 +221,16 @@ def test_cli_import_does_not_load_numpy():
 
 
 def test_index_size_multi_digit_experts():
-    from ktconvert.cpu.sizes import index_bytes as _index_bytes
+    from ktconvert.formats.kt_sink import KtSink
+    from ktconvert.methods import METHODS
 
-    layers, E, T = [5, 12, 100], 12, 3
+    layers, E, T, H, I = [5, 12, 100], 12, 3, 64, 96
+    planned = KtSink(None, "safetensors", METHODS.get("amxint8"), T, layers, E, H, I).planned_files()
     shards = [{"path": f"model-{i:05d}-of-00003.safetensors"} for i in range(1, 4)]
     weight_map = {f"blk.{L}.ffn_{p}_exps.{e}.numa.{t}.{part}": shards[i]["path"]
                   for i, L in enumerate(layers) for p in ("gate", "up", "down") for e in range(E)
                   for t in range(T) for part in ("weight", "scale")}
-    text = json.dumps({"metadata": {"total_size": 123456}, "weight_map": weight_map}, indent=2, sort_keys=True)
-    assert _index_bytes(layers, E, T, shards, 123456) == len(text + "\n")
+    # kt-format.md §2.2, AMXINT8 part [n, k]: n * k quant bytes, n fp32 scales; gate/up [I/T, H], down [H, I/T]
+    total = len(layers) * E * T * sum(n * k + 4 * n for n, k in ((I // T, H), (I // T, H), (H, I // T)))
+    text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
+    assert planned["model.safetensors.index.json"].nbytes == len(text + "\n")

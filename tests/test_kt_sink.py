@@ -14,17 +14,13 @@ from ktconvert.layouts.naming import dense_key
 
 
 class Int4Sizes:
-    """AMXINT4 sizes straight from kt-format.md §2.1: quant n*k/2 bytes, scale 4n bytes, prefix INT4."""
+    """AMXINT4 sizes straight from kt-format.md §2.1: quant n*k/2 bytes (I8), scale n fp32 values, prefix INT4."""
 
     file_prefix = "INT4"
 
     @staticmethod
-    def quant_bytes(n, k):
-        return n * k // 2
-
-    @staticmethod
-    def scale_bytes(n):
-        return 4 * n
+    def tensor_specs(n, k):
+        return {"weight": ("I8", (n * k // 2,)), "scale": ("F32", (n,))}
 
 
 def _blobs(seed: int, layer: int, E: int, T: int, H: int, I: int) -> dict:

@@ -47,8 +47,8 @@ def test_every_registered_method_is_complete():
         if method.writable:
             assert method.layouts and method.thresholds
             assert method.expert_bytes(256, 256, 1) > 0
-    assert writable_names() == ["amxint4", "amxint8", "bf16", "fp8", "fp8_perchannel", "gptq_int4", "mxfp8", "nvfp4",
-                              "rawint4"]
+    assert writable_names() == ["amxint4", "amxint8", "bf16", "fp8", "fp8_perchannel", "gptq_int4", "llamafile",
+                                "mxfp4", "mxfp8", "nvfp4", "rawint4"]
 
 
 def test_group_sizes_are_validated_and_listed():
@@ -60,8 +60,28 @@ def test_group_sizes_are_validated_and_listed():
         assert f"expected 32, found {size}" in str(info.value) and info.value.exit_code == EXIT_USAGE
         assert "kt-kernel 0.7.2" in str(info.value)
     assert METHODS.get("amxint8").configured(64) is METHODS.get("amxint8")   # no groups: the value is unused
-    with pytest.raises(UsageError, match="does not write LLAMAFILE"):
-        METHODS.get("llamafile").configured()
+    read_only = type("ReadOnly", (CpuMethod,), {"kt_method": "READONLY", "writable": False})   # no name: unregistered
+    with pytest.raises(UsageError, match="does not write READONLY") as info:
+        read_only.configured()
+    assert "llamafile" in str(info.value) and info.value.exit_code == EXIT_USAGE
+
+
+def test_method_options_apply_to_the_method_that_declares_them():
+    """--ggml-type is llamafile's own option (method_options): taken case-insensitively there, refused with a usage
+    error naming its owner everywhere else, ignored when not given (None)."""
+    llamafile = METHODS.get("llamafile")
+    assert llamafile.configured(ggml_type="q6_k").ggml_type == "Q6_K" and llamafile.configured().ggml_type == "Q4_K"
+    assert llamafile.configured(ggml_type=None) is llamafile
+    for name in ("amxint4", "bf16", "rawint4"):
+        assert METHODS.get(name).configured(ggml_type=None) is METHODS.get(name)
+        with pytest.raises(UsageError, match="--ggml-type does not apply to --method " + name) as info:
+            METHODS.get(name).configured(ggml_type="Q4_K")
+        assert "option of --method llamafile" in str(info.value) and info.value.exit_code == EXIT_USAGE
+    with pytest.raises(UsageError, match="Q3_K is not written by LLAMAFILE"):
+        llamafile.configured(ggml_type="Q3_K")
+    manifest = {"method": "LLAMAFILE", "numa": 1, "extra": {"ggml_type": "Q8_0"}}
+    assert CpuMethod.from_manifest(manifest).ggml_type == "Q8_0"
+    assert CpuMethod.from_manifest({"method": "RAWINT4", "group_size": 32, "ggml_type": None}) is METHODS.get("rawint4")
 
 
 def test_cpu_rawint4_bad_group_size_is_a_usage_error_before_writing(tiny_model, tmp_path):
@@ -137,7 +157,10 @@ def test_inspect_offers_every_writable_method_for_a_bf16_model(tiny_model):
     assert lines["BF16"].startswith("as is")
     for kt_method in ("FP8", "RAWINT4", "AMXINT4", "AMXINT8"):
         assert lines[kt_method].startswith("convert: ktconvert cpu MODEL OUT --method " + kt_method.lower())
-    assert lines["LLAMAFILE"].startswith("no: needs GGUF")
+    assert lines["LLAMAFILE"] == "convert: ktconvert cpu MODEL OUT --method llamafile"     # I = 256: one block
+    # I = 128 is no multiple of QK_K = 256, the first of kt-kernel's LLAMAFILE rules
+    assert inspect(tiny_model("qwen3_moe", intermediate=128))["kt_methods"]["LLAMAFILE"] == \
+        "no: needs I % 256 == 0 (kt-kernel's LLAMAFILE), found I = 128"
 
 
 def test_cpu_rawint4_says_it_needs_amx_where_the_cpu_lacks_it(tiny_model, tmp_path, monkeypatch):

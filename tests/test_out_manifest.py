@@ -19,11 +19,10 @@ from ktconvert.verification.run import render, verify
 
 
 class Int4Sizes:
-    """AMXINT4 sizes from kt-format.md §2.1 (quant n*k/2, scale 4n)."""
+    """AMXINT4 sizes from kt-format.md §2.1 (quant n*k/2 bytes, scale n fp32 values)."""
 
     file_prefix = "INT4"
-    quant_bytes = staticmethod(lambda n, k: n * k // 2)
-    scale_bytes = staticmethod(lambda n: 4 * n)
+    tensor_specs = staticmethod(lambda n, k: {"weight": ("I8", (n * k // 2,)), "scale": ("F32", (n,))})
 
 
 def make_output(out, layout="safetensors", numa=2, layers=(1, 2), experts=2, hidden=256, intermediate=256,
@@ -40,7 +39,7 @@ def make_output(out, layout="safetensors", numa=2, layers=(1, 2), experts=2, hid
     for layer in layers:
         writer = sink.begin_layer(layer)
         for proj in ("gate", "up", "down"):
-            n, k = sink.sizes[proj][:2]
+            n, k = sink.shapes[proj]
             for e in range(experts):
                 for t in range(numa):
                     writer.put(proj, e, t, rng.integers(0, 256, n * k // 2, dtype=np.uint8),

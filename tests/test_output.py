@@ -4,6 +4,7 @@ manifests once."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -50,7 +51,8 @@ def test_a_second_writer_is_refused_naming_the_holder(tiny_model, tmp_path):
         for extra in ("--resume", "--force"):
             res = _ktconvert("cpu", src, out, "--method", "amxint4", "--quiet", extra)
             assert res.returncode == EXIT_ERROR, res.stderr
-            assert f"another ktconvert process (pid {holder.pid}) is writing this output directory" in res.stderr
+            assert f"another ktconvert process (pid {holder.pid} on host {socket.gethostname()}) is writing this " \
+                   "output directory" in res.stderr
         assert (out / ".ktconvert-journal.json").is_file()      # --force deleted nothing under the lock
     finally:
         holder.communicate("")
@@ -67,7 +69,8 @@ def test_gpu_and_one_pass_outputs_are_locked_too(tiny_model, tmp_path):
     try:
         res = _ktconvert("convert", src, "--cpu", tmp_path / "cpu", "--method", "amxint4", "--gpu", tmp_path / "gpu",
                          "--quiet")
-        assert res.returncode == EXIT_ERROR and f"(pid {holder.pid})" in res.stderr, res.stderr
+        holder_named = f"(pid {holder.pid} on host {socket.gethostname()})"
+        assert res.returncode == EXIT_ERROR and holder_named in res.stderr, res.stderr
         assert not (tmp_path / "cpu").exists()          # the other output of the pass was undone
     finally:
         holder.communicate("")

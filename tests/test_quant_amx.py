@@ -240,9 +240,9 @@ def test_registry_names_and_geometry():
         ("AMXINT4", "INT4", 32, 128, 128)
     assert (AmxInt8.kt_method, AmxInt8.file_prefix, AmxInt8.n_multiple, AmxInt8.k_multiple, AmxInt8.n_block) == \
         ("AMXINT8", "INT8", 32, 64, 64)
-    # kt-format.md §2.1 real sizes: DeepSeek-V3 gate part 1024 x 7168
-    assert AmxInt4.quant_bytes(1024, 7168) == 3670016 and AmxInt4.scale_bytes(7168) == 28672
-    assert AmxInt8.quant_bytes(64, 128) == 8192 and AmxInt8.scale_bytes(64) == 256
+    # kt-format.md §2.1 real sizes: DeepSeek-V3 gate part 1024 x 7168, down part 7168 x 1024
+    assert AmxInt4.matrix_bytes(1024, 7168)["weight"] == 3670016 and AmxInt4.matrix_bytes(7168, 1024)["scale"] == 28672
+    assert AmxInt8.matrix_bytes(64, 128) == {"weight": 8192, "scale": 256}
 
 
 @pytest.mark.parametrize("method", [AmxInt4, AmxInt8])
@@ -252,8 +252,8 @@ def test_method_quantize_is_quant_plus_pack_and_dequantize_inverts_layout(method
     blob, scale = method.quantize(w, where="x")
     codes, d = method._quantize_rows(w)
     pack = tiles.pack_int4 if method is AmxInt4 else tiles.pack_int8
-    assert blob.dtype == np.uint8 and blob.size == method.quant_bytes(160, 3712)
-    assert scale.dtype == np.float32 and scale.nbytes == method.scale_bytes(160)
+    assert blob.dtype == np.uint8 and blob.size == method.matrix_bytes(160, 3712)["weight"]
+    assert scale.dtype == np.float32 and scale.nbytes == method.matrix_bytes(160, 3712)["scale"]
     assert blob.tobytes() == pack(codes).tobytes() and scale.tobytes() == d.tobytes()
     deq = method.dequantize(blob, scale, 160, 3712)
     ref = (amx.dequantize_int4_rows if method is AmxInt4 else amx.dequantize_int8_rows)(codes, d)

@@ -27,16 +27,16 @@ def test_groups_join_files_sharing_a_layer_in_source_order():
 
 
 def _job(file: str, offset: int, name: str) -> MatrixJob:
-    return MatrixJob(Path(file), offset, 1, 0, 0, ("gate",), key=(name, None))
+    return MatrixJob(Path(file), offset, 1, 0, 0, ("gate",), tensor=name)
 
 
 def test_merge_keeps_each_file_front_to_back_and_takes_the_smallest_name():
     one = [_job("1", 0, "e.0"), _job("1", 1, "e.1"), _job("1", 2, "e.10"), _job("1", 3, "e.2")]
     two = [_job("2", 0, "e.100"), _job("2", 1, "e.11"), _job("2", 2, "e.3")]
-    names = [j.key[0] for j in read_order.merged_jobs([one, two])]
+    names = [j.tensor for j in read_order.merged_jobs([one, two])]
     assert names == ["e.0", "e.1", "e.10", "e.100", "e.11", "e.2", "e.3"] == sorted(names)
     backwards = [_job("3", 0, "z"), _job("3", 1, "a")]                     # a file not sorted by name: its order wins
-    assert [j.key[0] for j in read_order.merged_jobs([backwards, one[:1]])] == ["e.0", "z", "a"]
+    assert [j.tensor for j in read_order.merged_jobs([backwards, one[:1]])] == ["e.0", "z", "a"]
 
 
 @pytest.fixture(scope="module")

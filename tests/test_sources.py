@@ -84,7 +84,7 @@ def test_decoder_subclasses_register_and_duplicates_are_refused(monkeypatch):
     assert sorted(DECODERS.names()) == sorted(["plain", "fp8-block", "float-quantized", "pack-quantized", "mxfp4",
                                                "gptq", "gptq-v2", "awq", "fp8-scaled", "fbgemm-fp8", "mxfp8",
                                                "nvfp4", "nvfp4-pack-quantized", "mxfp4-pack-quantized", "modelopt",
-                                               "test-int3"])
+                                               "deepseek-v4", "test-int3"])
 
 
 def test_unknown_quant_method_lists_the_known_ones():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import socket
 import signal
 import subprocess
 import sys
@@ -173,7 +174,8 @@ def test_each_out_is_locked(singles, tmp_path):
     holder = _hold_lock(src, outs[1], "cpu")
     try:
         res = _ktconvert("convert", src, *args, "--quiet")
-        assert res.returncode == EXIT_ERROR and f"(pid {holder.pid})" in res.stderr and str(outs[1]) in res.stderr
+        holder_named = f"(pid {holder.pid} on host {socket.gethostname()})"
+        assert res.returncode == EXIT_ERROR and holder_named in res.stderr and str(outs[1]) in res.stderr
         assert not outs[0].exists() and not outs[2].exists()      # the outputs opened before it were undone
     finally:
         holder.communicate("")

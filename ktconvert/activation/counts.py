@@ -86,13 +86,7 @@ def file_sha256(path) -> str:
 def source_identity(source) -> dict:
     """A cheap fingerprint of an HFSource (no weight bytes read): config.json's sha256 and, per weight file, its
     size and the sha256 of its safetensors header (tensor names, dtypes, shapes, offsets)."""
-    files = {}
-    for shard in source.checkpoint.shards:
-        with open(shard.path, "rb") as fh:
-            header = fh.read(shard.header_bytes)
-        files[source.relative_name(shard.path)] = {"bytes": int(shard.file_bytes),
-                                                   "header_sha256": hashlib.sha256(header).hexdigest()}
-    return {"config_sha256": source.config_sha256(), "files": files}
+    return {"config_sha256": source.config_sha256(), "files": source.header_digests()}
 
 
 def payload_bytes(activation: ExpertActivation) -> bytes:

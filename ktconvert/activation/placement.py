@@ -153,7 +153,7 @@ def plan_placement(src, *, ratio: float | None = None, per_layer: int | None = N
     if (ratio is None) == (per_layer is None):
         raise InputError("give the GPU expert budget one way", expected="a ratio or a per-layer count")
     source = src.source if isinstance(src, Input) else HFSource.open(src)     # an Input: opened with its options
-    layers = sglang_moe_layers(source.checkpoint.config)
+    layers = sglang_moe_layers(source.config_json())
     budget = gpu_expert_budget(layers, ratio, per_layer)
     freq, made_from = None, None
     if stats is not None:

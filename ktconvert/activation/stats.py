@@ -97,15 +97,15 @@ def expert_stats(src, out, calibration, *, max_length: int = 2048, num_samples: 
     targets = [out] + ([Path(report)] if report else [])
     _check_targets(out, targets, force)
     source = HFSource.open(src)
-    samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
+    samples = load_samples(calibration, source.model_dir(), max_length=max_length, num_samples=num_samples,
                            vocab_size=source.info.config.get("vocab_size"))
     activation = collect_activation(source, samples, dtype=dtype, device=device, calibration_file=calibration,
                                     progress=progress)
     write_activation(out, activation)
     if report:
-        write_report(report, activation, title=f"Expert activation: {source.root.name}",
-                     layers=sglang_moe_layers(source.checkpoint.config))
-    return summary(activation, out, report, source.checkpoint.config)
+        write_report(report, activation, title=f"Expert activation: {source.model_dir().name}",
+                     layers=sglang_moe_layers(source.config_json()))
+    return summary(activation, out, report, source.config_json())
 
 
 def write_gptq_activation(out_dir, source, tokens_by_layer: dict, calibration, *, max_length: int = 2048,
@@ -118,9 +118,9 @@ def write_gptq_activation(out_dir, source, tokens_by_layer: dict, calibration, *
     samples, calibration_file = calibration, None
     if not isinstance(calibration, list):
         calibration_file = calibration
-        samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
+        samples = load_samples(calibration, source.model_dir(), max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
-    dtype = str(torch_dtype_of(source.checkpoint.config)).replace("torch.", "")
+    dtype = str(torch_dtype_of(source.config_json())).replace("torch.", "")
     meta = activation_meta(source, samples, None, calibration_file,
                            {"hidden_states": "GPTQ stream (inputs from the quantized layers before)", "dtype": dtype})
     activation = activation_from_layers(tokens_by_layer, source.info.n_layers, source.info.n_experts, meta)

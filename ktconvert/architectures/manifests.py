@@ -12,11 +12,13 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ktconvert.errors import ManifestError
+from ktconvert.architectures.config_checks import check_tensors, check_values, mtp_count
 from ktconvert.architectures.expert_names import ExpertLayout, parse_experts
 
 MANIFEST_PATH_ENV = "KTCONVERT_MANIFEST_PATH"
@@ -37,7 +39,15 @@ CONFIG_FIELDS: dict[str, tuple[bool, Any]] = {
     "shared_intermediate": (False, None),   # default: intermediate * n_shared
 }
 TOP_KEYS = {"family", "model_types", "text_config", "name_prefixes", "mtp_prefix", "notes", "config", "defaults",
-            "moe_layers", "experts", "components", "tiny"}
+            "moe_layers", "experts", "components", "tiny", "gguf_architectures", "transformers_aliases", "linears"}
+# [linears]: the SGLang LinearBase modules of the GPU checkpoint, by kind; each regex matches the end of an HF module
+# name from a dot on. A manifest without the table gets SGLang's usual names (DEFAULT_LINEARS).
+LINEAR_KINDS = ("attention", "shared", "dense")
+DEFAULT_LINEARS: dict[str, tuple[str, ...]] = {
+    "attention": (r"(self_attn|linear_attn|attention)\.[^.]*proj[^.]*",),
+    "shared": (r"(mlp\.)?shared_experts?\.(gate|up|down|gate_up)_proj",),
+    "dense": (r"mlp\.(gate|up|down|gate_up)_proj",),
+}
 TINY_KEYS = {"config", "attention", "linear_attention", "attn_bias", "qk_norm", "q_gate", "sinks", "router",
              "router_bias", "router_bias_fp32", "shared", "shared_gate", "dense_mlp", "mtp", "extra_tensors",
              "name_prefix", "fused_transposed", "null_keys"}
@@ -62,6 +72,13 @@ class Manifest:
     tiny: dict[str, dict] = field(default_factory=dict)
     mtp_prefix: str = ""     # MTP layer k lives at "<mtp_prefix>layers.{k}." (Qwen3-Next: "mtp."), not at layer
                              # n_layers + k under the name prefix
+    gguf_architectures: dict[str, str] = field(default_factory=dict)    # GGUF general.architecture -> model_type
+    transformers_aliases: dict[str, str] = field(default_factory=dict)  # model_type -> the one transformers runs
+    linears: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_LINEARS))
+
+    def linear_kind(self, module: str) -> str | None:
+        """The [linears] kind of HF module `module` (module-level linear_kind with this manifest's table)."""
+        return linear_kind(module, self.linears)
 
 
 @dataclass(frozen=True)
@@ -163,16 +180,57 @@ def _str_list(source: str, value: Any, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _regex_list(source: str, value: Any, where: str) -> tuple[str, ...]:
+    """A list of regexes, each compiled once to refuse a bad one naming `where`."""
+    patterns = _str_list(source, value, where)
+    for pat in patterns:
+        try:
+            re.compile(pat)
+        except re.error as exc:
+            raise _fail(source, f"{where}: bad regex {pat!r}: {exc}") from None
+    return patterns
+
+
 def _parse_components(source: str, table: dict) -> dict[str, tuple[str, ...]]:
-    out = {}
-    for name, patterns in table.items():
-        out[name] = _str_list(source, patterns, f"[components] {name}")
-        for pat in out[name]:
-            try:
-                re.compile(pat)
-            except re.error as exc:
-                raise _fail(source, f"[components] {name}: bad regex {pat!r}: {exc}") from None
-    return out
+    return {name: _regex_list(source, patterns, f"[components] {name}") for name, patterns in table.items()}
+
+
+def _str_table(source: str, table: Any, where: str, values: tuple[str, ...] | None = None,
+               keys: tuple[str, ...] | None = None) -> dict[str, str]:
+    """A table of strings (``{ name = "value" }``); keys (values) must be among `keys` (`values`) when given."""
+    if not isinstance(table, dict) or not all(isinstance(v, str) and v for v in table.values()):
+        raise _fail(source, f"{where} must be a table of strings", found=repr(table))
+    for key, value in table.items():
+        if keys is not None and key not in keys:
+            raise _fail(source, f"{where}: {key!r} is not a model_type of this manifest",
+                        expected="one of " + ", ".join(keys))
+        if values is not None and value not in values:
+            raise _fail(source, f"{where} {key}: {value!r} is not a model_type of this manifest",
+                        expected="one of " + ", ".join(values))
+    return dict(table)
+
+
+def _parse_linears(source: str, table: Any) -> dict[str, tuple[str, ...]]:
+    if not isinstance(table, dict):
+        raise _fail(source, "[linears] must be a table", found=repr(table))
+    _check_keys(source, table, set(LINEAR_KINDS), "[linears] ")
+    return {kind: _regex_list(source, table[kind], f"[linears] {kind}") for kind in LINEAR_KINDS if kind in table}
+
+
+def linear_kind(module: str, linears: dict[str, tuple[str, ...]] = DEFAULT_LINEARS) -> str | None:
+    """The kind ("attention", "shared", "dense") under which a [linears] table names HF module `module` (a name
+    without ``.weight``; a pattern matches the name's end from a dot or its start), None when SGLang does not build
+    it as a LinearBase (routed experts never are)."""
+    if ".experts." in module:
+        return None
+    regexes = _linear_regexes(tuple(linears.items()))
+    return next((kind for kind, regex in regexes.items() if regex.search(module)), None)
+
+
+@lru_cache(maxsize=64)
+def _linear_regexes(linears: tuple[tuple[str, tuple[str, ...]], ...]) -> dict[str, re.Pattern]:
+    return {kind: re.compile("|".join(rf"(?:^|\.)(?:{p})$" for p in patterns)) for kind, patterns in linears
+            if patterns}
 
 
 def parse_manifest(text: str, source: str) -> Manifest:
@@ -197,9 +255,10 @@ def parse_manifest(text: str, source: str) -> Manifest:
     tiny = data.get("tiny", {})
     for model_type, table in tiny.items():
         _check_keys(source, table, TINY_KEYS, f"[tiny.{model_type}] ")
+    model_types = _str_list(source, data["model_types"], "model_types")
     return Manifest(
         family=data["family"],
-        model_types=_str_list(source, data["model_types"], "model_types"),
+        model_types=model_types,
         source=source,
         config_keys={name: _str_list(source, keys, f"[config] {name}") for name, keys in config.items()},
         defaults=dict(defaults),
@@ -211,6 +270,11 @@ def parse_manifest(text: str, source: str) -> Manifest:
         notes=data.get("notes", ""),
         tiny=tiny,
         mtp_prefix=data.get("mtp_prefix", ""),
+        gguf_architectures=_str_table(source, data.get("gguf_architectures", {}), "gguf_architectures",
+                                      values=model_types),
+        transformers_aliases=_str_table(source, data.get("transformers_aliases", {}), "transformers_aliases",
+                                        keys=model_types),
+        linears=_parse_linears(source, data["linears"]) if "linears" in data else dict(DEFAULT_LINEARS),
     )
 
 
@@ -251,6 +315,21 @@ def load_manifests() -> dict[str, Manifest]:
 def families() -> dict[str, Manifest]:
     """family name -> Manifest."""
     return {m.family: m for m in load_manifests().values()}
+
+
+def gguf_architectures(manifests: dict[str, Manifest] | None = None) -> dict[str, str]:
+    """GGUF ``general.architecture`` -> model_type, from every manifest's ``gguf_architectures`` (later wins)."""
+    manifests = load_manifests() if manifests is None else manifests
+    return {arch: model_type for m in {id(m): m for m in manifests.values()}.values()
+            for arch, model_type in m.gguf_architectures.items()}
+
+
+def transformers_alias(model_type: str) -> str | None:
+    """The model_type whose transformers classes run `model_type`'s checkpoints (a manifest's
+    ``transformers_aliases``: Kimi-K2 is DeepSeek-V3 to transformers), None when transformers knows it itself."""
+    manifests = load_manifests()
+    manifest = manifests.get(model_type)
+    return None if manifest is None else manifest.transformers_aliases.get(model_type)
 
 
 def manifest_for(model_type: str, manifests: dict[str, Manifest] | None = None) -> Manifest:
@@ -337,88 +416,6 @@ def _resolve_fields(config: dict, manifest: Manifest) -> tuple[dict[str, Any], d
     return fields, keys
 
 
-# least value of each integer field; experts_per_tok is also at most n_experts, mlp_only_layers within n_layers
-INT_MINIMUM = {"n_layers": 1, "n_experts": 1, "hidden": 1, "intermediate": 1, "experts_per_tok": 1,
-               "first_dense": 0, "layer_freq": 1, "sparse_step": 1, "mtp_layers": 0, "n_shared": 0,
-               "shared_intermediate": 0}
-# far above any model (61 layers, 512 experts, dims of a few thousand); they bound every loop over layers / experts
-MAX_LAYERS, MAX_EXPERTS, MAX_DIM = 1 << 12, 1 << 16, 1 << 20
-INT_MAXIMUM = {"n_layers": MAX_LAYERS, "mtp_layers": MAX_LAYERS, "n_experts": MAX_EXPERTS, "n_shared": MAX_EXPERTS,
-               "hidden": MAX_DIM, "intermediate": MAX_DIM, "shared_intermediate": MAX_DIM}
-
-
-def _bad_value(keys: dict[str, str], name: str, value, expected: str) -> ManifestError:
-    return ManifestError(f"{keys[name]} is not usable", file="config.json", expected=expected, found=repr(value))
-
-
-def _check_values(fields: dict[str, Any], keys: dict[str, str]) -> None:
-    """Every integer field an int (not a bool, not 8.5) in range; ManifestError naming the config key."""
-    for name, minimum in INT_MINIMUM.items():
-        value, maximum = fields[name], INT_MAXIMUM.get(name)
-        if value is None and name == "shared_intermediate":
-            continue
-        if type(value) is not int or value < minimum or (maximum is not None and value > maximum):
-            raise _bad_value(keys, name, value, f"an integer >= {minimum}" if maximum is None else
-                             f"an integer in [{minimum}, {maximum}]")
-    if fields["experts_per_tok"] > fields["n_experts"]:
-        raise _bad_value(keys, "experts_per_tok", fields["experts_per_tok"],
-                         f"at most {keys['n_experts']} = {fields['n_experts']}")
-    dense = fields["mlp_only_layers"]
-    if not isinstance(dense, (list, tuple)) or any(type(v) is not int or not 0 <= v < fields["n_layers"]
-                                                   for v in dense):
-        raise _bad_value(keys, "mlp_only_layers", dense,
-                         f"a list of layer indices in [0, {keys['n_layers']} = {fields['n_layers']})")
-
-
-def _dense_keys(rule: str, keys: dict[str, str], fields: dict[str, Any]) -> str:
-    names = {"first_dense_freq": ("first_dense", "layer_freq"), "sparse_step": ("sparse_step", "mlp_only_layers")}
-    return ", ".join(f"{keys[n]} = {fields[n]!r}" for n in names.get(rule, ()))
-
-
-def _mtp_count(names: list[str], manifest: Manifest, fields: dict[str, Any], keys: dict[str, str]) -> int:
-    """MTP layers: the config's count, or, when config.json has no count and the family keeps MTP layers under
-    mtp_prefix (Qwen3-Next), the number of such layers whose tensors are present."""
-    if not manifest.mtp_prefix or not keys["mtp_layers"].endswith("(default)"):
-        return fields["mtp_layers"]
-    regex = re.compile(re.escape(manifest.mtp_prefix) + r"layers\.(\d+)\.")
-    found = {int(m.group(1)) for m in map(regex.match, names) if m}
-    return max(found) + 1 if found else fields["mtp_layers"]
-
-
-def _check_tensors(names: list[str], prefix: str, manifest: Manifest, fields: dict[str, Any],
-                   keys: dict[str, str], moe_layers: set[int]) -> None:
-    """Tensors the config does not describe are errors, not silently dropped: a decoder layer >= n_layers (+ MTP),
-    an expert >= n_experts, routed experts in a layer the config makes dense (any storage layout)."""
-    n_layers = fields["n_layers"]
-    layers = n_layers + fields["mtp_layers"]
-    scopes = [(prefix, 0)] + ([(manifest.mtp_prefix, n_layers)] if manifest.mtp_prefix else [])
-    scopes = [(re.compile(re.escape(p) + r"layers\.(\d+)\."), offset, manifest.experts.name_regexes(p))
-              for p, offset in scopes]
-    for name in names:
-        match, offset, expert_res = next(((m, off, res) for m, off, res in
-                                          ((r.match(name), off, res) for r, off, res in scopes) if m),
-                                         (None, 0, ()))
-        if match is None:
-            continue
-        layer = int(match.group(1)) + offset
-        if layer >= layers:
-            raise ManifestError(f"tensor of layer {layer}, outside the {layers} layers config.json describes",
-                                file="config.json", tensor=name,
-                                expected=f"layers below {keys['n_layers']} = {n_layers} + "
-                                         f"{keys['mtp_layers']} = {fields['mtp_layers']}")
-        expert = next((m for m in (r.match(name) for r in expert_res) if m), None)
-        if expert is None:
-            continue
-        if layer < n_layers and layer not in moe_layers:
-            raise ManifestError(f"routed expert tensor in layer {layer}, which config.json makes a dense layer",
-                                file="config.json", tensor=name,
-                                found=_dense_keys(manifest.moe_rule, keys, fields) or "no MoE layer rule")
-        index = expert.groupdict().get("E")
-        if index is not None and int(index) >= fields["n_experts"]:
-            raise ManifestError(f"expert {index} is outside the experts config.json describes", file="config.json",
-                                tensor=name, expected=f"experts below {keys['n_experts']} = {fields['n_experts']}")
-
-
 def _pick_prefix(manifest: Manifest, tensor_names: Iterable[str] | None) -> str:
     if tensor_names is None:
         return manifest.name_prefixes[0]
@@ -447,7 +444,7 @@ def resolve(config: dict, tensor_names: Iterable[str] | None = None) -> ModelInf
                 break
     manifest = manifest_for(str(model_type), manifests)
     fields, keys = _resolve_fields(config, manifest)
-    _check_values(fields, keys)
+    check_values(fields, keys)
     n_layers = fields["n_layers"]
     moe_layers = tuple(MOE_RULES[manifest.moe_rule](n_layers, fields))
     n_shared = fields["n_shared"]
@@ -457,8 +454,8 @@ def resolve(config: dict, tensor_names: Iterable[str] | None = None) -> ModelInf
     names = None if tensor_names is None else list(tensor_names)
     prefix = _pick_prefix(manifest, names)
     if names is not None:
-        fields["mtp_layers"] = _mtp_count(names, manifest, fields, keys)
-        _check_tensors(names, prefix, manifest, fields, keys, set(moe_layers))
+        fields["mtp_layers"] = mtp_count(names, manifest, fields, keys)
+        check_tensors(names, prefix, manifest, fields, keys, set(moe_layers))
     return ModelInfo(
         family=manifest.family,
         model_type=str(config.get("model_type", model_type)),

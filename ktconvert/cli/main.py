@@ -5,7 +5,9 @@ and exits.
 Vocabulary, the same in every command: ``--method`` the CPU (kt-kernel) method; ``--quant`` the quantization
 algorithm (rtn | mse | gptq on `cpu`, rtn | gptq on `gpu`); ``--experts`` the GPU expert scheme (w4a16 | w8a16);
 ``--group-size`` the group size of grouped outputs; ``--sample-experts`` how many experts `verify` runs; ``--cpu``
-/ ``--gpu`` of `convert` the output folders. Choices are case-insensitive. Old spellings (``gpu --algo``,
+/ ``--gpu`` of `convert` the output folders. An output kind's options (``kinds``) are generated from its options
+dataclass: ``cli.options.kind_options`` for `cpu` / `gpu`, ``cli.targets.target_options`` for `convert` / `plan`.
+Choices are case-insensitive. Old spellings (``gpu --algo``,
 ``plan --gpu SCHEME``, ``verify --experts N``) still work for one release and print a deprecation line.
 """
 from __future__ import annotations
@@ -19,10 +21,9 @@ import click
 
 from ktconvert.errors import EXIT_INTERRUPTED, KtConvertError
 from ktconvert.cli.check import check
-from ktconvert.cli.options import (GPU_GROUP_SIZES, InputPath, RegistryChoice, batch_executor_options, choice,
-                                   conversion_options, cpu_options, emit, gpu_options, json_option, load_api,
-                                   orientation_option, pop_distribution, prefer, profiling, progress_options,
-                                   sampling_options, source_arg)
+from ktconvert.cli.options import (InputPath, RegistryChoice, batch_executor_options, choice, conversion_options,
+                                   emit, json_option, kind_options, load_api, orientation_option, pop_distribution,
+                                   prefer, profiling, progress_options, sampling_options, source_arg)
 from ktconvert.cli.plan import plan
 from ktconvert.cli.targets import TargetCommand, given_targets, target_options
 from ktconvert.util.progress import make_progress
@@ -107,12 +108,7 @@ def inspect(src: str, as_json: bool, expert_orientation) -> None:
 @cli.command()
 @click.argument("src")
 @click.argument("out", type=click.Path())
-@cpu_options
-@click.option("--quant", type=RegistryChoice("cpu-quant"), default="rtn", show_default=True,
-              help="rtn: byte-identical to kt-kernel's converter; mse: each row's scale searched for the least error "
-                   "(same files, kt-kernel runs them unchanged); gptq: calibrated, needs --calibration.")
-@click.option("--group-size", type=int, default=None, help="Group size of a grouped method (`ktconvert methods` "
-                                                           "lists each method's: those kt-kernel 0.7.2 runs).")
+@kind_options("cpu")
 @click.option("--calibration", type=InputPath(dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--dampening", type=float, default=None,
@@ -122,9 +118,6 @@ def inspect(src: str, as_json: bool, expert_orientation) -> None:
 @click.option("--min-tokens", type=int, default=None,
               help="For --quant gptq: routed calibration tokens an expert needs before GPTQ is tried (default 64).")
 @sampling_options
-@click.option("--include-dense", is_flag=True, help="Also write non-expert tensors (blk.-renamed) into OUT.")
-@click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers' experts.")
-@click.option("--allow-drop-bias", is_flag=True, help="Convert even though non-zero expert biases are dropped.")
 @click.option("--dry-run", is_flag=True, help="Print what `ktconvert plan` prints for these options (files, bytes, "
                                               "checks) and write nothing.")
 @conversion_options
@@ -134,8 +127,6 @@ def cpu(src, out, threads, resume, force, profile, verify_source_hash, dry_run, 
 
     SRC may be a folder, a .safetensors or .gguf file, hf://ORG/NAME[@REV] or ms://ORG/NAME.
     """
-    if options["method"] is None:
-        raise click.UsageError("Missing option '--method'.")
     distribution = pop_distribution(options)
     options = {k: v for k, v in options.items()
                if v is not None or k not in ("dampening", "min_tokens", "max_length", "num_samples")}
@@ -152,16 +143,11 @@ def cpu(src, out, threads, resume, force, profile, verify_source_hash, dry_run, 
 @cli.command()
 @click.argument("src")
 @click.argument("out", type=click.Path())
-@gpu_options
-@click.option("--group-size", type=choice(GPU_GROUP_SIZES), default="128", show_default=True,
-              help="GPU expert quantization group size.")
-@click.option("--quant", type=RegistryChoice("gpu-quant"), default=None,
-              help="rtn (default): bytes equal llmcompressor's model_free_ptq; gptq: calibrated, needs --calibration.")
+@kind_options("gpu")
 @click.option("--algo", "algo_deprecated", type=RegistryChoice("gpu-quant"), default=None, hidden=True)
 @click.option("--calibration", type=InputPath(dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @sampling_options
-@click.option("--include-mtp", is_flag=True, help="Also convert MTP (next-n) layers (else they are left out).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes per component, VRAM per expert) only.")
 @conversion_options
 def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibration, max_length, num_samples,
@@ -169,9 +155,9 @@ def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibrat
         expert_orientation, **distribution) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
-    quant = prefer(quant, algo_deprecated, "--algo", "--quant") or "rtn"
-    options = dict(experts=experts or "w4a16", group_size=int(group_size), quant=quant, linears=linears,
-                   include_mtp=include_mtp, calibration=calibration)
+    quant = prefer(quant, algo_deprecated, "--algo", "--quant")
+    options = dict(experts=experts, group_size=group_size, quant=quant, linears=linears, include_mtp=include_mtp,
+                   calibration=calibration)
     options.update({k: v for k, v in (("max_length", max_length), ("num_samples", num_samples)) if v is not None})
     api, src = load_api(), source_arg(src, expert_orientation)
     if dry_run:
@@ -396,7 +382,8 @@ def publish(out, repo, hub, revision, private, endpoint, base_model, as_json, qu
 
     OUT is first re-hashed against its ktconvert.json (a damaged folder is refused). The upload is resumable: run the
     same command again after an interruption and only what the hub lacks is sent. A README.md model card (Hub
-    metadata: library_name, tags, base_model, base_model_relation) states the launch command and its flags. Token: HF_TOKEN / MODELSCOPE_API_TOKEN (or a stored login); never printed.
+    metadata: library_name, tags, base_model, base_model_relation) states the launch command and its flags. Token:
+    HF_TOKEN / MODELSCOPE_API_TOKEN (or a stored login); never printed.
     """
     api = load_api()
     with make_progress(quiet=quiet, json_lines=json_progress) as progress:

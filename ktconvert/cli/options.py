@@ -1,21 +1,22 @@
-"""What the commands of ``ktconvert.cli.main`` share: the option groups (``--method`` / ``--numa`` / ``--layout`` of
-a CPU output, ``--experts`` / ``--linears`` of the GPU checkpoint, run and progress options, ``--json``), the
-case-insensitive choices (``RegistryChoice`` asks the registries only when a value is converted or the help is
+"""What the commands of ``ktconvert.cli.main`` share: the option groups (an output kind's options, ``--method`` /
+``--numa`` / ``--layout`` ... of a CPU output, ``--experts`` / ``--linears`` ... of the GPU checkpoint, generated
+from the kind's options dataclass: ``kind_options``; run and progress options, ``--json``), the case-insensitive
+choices (``RegistryChoice`` asks the registries only when a value is converted or the help is
 shown), the deprecated spellings' warning and the printing of a result. Importing it loads click and nothing heavy.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import typing
 from contextlib import contextmanager
 
 import click
 
 from ktconvert.errors import InputError, KtConvertError
-
-LAYOUTS = ["safetensors", "kt"]
-GPU_GROUP_SIZES = ["32", "64", "128"]
-LINEARS = ["fp8", "bf16", "keep"]
+from ktconvert.kinds import KINDS
+from ktconvert.kinds.base import toml_type
 
 
 def load_api():
@@ -159,14 +160,41 @@ def source_arg(src: str, expert_orientation: str | None):
     return open_input(src, expert_orientation)
 
 
-def cpu_options(fn):
-    """--method / --numa / --layout: what a CPU output is (shared by plan, cpu, convert)."""
-    fn = click.option("--layout", type=choice(LAYOUTS), default="safetensors", show_default=True,
-                      help="safetensors: one merged shard per MoE layer; kt: the _layer_L/_numa_t/*.kt tree.")(fn)
-    fn = click.option("--numa", type=int, default=1, show_default=True,
-                      help="NUMA parts T; must equal SGLang's --kt-threadpool-count at run time.")(fn)
-    return click.option("--method", type=RegistryChoice("method"), default=None,
-                        help="kt-kernel method of the CPU output (`ktconvert methods` describes them).")(fn)
+def click_type(fields: list, hint):
+    """The click type of an option that `fields` (the same field of one or more kinds' options) give: their
+    choices (a registry's names, asked when a value is converted, or fixed values) when they agree, else the
+    field's plain type; None for a flag."""
+    hint = toml_type(hint)
+    if hint is bool:
+        return None
+    found = fields[0].metadata["choices"]
+    if found and all(f.metadata["choices"] == found for f in fields):
+        return RegistryChoice(found) if isinstance(found, str) else choice(list(found))
+    return hint
+
+
+def kind_options(name: str):
+    """Decorator: the options of output kind `name` (its target fields, kinds.OutputKind.fields) as a command's
+    own options (`ktconvert cpu` / `gpu`): type and choices, default (a field without one is required) and help
+    from the options dataclass' fields."""
+    kind = KINDS.get(name)
+    hints = typing.get_type_hints(kind.options)
+
+    def deco(fn):
+        for field in reversed(kind.fields()):
+            kind_type = click_type([field], hints[field.name])
+            default = None if field.default is dataclasses.MISSING else field.default    # a default_factory's: None
+            if kind_type is None:
+                settings = {"is_flag": True}
+            elif field.name in kind.required():
+                settings = {"type": kind_type, "required": True}
+            else:
+                settings = {"type": kind_type, "default": default, "show_default": default is not None}
+            help = field.metadata.get("command_help") or field.metadata["help"]
+            fn = click.option(f"--{field.name.replace('_', '-')}", help=help + ".", **settings)(fn)
+        return fn
+
+    return deco
 
 
 def sampling_options(fn):
@@ -175,15 +203,6 @@ def sampling_options(fn):
                       help="With --calibration: use the first N samples (default: all).")(fn)
     return click.option("--max-length", type=click.IntRange(min=1), default=None,
                         help="With --calibration: tokens per sample at most (default 2048).")(fn)
-
-
-def gpu_options(fn):
-    """--experts / --linears: what a GPU checkpoint is (shared by plan, gpu, convert)."""
-    fn = click.option("--linears", type=choice(LINEARS), default="fp8", show_default=True,
-                      help="Attention / dense / shared-expert linears of the GPU checkpoint: fp8 = 128x128 block FP8 + "
-                           "linear_fp8_config, bf16 = BF16 (for transformers / vLLM), keep = as stored.")(fn)
-    return click.option("--experts", type=RegistryChoice("experts"), default=None,
-                        help="compressed-tensors scheme of the GPU checkpoint's routed experts.")(fn)
 
 
 ray_address_option = click.option("--ray-address", default=None,
@@ -205,15 +224,15 @@ def distribution_options(fn):
                               "and each layer's calibration forward and experts are split (--workers)."),
             ray_address_option,
             click.option("--parts", type=int, default=None,
-                         help="With --executor ray: layer ranges of about equal bytes (default: the cluster's CPUs "
-                              "divided by --threads)."),
+                         help="With --executor ray: layer ranges of about equal bytes (default: as many as the live "
+                              "nodes run at once by CPUs, --threads each, and memory, the plan's peak RAM each)."),
             click.option("--parts-dir", type=click.Path(file_okay=False), default=None,
                          help="With --executor ray: where the parts are written, a folder every node sees "
                               "(default: OUT.parts next to OUT)."),
             click.option("--workers", type=click.IntRange(min=1), default=None,
                          help="With --executor ray and --quant gptq: Ray tasks per layer step, each holding a "
-                              "slice of the calibration samples or a range of the layer's experts (default: the "
-                              "cluster's CPUs); the bytes are those of a local run.")]):
+                              "slice of the calibration samples or a range of the layer's experts (default: as many "
+                              "tasks as the cluster's memory and CPUs hold); the bytes are those of a local run.")]):
         fn = option(fn)
     return fn
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import click
 
 from ktconvert.cli.options import InputPath, emit, json_option, load_api, orientation_option, source_arg
-from ktconvert.cli.targets import FIELDS, META_KEY, TargetCommand, given_targets, target_options
+from ktconvert.cli.targets import META_KEY, TargetCommand, given_targets, kind_fields, kind_flags, starts_target, \
+    target_options
 
 
 class PlanCommand(TargetCommand):
@@ -19,7 +20,7 @@ class PlanCommand(TargetCommand):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         args = _old_gpu_scheme(args)
-        if any(arg.partition("=")[0] in ("--cpu", "--gpu") for arg in args):
+        if any(starts_target(arg.partition("=")[0]) for arg in args):
             return super().parse_args(ctx, args)
         return click.Command.parse_args(self, ctx, args)
 
@@ -83,7 +84,7 @@ def plan(src, targets_file, gpu_ratio, gpu_count, expert_stats, as_json, expert_
     if targets_file or ctx.meta.get(META_KEY):
         if options:
             raise click.UsageError(f"--{next(iter(options)).replace('_', '-')} applies to no target: give it after "
-                                   f"a --cpu / --gpu OUT")
+                                   f"a {kind_flags()} OUT")
         if out is not None:
             raise click.UsageError("with --cpu / --gpu / --targets each output names its folder: drop OUT")
         emit(load_api().plan(src, targets=given_targets(ctx, targets_file), placement=placement), as_json)
@@ -101,6 +102,7 @@ def _one_output_each(options: dict, placing: bool) -> tuple[dict | None, dict | 
     if method is None and experts is None and not placing:
         raise click.UsageError("give --method (CPU output), --experts (GPU checkpoint), --gpu-experts-ratio / "
                                "--gpu-experts (GPU expert placement), --cpu / --gpu OUT targets, or several")
-    cpu = None if method is None else {k: options[k] for k in FIELDS["cpu"] if k in options}
-    gpu = None if experts is None else {k: options[k] for k in FIELDS["gpu"] if k in options}
+    cpu = None if method is None else kind_fields("cpu", options)
+    gpu = None if experts is None else kind_fields("gpu", options)
     return cpu, gpu
+

@@ -1,5 +1,7 @@
-"""The targets of ``ktconvert convert`` on the command line: each ``--cpu OUT`` / ``--gpu OUT`` starts an output,
-and the output options after it (``targets.FIELDS``: --method, --numa, --experts, ...) are that output's.
+"""The targets of ``ktconvert convert`` on the command line: each ``--KIND OUT`` (``--cpu OUT`` / ``--gpu OUT``: a
+kind of ``kinds.KINDS``) starts an output, and the output options after it (its kind's target fields: --method,
+--numa, --experts, ...) are that output's. The options and their help are generated from the kinds' options
+dataclasses (``target_options``).
 
     convert SRC [shared options] --cpu OUT1 [CPU options] --cpu OUT2 [CPU options] --gpu OUT3 [GPU options]
 
@@ -8,14 +10,19 @@ Options given before the first target are shared: every command-line target of a
 options, --targets, --json, ...), and leaves the target tables (``targets`` module) in ``ctx.meta``.
 
 The old spelling (one --cpu, one --gpu, each side's options anywhere) still works: an option after a target of
-the other kind goes to the one target of its kind, with a deprecation line on stderr. Light: loads click only.
+the other kind goes to the one target of its kind, with a deprecation line on stderr. Light: loads click and the
+kinds' declarations only.
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import click
 
-from ktconvert.cli.options import LAYOUTS, LINEARS, RegistryChoice, choice
-from ktconvert.run.targets import FIELDS, KINDS, load_targets, parse_target, refuse_shared_folders
+from ktconvert.cli.options import click_type
+from ktconvert.kinds import KINDS, kinds
+from ktconvert.run.targets import load_targets, parse_target, refuse_shared_folders
 
 META_KEY = "ktconvert.run.targets"
 
@@ -32,7 +39,7 @@ class TargetCommand(click.Command):
             if flag == "--":
                 rest += args[i:]
                 break
-            if flag in ("--cpu", "--gpu") or flag in output_params:
+            if starts_target(flag) or flag in output_params:
                 param = output_params.get(flag)
                 takes_value = param is None or not param.is_flag
                 if takes_value and not eq and i + 1 >= len(args):
@@ -58,8 +65,8 @@ def given_targets(ctx: click.Context, targets_file: str | None) -> list:
     targets += [parse_target(table, len(targets) + number)
                 for number, table in enumerate(ctx.meta.get(META_KEY, []), 1)]
     if not targets:
-        raise click.UsageError("give one or more outputs: --cpu OUT [--method ...], --gpu OUT [--experts ...] "
-                               "or --targets FILE", ctx)
+        starts = ", ".join(f"--{kind.name} OUT [--{_flag(kind.fields()[0].name)} ...]" for kind in kinds())
+        raise click.UsageError(f"give one or more outputs: {starts} or --targets FILE", ctx)
     refuse_shared_folders(targets)
     return targets
 
@@ -68,79 +75,111 @@ def _tables(kinds: list[tuple[str, str]], events: list, ctx: click.Context) -> l
     """One table per target, in command-line order, from the options read (see the module's rules)."""
     tables = [{kind: out} for kind, out in kinds]
     moved, narrowed = [], []
-    old_spelling = sorted(k for k, _ in kinds) == ["cpu", "gpu"]
+    old_spelling = len(kinds) > 1 and _one_each(kinds)
     for number, key, value, flag in events:
         if number is None:
-            takers = [t for (kind, _), t in zip(kinds, tables) if key in FIELDS[kind]]
+            takers = [t for (kind, _), t in zip(kinds, tables) if key in _keys(kind)]
             if not takers:
-                raise click.UsageError(f"{flag} applies to no target: give it after a --cpu / --gpu of a kind "
+                raise click.UsageError(f"{flag} applies to no target: give it after a {kind_flags()} of a kind "
                                        f"that has it", ctx)
             for table in takers:
                 table[key] = value
             continue
         kind = kinds[number - 1][0]
-        if key in FIELDS[kind]:
+        if key in _keys(kind):
             tables[number - 1][key] = value
-            if old_spelling and all(key in FIELDS[k] for k, _ in kinds):
+            if old_spelling and all(key in _keys(k) for k, _ in kinds):
                 narrowed.append(f"{flag} after --{kind} {kinds[number - 1][1]}")
             continue
         owner = _old_spelling_owner(kinds, key)
         if owner is None:
-            raise click.UsageError(f"{flag} is not an option of a {kind.upper()} output (it follows --{kind} "
+            raise click.UsageError(f"{flag} is not an option of a {KINDS.get(kind).label} output (it follows --{kind} "
                                    f"{kinds[number - 1][1]}): give it after the target it belongs to", ctx)
         tables[owner][key] = value
         moved.append(f"{flag} after --{kind}")
+    given = " / ".join(f"--{kind}" for kind in dict.fromkeys(k for k, _ in kinds))
     if moved:
         click.echo(f"warning: {', '.join(moved)} is deprecated: give each output's options after its own "
-                   f"--cpu / --gpu", err=True)
+                   f"{given}", err=True)
     if narrowed:
         click.echo(f"warning: {', '.join(narrowed)} applies to that output only (before this release it applied to "
-                   f"both); give it before the first --cpu / --gpu for both", err=True)
+                   f"both); give it before the first {given} for both", err=True)
     return tables
 
 
 def _old_spelling_owner(kinds: list[tuple[str, str]], key: str) -> int | None:
-    """The index of the one target an option of the other kind goes to in the old spelling (at most one --cpu
-    and one --gpu), or None."""
-    if sorted(k for k, _ in kinds) not in (["cpu", "gpu"], ["cpu"], ["gpu"]):
+    """The index of the one target an option of another kind goes to in the old spelling (at most one target of
+    each kind), or None."""
+    if not _one_each(kinds):
         return None
-    owners = [index for index, (kind, _) in enumerate(kinds) if key in FIELDS[kind]]
+    owners = [index for index, (kind, _) in enumerate(kinds) if key in _keys(kind)]
     return owners[0] if len(owners) == 1 else None
 
 
-_OUTPUT_KEYS = {key for kind in KINDS for key in FIELDS[kind]}
+def _one_each(kinds: list[tuple[str, str]]) -> bool:
+    return len({kind for kind, _ in kinds}) == len(kinds)
+
+
+def _keys(kind: str) -> set[str]:
+    """The target keys of `kind` (its options' target fields)."""
+    return {field.name for field in KINDS.get(kind).fields()}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def starts_target(flag: str) -> bool:
+    """Whether `flag` is --KIND of a registered output kind (it starts a target: --cpu, --gpu)."""
+    return flag.startswith("--") and flag[2:] in KINDS.names()
+
+
+def kind_fields(kind: str, options: dict) -> dict:
+    """The options that are target fields of `kind` (plan's old spelling: one output of that kind)."""
+    return {key: value for key, value in options.items() if key in _keys(kind)}
+
+
+def kind_flags() -> str:
+    """'--cpu / --gpu': the flags that start a target, one per registered kind."""
+    return " / ".join(f"--{name}" for name in KINDS.names())
+
+
+def _option_help(owners: list, field_name: str) -> str:
+    """The help of a target option: each kind's text after its label, the kinds with the same text and default
+    together ("[CPU, GPU] ..."), ending in the default or "required"."""
+    texts: dict[str, list[str]] = {}
+    for kind in owners:
+        field = next(f for f in kind.fields() if f.name == field_name)
+        if field_name in kind.required():
+            tail = "; required"
+        elif field.default is None or field.default is False or field.default is dataclasses.MISSING:
+            tail = ""        # no default to name (a default_factory's is computed when options are made)
+        else:
+            tail = f" (default {field.default})"
+        texts.setdefault(field.metadata["help"] + tail, []).append(kind.label)
+    return "; ".join(f"[{', '.join(labels)}] {text}" for text, labels in texts.items()) + "."
 
 
 def target_options(fn):
-    """The options of `convert`'s targets (read by TargetCommand, shown by --help)."""
-    for option in reversed([
-            click.option("--cpu", "cpu_targets", metavar="OUT", multiple=True,
-                         help="Start a CPU (kt-kernel) output in folder OUT; the CPU options after it are its own. "
-                              "Repeatable."),
-            click.option("--method", type=RegistryChoice("method"), default=None,
-                         help="[CPU] kt-kernel method (`ktconvert methods`); required."),
-            click.option("--numa", type=int, default=None,
-                         help="[CPU] NUMA parts T = SGLang's --kt-threadpool-count (default 1)."),
-            click.option("--layout", type=choice(LAYOUTS), default=None,
-                         help="[CPU] safetensors (default): one merged shard per MoE layer; kt: the .kt tree."),
-            click.option("--include-dense", is_flag=True, default=None,
-                         help="[CPU] Also write the non-expert tensors (blk.-renamed)."),
-            click.option("--allow-drop-bias", is_flag=True, default=None,
-                         help="[CPU] Convert even though non-zero expert biases are dropped."),
-            click.option("--gpu", "gpu_targets", metavar="OUT", multiple=True,
-                         help="Start a GPU (SGLang --model) output in folder OUT; the GPU options after it are its "
-                              "own. Repeatable."),
-            click.option("--experts", type=RegistryChoice("experts"), default=None,
-                         help="[GPU] compressed-tensors scheme of the routed experts (default w4a16)."),
-            click.option("--linears", type=choice(LINEARS), default=None,
-                         help="[GPU] fp8 (default): 128x128 block FP8 + linear_fp8_config; bf16; keep."),
-            click.option("--group-size", type=int, default=None,
-                         help="[CPU, GPU] Group size: a grouped CPU method's; the GPU experts' 32, 64 or 128 "
-                              "(default 128)."),
-            click.option("--quant", default=None,
-                         help="[CPU, GPU] rtn (default; byte-identical to kt-kernel / model_free_ptq) or, for CPU "
-                              "outputs, mse. GPTQ writes one output at a time: use `cpu` / `gpu`."),
-            click.option("--include-mtp", is_flag=True, default=None,
-                         help="[CPU, GPU] Also the MTP (next-n) layers' experts.")]):
+    """The options of `convert`'s targets (read by TargetCommand, shown by --help), generated from the kinds'
+    options: for each kind --KIND OUT, then each of its target fields not given by an earlier kind."""
+    options, seen = [], []
+    for kind in kinds():
+        options.append(click.option(f"--{kind.name}", f"{kind.name.replace('-', '_')}_targets", metavar="OUT",
+                                    multiple=True, help=kind.help))
+        for field in kind.fields():
+            if field.name in seen:
+                continue
+            seen.append(field.name)
+            owners = [k for k in kinds() if field.name in _keys(k.name)]
+            fields = [f for k in owners for f in k.fields() if f.name == field.name]
+            kind_type = click_type(fields, typing.get_type_hints(owners[0].options)[field.name])
+            extra = {"is_flag": True} if kind_type is None else {"type": kind_type}
+            options.append(click.option(f"--{_flag(field.name)}", default=None, help=_option_help(owners, field.name),
+                                        **extra))
+    for option in reversed(options):
         fn = option(fn)
     return fn
+
+
+_OUTPUT_KEYS = {field.name for kind in kinds() for field in kind.fields()}

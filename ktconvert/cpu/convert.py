@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 
-from ktconvert.cpu.output import CpuOutput
-from ktconvert.cpu.plan import CpuOptions, plan_cpu
+from ktconvert.cpu.options import CpuOptions
 from ktconvert.util.extras import require
 from ktconvert.gptq import cpu as gptq_cpu
+from ktconvert.kinds import KINDS
 from ktconvert.run.inputs import open_input
+from ktconvert.run.local import target_output
 from ktconvert.run.outputs import refuse_gptq_part, write_outputs
-from ktconvert.distributed.parts import select_layers
 from ktconvert.util.progress import Progress
 from ktconvert.results import ConvertResult
 
@@ -31,9 +31,9 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
     options = options or CpuOptions.make(**option_values)
     if options.quant == "gptq":
         require("gpu", "--quant gptq")
-    plan = plan_cpu(open_input(src), options, out=out, threads=threads)
-    plan.refuse_dropped_biases()
-    output = CpuOutput(out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
+    kind = KINDS.get("cpu")
+    plan = kind.plan(open_input(src), options, out=out, threads=threads)
+    output = target_output(kind, out, plan, resume=resume, force=force, layers=layers)
     timings = {"plan": time.monotonic() - t0}
     if options.quant == "gptq":
         refuse_gptq_part(output)

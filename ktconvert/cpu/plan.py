@@ -1,6 +1,6 @@
 """`ktconvert plan` and the first step of every CPU conversion: everything checked before any weight is read.
 
-    options = CpuOptions.make(method="amxint4", numa=2)          # one frozen set of options, validated
+    options = CpuOptions.make(method="amxint4", numa=2)          # cpu.options: one frozen set, validated
     plan = plan_cpu(open_input(src), options, out="OUT")         # CpuPlan: holds the opened source
     plan.report -> {method, kt_method, numa, layout, layers, experts, hidden, intermediate, files [{path, bytes}],
                     total_bytes, peak_ram_bytes, disk_free_bytes, checks, notes, ...}; render(plan.report) -> text
@@ -11,91 +11,16 @@ layout the method does not have, missing or misshapen expert tensors, too little
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.cpu import sizes
+from ktconvert.cpu.options import CpuOptions
 from ktconvert.util.envinfo import cpu_flags
-from ktconvert.errors import InputError, OutputError, UsageError
+from ktconvert.errors import InputError, OutputError
+from ktconvert.formats.out_manifest import sglang_args
 from ktconvert.run.inputs import Input, open_input
-from ktconvert.methods import METHODS
 from ktconvert.methods.base import CpuMethod, check
-from ktconvert.run.options import SAMPLING_DEFAULTS, Options, Plan
-from ktconvert.gptq.holdout import SelectionOptions
-from ktconvert.gptq.loop import GptqOptions
-from ktconvert.quant.row_quant import ROW_QUANT
-
-GPTQ_DAMPENING, GPTQ_MIN_TOKENS = GptqOptions.dampening, SelectionOptions.min_tokens
-
-
-@dataclass(frozen=True)
-class CpuOptions(Options):
-    """What a CPU output is: method (a registered CPU method: amxint4, amxint8, bf16, fp8, rawint4), numa (T, =
-    SGLang's --kt-threadpool-count), layout ("safetensors" merged shards or the "kt" tree), quant (the per-row
-    quantizer: "rtn", "mse", or "gptq" with calibration, a JSON-lines file), group_size (a grouped method's; None =
-    the method's default, e.g. rawint4's 32, the only size kt-kernel 0.7.2 runs), include_dense (also the non-expert
-    tensors), include_mtp (also the MTP layers' experts), allow_drop_bias (convert although non-zero expert biases are dropped); with gptq: dampening (GPTQ's relative
-    Hessian dampening) and min_tokens (routed calibration tokens an expert needs before GPTQ is tried;
-    ktconvert.gptq.holdout)."""
-
-    method: str
-    numa: int = 1
-    layout: str = "safetensors"
-    quant: str = "rtn"
-    group_size: int | None = None
-    include_dense: bool = False
-    include_mtp: bool = False
-    allow_drop_bias: bool = False
-    calibration: str | None = None
-    dampening: float = GPTQ_DAMPENING
-    min_tokens: int = GPTQ_MIN_TOKENS
-    max_length: int = SAMPLING_DEFAULTS["max_length"]
-    num_samples: int | None = SAMPLING_DEFAULTS["num_samples"]
-
-    kind, lowercase = "CPU", ("method", "layout", "quant")
-
-    def check(self) -> None:
-        """UsageError for a method, group size, layout or quantizer that cannot work together."""
-        method = self.method_class()
-        if self.group_size is not None and not method.group_sizes:
-            raise UsageError(f"--group-size does not apply to --method {method.name}: it has no groups",
-                             found=f"--group-size {self.group_size}",
-                             hint="leave --group-size out (`ktconvert methods` lists each method's group sizes)")
-        if self.quant in ROW_QUANT.names() + ["gptq"] and self.quant not in method.quants:
-            raise UsageError(f"--quant {self.quant} does not apply to --method {method.name}",
-                             expected=" or ".join(method.quants), found=self.quant,
-                             hint=f"{method.kt_method} is written without a quantizer choice" if method.quants ==
-                             ("rtn",) else None)
-        self._check_quant()
-
-    def method_class(self) -> type[CpuMethod]:
-        """The registered method with this group size; UsageError for a layout it does not have."""
-        method = METHODS.get(self.method).configured(self.group_size)
-        if self.layout not in method.layouts:
-            raise UsageError(f"--layout {self.layout} does not exist for {method.kt_method}",
-                             expected=" or ".join(method.layouts))
-        if self.include_dense and (not method.needs_conversion or self.layout != "safetensors"):
-            raise UsageError("--include-dense needs the merged safetensors layout of a converted method",
-                             found=f"--method {method.name} --layout {self.layout}")
-        return method
-
-    def _check_quant(self) -> None:
-        if self.quant != "gptq" and self.quant not in ROW_QUANT:
-            raise UsageError("unknown --quant", expected=" or ".join(ROW_QUANT.names() + ["gptq"]),
-                             found=self.quant)
-        if self.quant == "gptq" and self.calibration is None:
-            raise UsageError("--quant gptq needs calibration data", expected="--calibration FILE (JSON lines)")
-        if self.quant != "gptq" and self.calibration is not None:
-            raise UsageError("--calibration is only used with --quant gptq", found=f"--quant {self.quant}")
-        if self.quant == "gptq" and self.include_dense:
-            raise UsageError("not available with --quant gptq", found="--include-dense")
-        if not (0 <= self.dampening < float("inf")) or self.min_tokens < 0:
-            raise UsageError("GPTQ options out of range", expected="dampening >= 0, min_tokens >= 0",
-                             found=f"dampening {self.dampening}, min_tokens {self.min_tokens}")
-        self.check_sampling()
-        if self.quant != "gptq" and (self.dampening, self.min_tokens) != (GPTQ_DAMPENING, GPTQ_MIN_TOKENS):
-            raise UsageError("--dampening and --min-tokens are only used with --quant gptq",
-                             found=f"--quant {self.quant}")
+from ktconvert.run.options import Plan
 
 
 class CpuPlan(Plan):
@@ -144,12 +69,9 @@ def plan_cpu(src, options: CpuOptions, out=None, threads: int | None = None) -> 
         "layout": options.layout, "group_size": method.group_size, "layers": layers,
         "mtp_layers": [layer for layer in layers if layer >= info.n_layers], "experts": E, "hidden": H,
         "intermediate": I, "expert_bytes": method.expert_bytes(H, I, T),
-        "source_config_sha256": source.config_sha256(), "notes": [], "checks": checks,
+        "source_config_sha256": source.config_sha256(), "notes": [], "checks": checks, "flags": method.flags(T),
     }
-    if method.needs_conversion:
-        sizes.tile_files(report, source, layers, method, options.layout)
-    else:
-        sizes.hf_tensor_files(report, layers, method)
+    sizes.output_files(report, source, layers, method, options)
     report.update(sizes.peak_ram(source, H, I, T, threads))
     if out:
         input.check_output(out)
@@ -173,7 +95,7 @@ def _notes(source, method, info, options: CpuOptions, report: dict) -> list[str]
 
 
 def _add_disk(report: dict, source, out) -> None:
-    probe, free = sizes.free_at(Path(out) if out else Path(source.root))
+    probe, free = sizes.free_at(Path(out) if out else source.model_dir())
     report["disk_path"], report["disk_free_bytes"] = probe, free
     enough = free >= report["total_bytes"]
     report["checks"].append(check("free disk >= output bytes" + ("" if out else " (source filesystem)"), enough,
@@ -205,6 +127,8 @@ def render(result: dict) -> str:
                      f"{' (approx)' if f.get('approx') else ''}")
     if "summary" in result:
         lines += [f"  {k}: {v}" for k, v in result["summary"].items()]
+    if "flags" in result:
+        lines.append("run with: " + sglang_args({"flags": result["flags"]}, "OUT"))
     lines += [f"total: {result['total_bytes']} bytes ({gib(result['total_bytes'])})",
               f"peak RAM (estimate): {gib(result['peak_ram_bytes'])} with {result['workers']} workers",
               f"disk free at {result['disk_path']}: {gib(result['disk_free_bytes'])}",

@@ -5,7 +5,13 @@ Inside a task a job runs exactly as in a local batch (``batch.run_job``): each o
 then bundled and published, so bundle and publish always follow the conversion they depend on. The summary is
 the local one: the same keys, jobs in file order, the exit code of the first failed job in file order. Without
 keep_going, the jobs after a failed one (in file order) that have not finished yet are cancelled and reported
-"skipped" (the local batch would not have started them; a cancelled conversion resumes on the next run). A job's
+"skipped" (the local batch would not have started them; a cancelled conversion resumes on the next run).
+
+A pre-flight task on every node checks its ktconvert version first (``preflight``: exit 3 naming the node).
+Resources: a job's task declares the CPUs it converts with (its outputs' ``threads``; a job without sets them to
+the CPUs of the smallest node that can run it, so that it never converts with more cores than it reserved) and the
+memory the plan estimates for its largest output (``sizes.peak_ram`` on the source's headers; 0 where the driver
+cannot open the source: the job then fails in its task with the error a local batch gives). A job's
 paths must be the same on every node (a shared filesystem); the hub endpoint variables set on the driver reach
 the tasks through Ray's runtime_env ``env_vars`` (``ray_executor.TASK_ENV``), its hub tokens only the tasks of jobs
 with a hub source or a publish target, and never through runtime_env (``ray_executor.remote_task``).
@@ -14,10 +20,14 @@ from __future__ import annotations
 
 import os
 
-from ktconvert.errors import EXIT_ERROR
+from ktconvert.cpu import sizes
+from ktconvert.errors import EXIT_ERROR, EXIT_USAGE, KtConvertError
 from ktconvert.ops.batch import run_job
 from ktconvert.util.progress import Progress
+from ktconvert.distributed.preflight import preflight
+from ktconvert.distributed.ray_runtime import ray_output, temp_log
 from ktconvert.distributed.ray_convert import MAX_RETRIES, connect, hub_tokens, is_hub, remote_task, task_runtime_env
+from ktconvert.run.inputs import open_input
 
 
 def run_jobs_on_ray(jobs: list[dict], keep_going: bool = False, progress=None, address: str | None = None,
@@ -26,25 +36,48 @@ def run_jobs_on_ray(jobs: list[dict], keep_going: bool = False, progress=None, a
     process joined, else a local instance); returns the summary batch.run_jobs returns."""
     progress = progress or Progress()
     ray = connect(address)
-    options = {"num_cpus": 1, "max_retries": MAX_RETRIES, **task_runtime_env(runtime_env)}
-    tasks = {needed: remote_task(ray, run_job_task, hub_tokens(needed), **options) for needed in (False, True)}
-    pending = {tasks[needs_hub(job)].remote(_absolute(job)): i for i, job in enumerate(jobs)}
-    results: list[dict | None] = [None] * len(jobs)
-    while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        index = pending.pop(ready[0])
-        results[index] = _outcome(ray, ready[0], jobs[index])
-        progress.message(f"job {jobs[index]['name']}: {results[index]['status']}")
-        if results[index]["status"] == "failed" and not keep_going:
-            for ref, later in list(pending.items()):
-                if later > index:
-                    ray.cancel(ref)
-                    del pending[ref]
+    with ray_output(temp_log(), progress):
+        options = {"max_retries": MAX_RETRIES, **task_runtime_env(runtime_env)}
+        able = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
+        for line in preflight(ray, able, "", None, None, task_runtime_env(runtime_env)):     # every node's versions
+            progress.message(line)
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        cpus = min((int(n.get("CPU", 0)) for n in nodes if n.get("CPU", 0) >= 1), default=1)
+        pending, results = {}, [None] * len(jobs)
+        for i, job in enumerate(jobs):
+            job, resources = job_resources(_absolute(job), cpus)
+            if not any(n.get("CPU", 0) >= resources["num_cpus"] and n.get("memory", 0) >= resources["memory"]
+                       for n in nodes):               # Ray would wait for such a node forever
+                results[i] = {"name": job["name"], "source": job["source"], "status": "failed", "bytes": 0,
+                              "outputs": [], "exit_code": EXIT_USAGE, "wall_s": 0.0,
+                              "error": f"no Ray node can run this job (it needs {resources['num_cpus']} CPUs and "
+                                       f"{resources['memory'] >> 20} MiB): lower its threads"}
+                continue
+            task = remote_task(ray, run_job_task, hub_tokens(needs_hub(job)), **options, **resources)
+            pending[task.remote(job)] = i
+        refused = next((i for i, r in enumerate(results) if r is not None), None)
+        if refused is not None and not keep_going:
+            _cancel_after(ray, pending, refused)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            index = pending.pop(ready[0])
+            results[index] = _outcome(ray, ready[0], jobs[index])
+            progress.message(f"job {jobs[index]['name']}: {results[index]['status']}")
+            if results[index]["status"] == "failed" and not keep_going:
+                _cancel_after(ray, pending, index)
     results = [r if r is not None else {"name": job["name"], "status": "skipped", "source": job["source"]}
                for r, job in zip(results, jobs)]
     failed = next((r for r in results if r["status"] == "failed"), None)
     exit_code = failed.get("exit_code", EXIT_ERROR) if failed else 0
     return {"ok": exit_code == 0, "exit_code": exit_code, "jobs": results}
+
+
+def _cancel_after(ray, pending: dict, index: int) -> None:
+    """Cancel the pending jobs after job `index` in file order (removed from `pending`)."""
+    for ref, later in list(pending.items()):
+        if later > index:
+            ray.cancel(ref)
+            del pending[ref]
 
 
 def needs_hub(job: dict) -> bool:
@@ -60,6 +93,22 @@ def _outcome(ray, ref, job: dict) -> dict:
         return {"name": job["name"], "source": job["source"], "status": "failed", "bytes": 0, "outputs": [],
                 "error": f"Ray task failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
                 "exit_code": EXIT_ERROR, "wall_s": 0.0}
+
+
+def job_resources(job: dict, cpus: int) -> tuple[dict, dict]:
+    """(the job with every output's ``threads`` set, {"num_cpus", "memory"} of its task): the largest ``threads``
+    of its outputs, `cpus` where none is set; the largest of its outputs' peak RAM estimates at that many threads
+    (0 when the source cannot be opened here)."""
+    threads = max((o["cpu"].get("threads") or 0 for o in job["outputs"]), default=0) or max(1, cpus)
+    outputs = [{**o, "cpu": {**o["cpu"], "threads": o["cpu"].get("threads") or threads}} for o in job["outputs"]]
+    try:
+        source = open_input(job["source"]).source
+        info = source.info
+        memory = max(sizes.peak_ram(source, info.hidden, info.intermediate, o["cpu"].get("numa", 1),
+                                    o["cpu"]["threads"])["peak_ram_bytes"] for o in outputs)
+    except KtConvertError:
+        memory = 0
+    return {**job, "outputs": outputs}, {"num_cpus": threads, "memory": int(memory)}
 
 
 def _absolute(job: dict) -> dict:

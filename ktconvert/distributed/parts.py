@@ -19,18 +19,30 @@ names (``output_name_problem``): InputError (exit 3), one line, for anything els
 The part holding the first MoE layer ``writes_rest``: it also writes the files that belong to no MoE layer (index,
 config.json, copies, the non-expert shard) and reads the source files that hold no MoE layer. ``merge`` joins the
 parts' files and the unions of their manifests (ktconvert.distributed.merge).
+
+Parts a Ray task writes (ktconvert.distributed.ray_convert) also have a task record,
+``PARTS/.ktconvert-tasks/<OUT name>/layers-A-B.json``: {"format": "ktconvert-part-task", "packages": {ktconvert
+and numpy versions of the node}, "host", "pid", "node_id", "task_id"} of the task that last started on the part.
+It names the holder of the part's lock (``lock_state``: a holder on another host is named as such; one Ray has
+given up on, an earlier attempt of the same task or a task on a dead node, or a dead pid on this host, is taken
+over), and lets the driver tell a part another ktconvert version started from one to resume (``stale_reason``:
+such a part is converted again, as is a finished part of another version or of other options).
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
+import json
 import os
 import re
 import stat
 from pathlib import Path
 
-from ktconvert.errors import InputError, UsageError
-from ktconvert.formats.fileio import write_atomic
-from ktconvert.formats.out_manifest import MANIFEST_NAME, manifest_bytes
+from ktconvert.errors import InputError, KtConvertError, UsageError
+from ktconvert.formats.fileio import open_lock, write_atomic
+from ktconvert.formats.out_manifest import JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, manifest_bytes, package_versions
+from ktconvert.run.journal import option_name
 from ktconvert.util.safe_read import MAX_MANIFEST_BYTES, open_regular, read_json, unsafe_name
 
 PART_NAME = "ktconvert-part.json"
@@ -38,6 +50,8 @@ PART_FORMAT = "ktconvert-part"
 PART_FORMAT_VERSION = 1
 PART_KEYS = {"layers": list, "all_layers": list, "writes_rest": bool, "options": dict, "manifest": dict,
              "source_sample": dict}
+TASK_FORMAT = "ktconvert-part-task"
+TASKS_DIR = ".ktconvert-tasks"
 SAMPLE_WINDOWS, SAMPLE_BYTES = 8, 64 << 10      # source_sample: 512 KiB read per source file
 _HEX = {64: re.compile(r"[0-9a-f]{64}"), 40: re.compile(r"[0-9a-f]{40}")}
 
@@ -244,3 +258,138 @@ def _entry(entry, **digests: int) -> bool:
     """Whether `entry` is {"bytes": a count, key: hex of that many digits for each of `digests`} (more keys too)."""
     return isinstance(entry, dict) and _count(entry.get("bytes")) \
         and all(_hex(entry.get(key), digits) for key, digits in digests.items())
+
+
+# ---------------------------------------------------------------- the task record, the lock's holder, stale parts
+
+def task_record_path(folder) -> Path:
+    """Where the task record of part folder `folder` (PARTS/<OUT name>/layers-A-B) is:
+    PARTS/.ktconvert-tasks/<OUT name>/layers-A-B.json (never inside the part: it holds only what a single run
+    writes; nor beside it: PARTS/<OUT name> holds only parts)."""
+    folder = Path(folder)
+    return folder.parent.parent / TASKS_DIR / folder.parent.name / f"{folder.name}.json"
+
+
+def write_task_record(folder, holder: dict) -> dict:
+    """Record `holder` ({"host", "pid", "node_id", "task_id"}) and this process's package versions as the task
+    that works on part `folder` (atomically; its parent folder created)."""
+    record = {"format": TASK_FORMAT, "packages": package_versions(), **holder}
+    path = task_record_path(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, manifest_bytes(record))
+    return record
+
+
+def read_task_record(folder) -> dict:
+    """The task record of part `folder`, or {} when there is none or it is not one (it only ever informs)."""
+    path = task_record_path(folder)
+    if not path.is_file():
+        return {}
+    try:
+        record = read_json(path, what="part task record")
+    except KtConvertError:
+        return {}
+    return record if isinstance(record, dict) and record.get("format") == TASK_FORMAT else {}
+
+
+def pid_alive(pid) -> bool:
+    """Whether process `pid` runs on this host (one of another user counts as running)."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, TypeError, ValueError):
+        return False
+    return True
+
+
+def lock_state(folder, me: dict, alive_nodes) -> tuple[str, str]:
+    """(state, text) of part `folder`'s lock as the task `me` ({"host", "pid", "node_id", "task_id"}) finds it:
+    ("free", "") when no process holds it; ("taken", why) when its holder is one Ray has given up on (an earlier
+    attempt of `me`'s task, a task on a node not in `alive_nodes()`, called only then) or a pid no longer running
+    on this host: the lock file is removed, so the stale holder's lock is on a file no longer there and the next
+    ``lock_folder`` gets a new one; ("held", "held by pid N on host H (Ray task T, node N)") for a live holder, or
+    one nothing tells dead."""
+    lock = Path(folder) / LOCK_NAME
+    if not os.path.lexists(lock):
+        return "free", ""
+    try:
+        fd = open_lock(lock)
+    except (OSError, KtConvertError):
+        return "free", ""                    # lock_folder reports what is wrong with it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return "free", ""                    # released as fd closes
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        pid = os.pread(fd, 64, 0).decode(errors="replace").strip()
+    finally:
+        os.close(fd)
+    holder = read_task_record(folder)
+    if str(holder.get("pid")) != pid:        # the record is of another process than the lock's holder
+        holder = {"pid": pid}
+    why = _stale(holder, me, alive_nodes)
+    if why is None:
+        return "held", describe_holder(holder)
+    lock.unlink(missing_ok=True)
+    return "taken", f"lock {describe_holder(holder)} taken over: {why}"
+
+
+def _stale(holder: dict, me: dict, alive_nodes) -> str | None:
+    if holder.get("task_id") and holder["task_id"] == me.get("task_id"):
+        return "an earlier attempt of this task, which Ray has given up on"
+    if holder.get("node_id") and holder["node_id"] not in alive_nodes():
+        return "its Ray node is dead"
+    if holder.get("host") == me.get("host") and holder.get("pid") and not pid_alive(holder["pid"]):
+        return "that process no longer runs"
+    return None
+
+
+def describe_holder(holder: dict) -> str:
+    """ "held by pid N on host H (Ray task T on node N)", with what the record knows."""
+    text = f"held by pid {holder.get('pid') or 'unknown'}"
+    text += f" on host {holder['host']}" if holder.get("host") else " (no task record: not a Ray task of ktconvert)"
+    ray_ids = [f"{key} {str(holder[key])[:16]}" for key in ("task_id", "node_id") if holder.get(key)]
+    return text + (f" (Ray {', '.join(ray_ids)})" if ray_ids else "")
+
+
+def stale_reason(folder, options: dict, versions: dict | None = None) -> str | None:
+    """Why part folder `folder` must be converted again rather than finished or kept, or None. `options`: the
+    journal options of the conversion (its part manifest records them; its journal adds "part": the part's MoE
+    layers, compared by the task itself); versions: package_versions() of the nodes (default this process's). A
+    finished part must record these versions and options; an unfinished one (a journal) these options, and a task
+    record of these versions (layers another version wrote are not mixed with ours)."""
+    folder = Path(folder)
+    versions = package_versions() if versions is None else versions
+    options = json.loads(json.dumps(options))               # as a JSON file records them (tuples are lists)
+    if (folder / PART_NAME).is_file():
+        try:
+            record = load_part(folder)
+        except KtConvertError as exc:
+            return f"its part manifest is not usable ({exc})"
+        found, recorded = record["manifest"].get("packages"), record["options"]
+    elif (folder / JOURNAL_NAME).is_file():
+        try:
+            journal = read_json(folder / JOURNAL_NAME, what="resume journal", max_bytes=MAX_MANIFEST_BYTES)
+        except KtConvertError as exc:
+            return f"its journal is not usable ({exc})"
+        found = read_task_record(folder).get("packages")
+        recorded = journal.get("options") if isinstance(journal, dict) else None
+        recorded = {k: v for k, v in recorded.items() if k != "part"} if isinstance(recorded, dict) else {}
+    else:
+        return None
+    if found != versions:
+        return f"written by {_versions(found)}, this is {_versions(versions)}"
+    if recorded != options:
+        changed = sorted(k for k in set(options) | set(recorded) if options.get(k) != recorded.get(k))
+        return "written with other options (" + ", ".join(dict.fromkeys(option_name(k) for k in changed)) + ")"
+    return None
+
+
+def _versions(packages) -> str:
+    if not isinstance(packages, dict):
+        return "an unknown ktconvert version"
+    return ", ".join(f"{name} {version}" for name, version in sorted(packages.items()))

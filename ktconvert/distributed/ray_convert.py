@@ -1,7 +1,7 @@
 """``--executor ray``: one conversion (one or several outputs of one source) as Ray tasks, one per layer range.
 
     plan every output on the driver (all checks, no weight read) -> N ranges of MoE layers of about equal source
-    bytes (parts.balanced_ranges) -> one Ray task per range: ``conversion.convert_here(..., layers=range, resume=True)`` into
+    bytes (parts.balanced_ranges) -> one Ray task per range: ``convert_here(..., layers=range, resume=True)`` into
     PARTS_DIR/<OUT name>/layers-A-B (CPUs: --threads; memory: the plan's peak RAM estimate; the options of a
     local run, --verify-source-hash included) -> on the driver,
     ``merge`` of each output's parts into its OUT (byte-identical to a single run; every part file proven, reused
@@ -17,32 +17,48 @@ never do (Ray writes a task's runtime_env into its log files, world-readable): t
 its sources or targets is a hub, as an argument of the task held in memory (``remote_task``: inline in the task's
 spec, never in a log, spilled object or file), set in the worker's environment while the task runs. A task whose
 worker dies is retried by Ray (``max_retries``) and resumes from its part's journal, so the bytes are the same.
-Progress: every task reports its bytes to a small actor the driver reads twice a second.
 
-``import ray`` happens only here, inside the functions: ``ktconvert --help`` never loads it.
+No single point of failure besides the driver: progress is what the finished tasks returned plus what the running
+ones report to a small actor (pinned softly to the driver's node, restarted by Ray wherever it can run, and fed
+again by the next reports); when that actor is lost or unreachable the driver says so in one line and goes on
+counting finished parts. Before any task: the plan's resources are checked against the live nodes, and a
+pre-flight task on each node that may run a part checks its ktconvert version, SRC and that the parts folder is
+the driver's (``preflight``: exit 3 naming the node, before a byte of output). Parts already there are kept only
+when they record this ktconvert version and these options (``parts.stale_reason``; others are converted again).
+A task first looks at its part's lock: a holder Ray has given up on (an earlier attempt of the same task, a task
+on a dead node) or a dead pid on its host is taken over, a live one named with its host (``parts.lock_state``).
+Ray's own messages go to PARTS_DIR/ray.log, one line each on the progress (``ray_runtime.ray_output``).
+
+``import ray`` happens only inside functions (here and in the modules beside this one): ``ktconvert --help``
+never loads it.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from ktconvert.run.local import convert_here, plan_outputs, target_list
 from ktconvert.cpu import sizes
-from ktconvert.errors import KtConvertError, OutputError, UsageError
+from ktconvert.errors import EXIT_ERROR, KtConvertError, OutputError, UsageError
 from ktconvert.formats.out_manifest import MANIFEST_NAME, load_manifest
 from ktconvert.run.inputs import open_input
 from ktconvert.distributed.merge import merge, unfinished
+from ktconvert.distributed.preflight import preflight
+from ktconvert.distributed.ray_progress import POLL_SECONDS, BoardProgress, BoardWatch, start_board
+from ktconvert.distributed.ray_runtime import RAY_LOG, connect, ray_output
+from ktconvert.run.output import lock_folder
 from ktconvert.run.outputs import result_of
 from ktconvert.ops.remote_names import TOKEN_ENV
-from ktconvert.distributed.parts import balanced_ranges, source_sample
+from ktconvert.distributed.parts import (balanced_ranges, lock_state, source_sample, stale_reason, task_record_path,
+                                         write_task_record)
 from ktconvert.util.progress import Progress
 from ktconvert.run.targets import is_gptq
 
 MAX_RETRIES = 3               # Ray re-runs a task whose worker died this many times (each resumes its part)
-POLL_SECONDS = 0.5
 # what a task reads from the environment as the driver does, sent in runtime_env: hub endpoints, family manifests
 TASK_ENV = ("HF_ENDPOINT", "MODELSCOPE_ENDPOINT", "KTCONVERT_MANIFEST_PATH")
 TOKEN_VARS = tuple(var for names in TOKEN_ENV.values() for var in names)    # never in runtime_env: hub_tokens
@@ -61,10 +77,11 @@ def convert_on_ray(src, targets: list, *, parts: int | None = None, address: str
                    verify_source_hash: bool = False, runtime_env: dict | None = None) -> list:
     """Convert `targets` ([(OUT, CpuOptions | GpuOptions | dict of their fields)], as ktconvert.api.convert) of
     `src` on a Ray cluster (`address`; None: the one this process is connected to, else a local instance) in
-    `parts` layer ranges (None: the cluster's CPUs / threads per task). threads: CPUs per task (default 1).
-    resume: an OUT already complete is left alone (its ktconvert.json checked against the plan, as a local
-    --resume), an interrupted merge finished. Part folders are always resumed (a rerun after a failure continues
-    where the tasks stopped; parts of other options are refused); force: OUTs and their parts emptied first.
+    `parts` layer ranges (None: what the nodes run at once by CPUs and memory, ``default_parts``). threads: CPUs
+    per task (default 1). resume: an OUT already complete is left alone (its ktconvert.json checked against the
+    plan, as a local --resume), an interrupted merge finished. Part folders are always resumed (a rerun after a
+    failure continues where the tasks stopped; parts of another version or other options are converted again);
+    force: OUTs and their parts emptied first.
     verify_source_hash: as api.convert's, in every task. runtime_env: Ray's runtime_env of the tasks (e.g.
     {"env_vars": {...}}; TASK_ENV's variables set here are added). UsageError for a --quant gptq target (each
     layer needs the previous one's outputs). Returns one ConvertResult per OUT."""
@@ -95,21 +112,28 @@ def _convert_parts(source: dict, verify_source_hash, outputs, todo, parts, addre
     the task option {"runtime_env": ...} or {}; tokens: hub_tokens, handed to every task (``remote_task``)."""
     t0 = time.monotonic()
     ray = connect(address)
-    layers = outputs[0].layers
-    count = parts or max(1, min(len(layers), int(ray.cluster_resources().get("CPU", 1)) // cpus))
-    layer_bytes = _layer_bytes(outputs[0].source, layers)
-    ranges = balanced_ranges(layer_bytes, count)
-    folders = _part_folders(outputs, ranges, parts_dir, force)
     resources = {"num_cpus": cpus, "memory": _memory(outputs, cpus), "max_retries": MAX_RETRIES, **runtime_env}
-    _check_feasible(ray, resources)
-    _run_tasks(ray, (source, verify_source_hash), outputs, todo, ranges, folders, resources, tokens, progress,
-               sum(layer_bytes.values()))
-    timings["convert"] = time.monotonic() - t0
-    t1 = time.monotonic()
-    identity = source_sample(outputs[0].source, source["listing"])    # what reused parts must have read
-    for k in todo:
-        merge(outputs[k].out_dir, [folders[(k, r)] for r in ranges], source=identity)
-    timings["merge"] = time.monotonic() - t1
+    nodes = _check_feasible(ray, resources)
+    root = parts_root(outputs, parts_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with ray_output(root / RAY_LOG, progress):
+        for line in preflight(ray, nodes, source["src"], _source_files(outputs[0].source, source), root,
+                              runtime_env):
+            progress.message(line)
+        layers = outputs[0].layers
+        count = parts or default_parts(nodes, resources, len(layers))
+        layer_bytes = _layer_bytes(outputs[0].source, layers)
+        ranges = balanced_ranges(layer_bytes, count)
+        folders = _part_folders(outputs, ranges, root, force)
+        _redo_stale(outputs, todo, ranges, folders, progress)
+        _run_tasks(ray, (source, verify_source_hash), outputs, todo, ranges, folders, resources, tokens, progress,
+                   layer_bytes, root / RAY_LOG)
+        timings["convert"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        identity = source_sample(outputs[0].source, source["listing"])    # what reused parts must have read
+        for k in todo:
+            merge(outputs[k].out_dir, [folders[(k, r)] for r in ranges], source=identity)
+        timings["merge"] = time.monotonic() - t1
 
 
 def _finished(output, resume: bool) -> bool:
@@ -199,7 +223,7 @@ def source_spec(src) -> tuple[str, str | None]:
     spec = str(getattr(src, "spec", src))
     orientation = getattr(src, "hub", {}).get("expert_orientation")
     if not is_hub(spec):
-        spec = str(Path(spec).resolve())
+        spec = os.path.abspath(spec)      # symlinks kept: the name the user gave is the one other nodes have
     return spec, orientation
 
 
@@ -227,25 +251,36 @@ def _check_outs(outputs: list, force: bool, resume: bool) -> None:
             shutil.rmtree(out)
 
 
-def connect(address: str | None):
-    """The ray module, connected to `address` (or the cluster this process already joined, or a new local one)."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    return ray
-
-
-def _check_feasible(ray, resources: dict) -> None:
-    """UsageError when no live node has the CPUs and memory a task asks for (Ray would wait for one forever)."""
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    if not any(n.get("CPU", 0) >= resources["num_cpus"] and n.get("memory", 0) >= resources["memory"]
-               for n in nodes):
+def _check_feasible(ray, resources: dict) -> list[dict]:
+    """The live nodes (ray.nodes() entries) with the CPUs and memory a task asks for; UsageError when there is
+    none (Ray would wait for one forever)."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    able = [n for n in alive if n["Resources"].get("CPU", 0) >= resources["num_cpus"]
+            and n["Resources"].get("memory", 0) >= resources["memory"]]
+    nodes = [n["Resources"] for n in alive]
+    if not able:
         largest = max(nodes, key=lambda n: (n.get("CPU", 0), n.get("memory", 0)), default={})
         raise UsageError("no Ray node can run a part", expected=f"{resources['num_cpus']} CPUs and "
                          f"{resources['memory'] >> 20} MiB (the plan's peak RAM estimate)",
                          found=f"at most {largest.get('CPU', 0):g} CPUs, {int(largest.get('memory', 0)) >> 20} MiB",
                          hint="use fewer --threads per part")
+    return able
+
+
+def default_parts(nodes: list[dict], resources: dict, layers: int) -> int:
+    """--parts when not given: as many tasks of `resources` ({"num_cpus", "memory"}) as the `nodes` (ray.nodes()
+    entries) run at once, each node by its CPUs and its memory, at most one per MoE layer; at least 1."""
+    at_once = sum(min(int(n["Resources"].get("CPU", 0) // resources["num_cpus"]),
+                      int(n["Resources"].get("memory", 0) // max(1, resources["memory"]))) for n in nodes)
+    return max(1, min(layers, at_once))
+
+
+def _source_files(source, opened: dict) -> dict[str, int] | None:
+    """{absolute path: bytes} of the weight files a local SRC's plan reads, which the pre-flight finds on every
+    node; None for a hub source (each node downloads what it reads)."""
+    if opened["listing"] or is_hub(opened["src"]):
+        return None
+    return {os.path.abspath(path): os.stat(path).st_size for path in sorted(source.files())}
 
 
 def _layer_bytes(source, layers: list[int]) -> dict[int, int]:
@@ -256,11 +291,16 @@ def _layer_bytes(source, layers: list[int]) -> dict[int, int]:
     return layer_bytes
 
 
-def _part_folders(outputs: list, ranges: list, parts_dir, force: bool) -> dict:
-    """{(output index, range): absolute part folder}: PARTS_DIR/<OUT name>/layers-A-B (PARTS_DIR default
-    OUT.parts next to the first OUT). With force the folders of these outputs are emptied first."""
-    first = outputs[0].out_dir.resolve()
-    root = Path(parts_dir).resolve() if parts_dir else first.with_name(first.name + ".parts")
+def parts_root(outputs: list, parts_dir) -> Path:
+    """PARTS_DIR as an absolute path (symlinks kept: other nodes know it by that name), default OUT.parts next to
+    the first OUT."""
+    first = Path(os.path.abspath(outputs[0].out_dir))
+    return Path(os.path.abspath(parts_dir)) if parts_dir else first.with_name(first.name + ".parts")
+
+
+def _part_folders(outputs: list, ranges: list, root: Path, force: bool) -> dict:
+    """{(output index, range): absolute part folder}: PARTS_DIR/<OUT name>/layers-A-B (`root`: parts_root). With
+    force the folders of these outputs are emptied first."""
     names = [o.out_dir.name for o in outputs]
     if len(set(names)) != len(names):
         names = [f"{k}-{name}" for k, name in enumerate(names)]
@@ -268,6 +308,28 @@ def _part_folders(outputs: list, ranges: list, parts_dir, force: bool) -> dict:
         for name in names:
             shutil.rmtree(root / name, ignore_errors=True)
     return {(k, r): root / names[k] / f"layers-{r[0]}-{r[1]}" for k in range(len(outputs)) for r in ranges}
+
+
+def _redo_stale(outputs: list, todo: list[int], ranges: list, folders: dict, progress) -> None:
+    """Empty the part folders another ktconvert version or other options wrote (``parts.stale_reason``), saying
+    so in one line each; one whose lock a live task holds is left to that task (its own run reports it)."""
+    for k in todo:
+        options = outputs[k].journal_options()
+        for r in ranges:
+            folder = folders[(k, r)]
+            why = stale_reason(folder, options)
+            if why is None:
+                continue
+            try:
+                fd = lock_folder(folder)
+            except OutputError:
+                continue
+            try:
+                shutil.rmtree(folder)
+            finally:
+                os.close(fd)
+            task_record_path(folder).unlink(missing_ok=True)
+            progress.message(f"part {folder}: {why}; converting it again")
 
 
 def _memory(outputs: list, cpus: int) -> int:
@@ -279,81 +341,93 @@ def _memory(outputs: list, cpus: int) -> int:
 
 
 def _run_tasks(ray, source: tuple, outputs, todo: list[int], ranges, folders, resources: dict, tokens: dict,
-               progress, total: int) -> None:
+               progress, layer_bytes: dict[int, int], log: Path) -> None:
     """One task per range with `resources` (Ray task options) and `tokens` on `source` ((source,
     verify_source_hash) as run_part takes them), writing the parts of the outputs numbered `todo`; the driver's
-    progress sums what the tasks report, out of `total` (the source bytes of every MoE layer's experts).
-    PartFailed names a failed part."""
-    board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+    progress counts the finished parts and what the running ones report (``BoardWatch``), out of the source bytes
+    of every MoE layer's experts (`layer_bytes`). PartFailed names a failed part."""
+    board = start_board(ray)
     task = remote_task(ray, run_part, tokens, **resources)
     cpus = resources["num_cpus"]
-    refs = {}
+    refs, sizes = {}, {}
     for index, r in enumerate(ranges):
         targets = [(str(folders[(k, r)]), outputs[k].plan.options) for k in todo]
-        refs[task.remote(*source, targets, r, cpus, board, index)] = r
-    progress.start(total, len(outputs[0].layers), f"{len(ranges)} parts on Ray: "
-                   + " + ".join(outputs[k].label() for k in todo), unit="layers")
-    shown, pending = 0, list(refs)
+        refs[task.remote(*source, targets, r, cpus, board, index)] = (index, r)
+        held = [layer for layer in layer_bytes if r[0] <= layer <= r[1]]
+        sizes[index] = (sum(layer_bytes[layer] for layer in held), len(held))
+    total, layers = sum(layer_bytes.values()), len(outputs[0].layers)
+    progress.start(total, layers, f"{len(ranges)} parts on Ray: " + " + ".join(outputs[k].label() for k in todo),
+                   unit="layers")
+    watch, finished = BoardWatch(ray, board, progress), {}
+    shown, pending = (0, 0), list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_SECONDS)
         for ref in ready:
-            _raise_failed(ray, ref, refs[ref], folders)
-        done_bytes, done_layers = ray.get(board.totals.remote())
-        if done_bytes > shown:
-            progress.advance(done_bytes - shown, items=max(0, done_layers - progress.items_done))
-            shown = done_bytes
-    progress.advance(max(0, total - shown), items=max(0, len(outputs[0].layers) - progress.items_done))
+            index, r = refs[ref]
+            for note in _outcome(ray, ref, r, folders, log):
+                progress.message(note)
+            finished[index] = sizes[index]
+        running = watch.poll()
+        now = [sum(values) for values in zip(*([(0, 0)] + list(finished.values())
+                                              + [v for i, v in running.items() if i not in finished]))]
+        if now[0] > shown[0] or now[1] > shown[1]:
+            progress.advance(max(0, now[0] - shown[0]), items=max(0, now[1] - shown[1]))
+            shown = (max(now[0], shown[0]), max(now[1], shown[1]))
+    progress.advance(max(0, total - shown[0]), items=max(0, layers - shown[1]))
 
 
-def _raise_failed(ray, ref, layer_range, folders) -> None:
+def _outcome(ray, ref, layer_range, folders, log: Path) -> list[str]:
+    """The notes of a finished part's task (locks taken over); PartFailed when it failed (naming Ray's `log` when
+    Ray gave up on it)."""
     where = ", ".join(str(f) for (k, r), f in folders.items() if r == layer_range)
     try:
         outcome = ray.get(ref)
     except ray.exceptions.RayError as exc:
         raise PartFailed(f"part {where}: Ray task failed after {MAX_RETRIES} retries "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})", 1) from None
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}; details: {log})", 1) from None
     if outcome.get("error"):
         raise PartFailed(f"part {where}: {outcome['error']}", outcome["exit_code"])
+    return outcome.get("notes", [])
 
 
-class ProgressBoard:
-    """Ray actor: the bytes and layers each part reported so far (a retried part reports afresh)."""
+def this_task() -> dict:
+    """{"host", "pid", "node_id", "task_id"} of the Ray task running this code (a part's lock holder)."""
+    import ray
 
-    def __init__(self):
-        self.parts: dict[int, tuple[int, int]] = {}
-
-    def report(self, part: int, nbytes: int, layers: int) -> None:
-        self.parts[part] = (nbytes, layers)
-
-    def totals(self) -> tuple[int, int]:
-        return sum(b for b, _ in self.parts.values()), sum(n for _, n in self.parts.values())
+    context = ray.get_runtime_context()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "node_id": context.get_node_id(),
+            "task_id": context.get_task_id()}
 
 
-class BoardProgress(Progress):
-    """A task's progress: its counters sent to the ProgressBoard every `interval` seconds and at the end."""
+def alive_nodes() -> set[str]:
+    """The ids of the nodes Ray counts alive."""
+    import ray
 
-    def __init__(self, board, part: int, interval: float = POLL_SECONDS):
-        super().__init__(interval=interval)
-        self.board, self.part = board, part
-
-    def _on_advance(self, nbytes: int, due: bool) -> None:
-        if due:
-            self.board.report.remote(self.part, self.bytes_done, self.items_done)
-
-    def _on_done(self, status: str) -> None:
-        self.board.report.remote(self.part, self.bytes_done, self.items_done)
+    return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
 
 
 def run_part(source: dict, verify_source_hash: bool, targets: list, layer_range: tuple[int, int], threads: int,
              board, index: int) -> dict:
     """A Ray task: the part `layer_range` of every target of `source` (open_input's keywords: the pinned spec,
     the orientation and the hub listing the driver planned from), resumed from its journal when a previous
-    attempt of this task died. Returns {} or {"error": one line, "exit_code": n} for a ktconvert error."""
+    attempt of this task died. Each part's lock is looked at first (``parts.lock_state``: a stale holder's taken
+    over, a live one's refused naming its host) and the task recorded as the part's (``parts.write_task_record``).
+    Returns {"notes": [lines]} or {"error": one line, "exit_code": n} for a ktconvert error or a live holder."""
+    me, notes = this_task(), []
     progress = BoardProgress(board, index)
     try:
+        for folder, _ in targets:
+            state, text = lock_state(folder, me, alive_nodes)
+            if state == "held":
+                return {"error": f"its lock is {text}: wait for that task or stop it", "exit_code": EXIT_ERROR}
+            if state == "taken":
+                notes.append(f"part {folder}: {text}")
+            write_task_record(folder, me)
         with progress:
             convert_here(open_input(**source, in_part=True), targets, threads=threads, resume=True,
                          layers=layer_range, progress=progress, verify_source_hash=verify_source_hash)
     except KtConvertError as exc:
         return {"error": str(exc), "exit_code": exc.exit_code}
-    return {}
+    except OSError as exc:                # the parts folder itself (its task record): not writable there
+        return {"error": f"{exc.strerror or exc}: {exc.filename}", "exit_code": EXIT_ERROR}
+    return {"notes": notes}

@@ -1,7 +1,8 @@
 """Seeded random checkpoints with the real hub layout of every family (tests, examples, benchmarks).
 
-Which tensors and which config.json a family's checkpoint holds is ``ktconvert.examples.tiny_layout``; this module
-makes the values and writes the files, with ktconvert's own safetensors writer: no torch, no safetensors library.
+Which tensors and which config.json a family's checkpoint holds is ``ktconvert.architectures.family_tensors``;
+this module makes the values and writes the files, with ktconvert's own safetensors writer: no torch, no
+safetensors library.
 A tokenizer (tokenizer.json, tokenizer_config.json, special_tokens_map.json) is written when the ``tokenizers``
 package is installed (it comes with the ``[gpu]`` extra) and left out otherwise.
 
@@ -30,7 +31,8 @@ from ktconvert.architectures.manifests import ModelInfo, manifest_for, resolve
 from ktconvert.errors import OutputError
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter
 from ktconvert.registry import Registry
-from ktconvert.examples.tiny_layout import TensorSpec, build_config, model_specs, plan_shards
+from ktconvert.architectures.family_tensors import TensorSpec, build_config, model_specs
+from ktconvert.examples.tiny_layout import plan_shards
 
 WEIGHT_STD = 0.02
 TAIL_FRACTION = 0.0075

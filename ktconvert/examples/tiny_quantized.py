@@ -22,7 +22,7 @@ from ktconvert.quant.ct_int4 import pack_quantized_config as ct_int4_config
 from ktconvert.quant import ct_int4, fp8, mxfp4
 from ktconvert.quant.bf16 import f32_to_bf16_bits
 from ktconvert.examples.tiny import DTYPE_WRITERS
-from ktconvert.examples.tiny_layout import TensorSpec
+from ktconvert.architectures.family_tensors import TensorSpec
 
 FP8_BLOCK = (128, 128)
 CT_GROUP = 32

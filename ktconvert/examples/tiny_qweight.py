@@ -20,7 +20,7 @@ import numpy as np
 
 from ktconvert.quant import qweight
 from ktconvert.examples.tiny import DTYPE_WRITERS
-from ktconvert.examples.tiny_layout import TensorSpec
+from ktconvert.architectures.family_tensors import TensorSpec
 
 GROUP = 32
 

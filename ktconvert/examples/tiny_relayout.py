@@ -40,16 +40,16 @@ def relayout(src, dst, layout: str, orientation: str = "out", prefix: int = 0, f
                                                           "fp8_names tensor|module",
                          found=f"{layout}, {orientation}, {fp8_names}")
     source = HFSource.open(src)
-    ck, info = source.checkpoint, source.info
+    info = source.info
     dst = Path(dst)
     dst.mkdir(parents=True)
     layers = list(info.moe_layers) + list(source.present_mtp_layers())
     moved = source.routed_tensor_names(layers)
-    shard_of = {name: ck.tensors[name].file.name for name in ck.tensors}
+    shard_of = {name: source.tensor(name).file.name for name in source.tensor_names()}
     out: dict[str, dict[str, tuple[np.ndarray, str]]] = {}
-    for name, ref in ck.tensors.items():
+    for name in source.tensor_names():
         if name not in moved:
-            out.setdefault(shard_of[name], {})[name] = (ck.read(name), ref.dtype)
+            out.setdefault(shard_of[name], {})[name] = (source.read_tensor(name), source.tensor(name).dtype)
     for layer in layers:
         stored = _expert_tensors(source, layer)
         shard = shard_of[min(source.routed_tensor_names([layer]))]
@@ -62,7 +62,8 @@ def relayout(src, dst, layout: str, orientation: str = "out", prefix: int = 0, f
         total = sum(a.nbytes for tensors in out.values() for a, _ in tensors.values())
         _write_json(dst / INDEX_NAME, {"metadata": {"total_size": total},
                                        "weight_map": dict(sorted(weight_map.items()))})
-    _copy_side_files(Path(ck.root), dst)
+    for name, path in source.side_files().items():
+        shutil.copyfile(path, dst / name)
     return dst
 
 
@@ -71,28 +72,28 @@ def relayout(src, dst, layout: str, orientation: str = "out", prefix: int = 0, f
 def _expert_tensors(source, layer: int) -> dict[str, list[dict[str, tuple[np.ndarray, str]]]]:
     """Every stored tensor of `layer`'s experts, out-major, per projection and expert: {suffix: (array, dtype)}
     with suffixes "weight", "weight_scale_inv", "weight_scale", "weight_packed", "weight_shape", "bias", ..."""
-    ck = source.checkpoint
     layout = source.required_layout(layer)
+    all_names = source.tensor_names()
     out: dict[str, list] = {p: [] for p in PROJS}
     for e in range(source.info.n_experts):
         if layout.kind == "per_expert":
             names = source.info.expert_names(layer, e)
             for proj in PROJS:
                 base = _base_of(names[proj])
-                out[proj].append({n[len(base) + 1:]: (ck.read(n), ck.tensors[n].dtype)
-                                  for n in ck.tensors if n.startswith(base + ".")})
+                out[proj].append({n[len(base) + 1:]: (source.read_tensor(n), source.tensor(n).dtype)
+                                  for n in all_names if n.startswith(base + ".")})
             continue
         for t in layout.tensors:
             if source.input_format not in ("bf16", "fp16", "fp32"):
                 raise InputError("relayout of quantized fused experts is not supported", tensor=t.name)
-            weight = ck.read_slice(t.name, e)
-            dtype = ck.tensors[t.name].dtype
+            weight = source.read_tensor(t.name, e)
+            dtype = source.tensor(t.name).dtype
             if source.orientation[t.role].value == "in":
                 weight = np.ascontiguousarray(weight.T)
             parts = {p: {"weight": (w, dtype)} for p, w in source.split_role(t, weight).items()}
             if t.bias:
-                for p, b in source.split_role(t, ck.read_slice(t.bias, e)).items():
-                    parts[p]["bias"] = (b, ck.tensors[t.bias].dtype)
+                for p, b in source.split_role(t, source.read_tensor(t.bias, e)).items():
+                    parts[p]["bias"] = (b, source.tensor(t.bias).dtype)
             for p, tensors in parts.items():
                 out[p].append(tensors)
     return out
@@ -174,8 +175,3 @@ def _fused_name(name: str, suffix: str, quantized_fp8: bool, fp8_names: str) -> 
         return name + suffix[len("weight"):]
     return f"{name}.{suffix}"
 
-
-def _copy_side_files(root: Path, dst: Path) -> None:
-    for path in sorted(root.iterdir()):
-        if path.suffix != ".safetensors" and path.name != INDEX_NAME and path.is_file():
-            shutil.copyfile(path, dst / path.name)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Iterator
 
 from ktconvert.errors import InputError
+from ktconvert.layouts.naming import INDEX_NAME as WEIGHT_INDEX
 from ktconvert.registry import Registry
 
 if TYPE_CHECKING:
@@ -52,8 +53,21 @@ class Source:
     first whose ``sniff`` accepts it.
 
     Attributes: ``info`` (architecture.ModelInfo), ``input_format`` ("bf16", "fp16", "fp32", "fp8-block",
-    "ct-int4", "mxfp4", "gguf", ...), ``root`` (folder of the source's files: config, tokenizer).
+    "ct-int4", "mxfp4", "gguf", ...), ``root`` (where the source's files are: the key of relative_name only).
     Matrices are BF16 bit patterns (uint16) in HF orientation: gate/up [I, H], down [H, I].
+
+    The protocol: code outside ``formats/`` asks a source through these methods only, never through its container
+    object (an HFSource's ``checkpoint``) or by listing ``root``:
+      opening     sniff, open, describe_path, describe
+      files       files, file_bytes, ensure_local, relative_name, fingerprint, header_digests, config_sha256
+      side files  config_json (config.json's dict), side_files (config, tokenizer, ...: copied from these),
+                  model_dir (a folder transformers can load config and tokenizer from)
+      layers      all_layers, present_mtp_layers, validate
+      experts     matrix_jobs, decode, stored_specs, stored_arrays, read_expert, has_expert_biases,
+                  nonzero_expert_biases, kt_native_names, expert_quantization
+      tensors     tensor_names, tensor, read_tensor (any stored tensor as stored), tensors_file (the file to name
+                  in an error about a tensor), stored_linear / read_linear (a non-expert linear: how it is stored,
+                  its weight as BF16 bits), dense_tensors
     """
 
     name: ClassVar[str] = ""
@@ -113,6 +127,36 @@ class Source:
         """sha256 of config.json, None when the source has none."""
         return None
 
+    def fingerprint(self) -> dict:
+        """{"config_sha256", "files": {relative path: {"bytes", "sha256"}}} of the weight files (reads every byte:
+        minutes for a large model): formats.out_manifest.source_fingerprint of root and files()."""
+        raise NotImplementedError
+
+    def header_digests(self) -> dict[str, dict]:
+        """{relative name: {"bytes": size, "header_sha256": sha256 of its header}} per weight file: a cheap identity
+        of the files (tensor names, dtypes, shapes, offsets) with no weight byte read."""
+        raise self._needs_safetensors("header digests")
+
+    # -- config and side files
+
+    def config_json(self) -> dict | None:
+        """config.json as read (the whole document: a nested text_config included), None when the source has none.
+        ``info.config`` is the part the model's fields came from."""
+        return None
+
+    def side_files(self) -> dict[str, Path]:
+        """{name: local path} of the files beside the weights (config.json, tokenizer, generation config, chat
+        template, custom code, README, ...): every regular top-level file of the source's folder that is not hidden
+        and not a weight file (WEIGHT_SUFFIXES) or the weight index. An output copies the ones it wants from here."""
+        return {path.name: path for path in sorted(self.model_dir().iterdir())
+                if path.is_file() and not path.name.startswith(".") and path.name != WEIGHT_INDEX
+                and not path.name.endswith(WEIGHT_SUFFIXES)}
+
+    def model_dir(self) -> Path:
+        """A local folder holding config.json and the tokenizer files, for libraries that load a model from a
+        folder (transformers' AutoConfig / AutoTokenizer); the folder of side_files."""
+        return Path(self.root) if Path(self.root).is_dir() else Path(self.root).parent
+
     # -- layers and validation
 
     def all_layers(self, include_mtp: bool = True) -> tuple[int, ...]:
@@ -159,6 +203,39 @@ class Source:
         """Names of the expert bias tensors of `layers` holding a non-zero value (kt-kernel's files have none)."""
         return []
 
+    # -- stored tensors (every tensor, not only routed experts)
+
+    def tensor_names(self) -> list[str]:
+        """Every stored tensor's name, sorted."""
+        raise self._needs_safetensors()
+
+    def tensor(self, name: str) -> TensorRef | None:
+        """The header of stored tensor `name` (dtype, shape, file), None when there is none."""
+        raise self._needs_safetensors()
+
+    def read_tensor(self, name: str, index0: int | None = None) -> "np.ndarray":
+        """Stored tensor `name` exactly as stored (BF16 as uint16 bits, F8 as uint8); with index0 only its slice
+        [index0] along dim 0 (one expert of a fused [E, ...] tensor)."""
+        raise self._needs_safetensors()
+
+    def tensors_file(self) -> str:
+        """The file to name in an error about a tensor of this source (its index, its one weight file, ...)."""
+        return Path(self.root).name
+
+    def stored_linear(self, module: str):
+        """How non-expert linear `module` is stored (formats.linear_storage.StoredLinear: float, fp8-block, decoded
+        by a decoder, other), headers only."""
+        raise self._needs_safetensors()
+
+    def read_linear(self, module: str) -> "np.ndarray":
+        """The weight of linear `module` (or any 2-D module weight) as BF16 bits uint16 [n, k]: float rounded to
+        nearest even, FP8 and other quantized storage decoded."""
+        raise self._needs_safetensors()
+
+    def _needs_safetensors(self, what: str = "reading tensors by name") -> InputError:
+        return InputError(f"{what} needs a safetensors checkpoint; this input is {self.input_format}",
+                          file=str(self.root))
+
     def dense_tensors(self):
         """(specs [(name, safetensors dtype, shape)], read(name) -> array) of every non-expert tensor, for
         ``--include-dense``; InputError where the source cannot give them."""
@@ -175,6 +252,9 @@ class Source:
         """The quantization group (formats.decoders.QuantGroup) of the routed experts, None when unquantized."""
         return None
 
+
+# suffixes of weight files (never side files): safetensors, PyTorch / TF / Flax checkpoints, GGUF
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 
 # name -> Source subclass (registered by Source.__init_subclass__)
 SOURCES: Registry = Registry("input format", base=Source)

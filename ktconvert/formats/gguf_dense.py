@@ -3,8 +3,9 @@ them; F32 tensors as stored, every other type dequantized to BF16 (gguf-py's deq
 
 Names come from gguf-py's own tables (``gguf.get_tensor_name_map(arch, blocks)``, which llama.cpp's
 convert_hf_to_gguf maps HF names with), read in reverse. One ggml name has many HF candidates, one per naming
-convention; the family's is the one in its name vocabulary (``ktconvert.examples.tiny_layout.family_vocabulary``:
-the tensors its manifests say a checkpoint holds), with the name prefix of the family's checkpoints. Suffixes:
+convention; the family's is the one in its name vocabulary
+(``ktconvert.architectures.family_tensors.family_vocabulary``: the tensors its manifests say a checkpoint holds),
+with the name prefix of the family's checkpoints. Suffixes:
 ``.weight`` / ``.bias`` as stored; a ``.bias`` whose HF name ends ``_bias`` (``e_score_correction_bias``) maps back
 to it.
 
@@ -23,9 +24,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from ktconvert.architectures.family_tensors import family_vocabulary
 from ktconvert.errors import InputError, ShapeError
 from ktconvert.quant import ggml
-from ktconvert.examples.tiny_layout import family_vocabulary
 
 _TRANSFORMED = {
     "llama": (r"^blk\.\d+\.attn_[qk]\.weight$", "llama.cpp permutes the rows of llama-architecture q/k projections "

@@ -20,23 +20,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ktconvert.architectures.manifests import ModelInfo, manifest_for
+from ktconvert.architectures.manifests import ModelInfo, gguf_architectures, load_manifests, manifest_for
 from ktconvert.errors import InputError, ManifestError, ShapeError
 from ktconvert.formats import gguf_dense
 from ktconvert.formats.base import ExpertWeights, Source, TensorRef
 from ktconvert.formats.gguf_header import read_header
+from ktconvert.formats.out_manifest import source_fingerprint
 from ktconvert.formats.stream import MatrixJob
 from ktconvert.quant import ggml
 from ktconvert.util.safe_read import open_regular
 
 GGUF_MAGIC = b"GGUF"
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-# general.architecture -> config.json model_type (ktconvert manifests). "llama" with experts is Mixtral.
-GGUF_ARCH_MODEL_TYPES = {
-    "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next",
-    "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2",
-    "llama": "mixtral",
-}
 PROJ_TENSORS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 FUSED_GATE_UP = "ffn_gate_up_exps"
 MAX_BLOCKS = 1 << 16   # block_count sanity bound: loops over the layers must stay short whatever the header says
@@ -121,10 +116,12 @@ def model_info(meta: dict, tensors: dict[str, TensorRef], file: str) -> ModelInf
     """ModelInfo (ktconvert.architectures.manifests) from GGUF metadata + tensor names; InputError naming the metadata
     key for a value that is not an integer in range or that contradicts the tensors."""
     arch = str(_meta(meta, "general.architecture", file))
-    model_type = GGUF_ARCH_MODEL_TYPES.get(arch)
+    manifests = load_manifests()
+    known = gguf_architectures(manifests)     # the manifests' gguf_architectures ("llama" with experts is Mixtral)
+    model_type = known.get(arch)
     if model_type is None:
         raise ManifestError(f"GGUF architecture {arch!r} is not a supported MoE family", file=file,
-                            expected="one of " + ", ".join(sorted(GGUF_ARCH_MODEL_TYPES)), found=arch)
+                            expected="one of " + ", ".join(sorted(known)), found=arch)
     n_blocks = _meta_int(meta, f"{arch}.block_count", file, minimum=1, maximum=MAX_BLOCKS)
     n_experts = _meta_int(meta, f"{arch}.expert_count", file, default=0)
     if n_experts <= 0:
@@ -141,7 +138,7 @@ def model_info(meta: dict, tensors: dict[str, TensorRef], file: str) -> ModelInf
     n_shared = _meta_int(meta, f"{arch}.expert_shared_count", file, default=0)
     shared_i = _meta_int(meta, f"{arch}.expert_shared_feed_forward_length", file, default=0)
     config = {"gguf_architecture": arch, **{k: v for k, v in meta.items() if k.startswith(arch + ".")}}
-    manifest = manifest_for(model_type)
+    manifest = manifest_for(model_type, manifests)
     return ModelInfo(
         family=manifest.family, model_type=model_type, n_layers=n_layers, moe_layers=moe,
         mtp_layers=tuple(range(n_layers, n_blocks)), n_experts=n_experts, hidden=hidden, intermediate=inter,
@@ -216,6 +213,9 @@ class GGUFSource(Source):
 
     def files(self) -> list[Path]:
         return list(self.paths)
+
+    def fingerprint(self) -> dict:
+        return source_fingerprint(self.root, self.files())
 
     def describe(self) -> dict:
         return describe(self)
@@ -379,7 +379,7 @@ class GGUFSource(Source):
                 self._check_tensor(name, projs)
                 for e in range(self.info.n_experts):
                     ref, offset, nbytes = self.slice_range(name, e)
-                    jobs.append(MatrixJob(ref.file, offset, nbytes, layer, e, projs, key=(name, e, projs)))
+                    jobs.append(MatrixJob(ref.file, offset, nbytes, layer, e, projs, name, e, key=(name, e, projs)))
         return jobs
 
     def decode(self, job, raw: np.ndarray) -> dict[str, np.ndarray]:

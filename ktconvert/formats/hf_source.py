@@ -22,9 +22,11 @@ import numpy as np
 
 from ktconvert.architectures.manifests import resolve
 from ktconvert.errors import InputError, KtConvertError, ShapeError
-from ktconvert.formats import decoders, expert_layout, hf_describe
-from ktconvert.formats.base import ExpertWeights, Source
+from ktconvert.formats import decoders, expert_layout, hf_describe, linear_storage
+from ktconvert.formats.base import ExpertWeights, Source, TensorRef
 from ktconvert.formats.expert_layout import FusedTensor, LayerLayout, Orientation
+from ktconvert.formats.linear_storage import StoredLinear
+from ktconvert.formats.out_manifest import source_fingerprint
 from ktconvert.formats.safetensors_reader import Checkpoint
 from ktconvert.formats.stream import MatrixJob
 from ktconvert.layouts.naming import INDEX_NAME
@@ -97,6 +99,42 @@ class HFSource(Source):
         cf = self.checkpoint.config_file
         return hashlib.sha256(cf.read_bytes()).hexdigest() if cf else None
 
+    def fingerprint(self) -> dict:
+        return source_fingerprint(self.root, self.files())
+
+    def header_digests(self) -> dict[str, dict]:
+        digests = {}
+        for shard in self.checkpoint.shards:
+            with open(shard.path, "rb") as fh:
+                header = fh.read(shard.header_bytes)
+            digests[self.relative_name(shard.path)] = {"bytes": int(shard.file_bytes),
+                                                       "header_sha256": hashlib.sha256(header).hexdigest()}
+        return digests
+
+    def config_json(self) -> dict:
+        return self.checkpoint.config
+
+    # -- stored tensors
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self.checkpoint.tensors)
+
+    def tensor(self, name: str) -> TensorRef | None:
+        return self.checkpoint.tensors.get(name)
+
+    def read_tensor(self, name: str, index0: int | None = None) -> np.ndarray:
+        return self.checkpoint.read(name) if index0 is None else self.checkpoint.read_slice(name, index0)
+
+    def tensors_file(self) -> str:
+        ck = self.checkpoint
+        return (ck.index_file or (ck.shards[0].path if len(ck.shards) == 1 else ck.root)).name
+
+    def stored_linear(self, module: str) -> StoredLinear:
+        return linear_storage.stored_linear(self.checkpoint, lambda: self.scheme, module)
+
+    def read_linear(self, module: str) -> np.ndarray:
+        return linear_storage.read_bf16(self.checkpoint, lambda: self.scheme, self.stored_linear(module))
+
     @cached_property
     def scheme(self):
         """config.json's quantization_config parsed (formats.decoders.QuantScheme), None when not quantized;
@@ -127,7 +165,7 @@ class HFSource(Source):
         layout = self.layer_layout(layer)
         if layout is None:
             tried = [next(iter(roles.values())) for _, _, roles in expert_layout.candidate_layouts(self.info, layer)]
-            raise InputError(f"routed expert weights of layer {layer} not found", file=self._index_or_root(),
+            raise InputError(f"routed expert weights of layer {layer} not found", file=self.tensors_file(),
                              tensor=tried[0], expected=f"one of the {self.info.family} expert layouts: "
                              + ", ".join(tried), hint="is this the right model_type / a complete download?")
         return layout
@@ -166,10 +204,6 @@ class HFSource(Source):
                 return str(qc.get("quant_method")) if isinstance(qc, dict) else "unknown-quantized"
         return decoders.input_format(self.checkpoint, self._locate(base, index0))
 
-    def _index_or_root(self) -> str:
-        ck = self.checkpoint
-        return (ck.index_file or (ck.shards[0].path if len(ck.shards) == 1 else ck.root)).name
-
     def _locate(self, base: str, index0: int | None):
         return decoders.locate(self.checkpoint, base, self.scheme, index0)
 
@@ -196,7 +230,7 @@ class HFSource(Source):
         for proj, want in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
             name = names[proj]
             if not decoders.has_weight(self.checkpoint, _base_of(name)):
-                raise InputError(f"missing weight of expert {e} in layer {layer}", file=self._index_or_root(),
+                raise InputError(f"missing weight of expert {e} in layer {layer}", file=self.tensors_file(),
                                  tensor=name)
             decoders.validate_matrix(self.checkpoint, _base_of(name), self.scheme, want,
                                      note=f" ([I, H] for gate/up, [H, I] for down; I={I}, H={H})")
@@ -356,7 +390,8 @@ class HFSource(Source):
                     ref = self.checkpoint.ref(refs.primary)
                     step = ref.nbytes // ref.shape[0] if index0 is not None else ref.nbytes
                     offset = ref.offset + (index0 or 0) * step
-                    jobs.append(MatrixJob(ref.file, offset, step, layer, e, projs, key=(name, index0, refs, role)))
+                    jobs.append(MatrixJob(ref.file, offset, step, layer, e, projs, name, index0,
+                                          key=(name, index0, refs, role)))
         return jobs
 
     def _job_keys(self, layer: int, e: int) -> list[tuple[str, int | None, tuple[str, ...], str | None]]:

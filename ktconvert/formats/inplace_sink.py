@@ -8,6 +8,8 @@ expert (suffixes from the method's ``tensor_specs``; a method may name its modul
 with the method's ``quantization_config`` describing the output (none for bf16).
 
 Every shard goes through ``StreamingSafetensorsWriter`` (temp name, atomic rename); memory is one expert.
+``planned_files()`` is the one plan of every file and its bytes (shards with their tensors, the index, config.json,
+the copies): the writer's headers, the index, the plan report and verify read it.
 
 Use::
 
@@ -24,6 +26,7 @@ import json
 from pathlib import Path
 
 from ktconvert.errors import OutputError, ShapeError
+from ktconvert.formats.file_plan import PlannedFile, index_of, planned_index, shard
 from ktconvert.formats.fileio import FileRecord, LayerResult, write_record
 from ktconvert.formats.kt_sink import copy_sources
 from ktconvert.formats.st_writer import StreamingSafetensorsWriter
@@ -42,10 +45,11 @@ def expert_module(method, layer: int, expert: int, proj: str) -> str:
 
 
 class InplaceSink:
-    """Output directory for one in-place method. layers: MoE layer indices in output order."""
+    """Output directory for one in-place method (out_dir None: a plan only). layers: MoE layer indices in output
+    order."""
 
     def __init__(self, out_dir, method, layers, n_experts: int, hidden: int, intermediate: int, numa: int = 1):
-        self.out_dir = Path(out_dir)
+        self.out_dir = None if out_dir is None else Path(out_dir)
         self.method = method
         self.layers = list(layers)
         self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
@@ -55,14 +59,26 @@ class InplaceSink:
     def shard_of(self, layer: int) -> str:
         return shard_name(self.layers.index(layer) + 1, len(self.layers))
 
-    def layer_specs(self, layer: int) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype, shape) of every tensor in layer's shard."""
-        specs = []
-        for e in range(self.n_experts):
-            for proj, (n, k) in self.shapes.items():
-                base = expert_module(self.method, layer, e, proj)
-                specs += [(f"{base}.{suffix}", dtype, shape) for suffix, dtype, shape in self.method.tensor_specs(n, k)]
-        return specs
+    def layer_tensors(self, layer: int) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of every tensor in layer's shard, as the method's tensor_specs declare them."""
+        specs = {proj: self.method.tensor_specs(n, k) for proj, (n, k) in self.shapes.items()}
+        return [(f"{expert_module(self.method, layer, e, proj)}.{suffix}", dtype, shape)
+                for e in range(self.n_experts) for proj in self.shapes
+                for suffix, (dtype, shape) in specs[proj].items()]
+
+    def planned_shard(self, layer: int) -> PlannedFile:
+        """Layer `layer`'s shard: its tensors and exact bytes."""
+        return shard(self.shard_of(layer), self.layer_tensors(layer), layer)
+
+    def planned_files(self, copy_from=None, fallback_config: dict | None = None, dense=None) -> dict[str, PlannedFile]:
+        """{path: PlannedFile} of every file this sink writes: the layer shards (their tensors listed), the index,
+        then what finalize writes from `copy_from` / `fallback_config` (config.json, the tokenizer copies), in name
+        order. dense: unused (in-place outputs hold the experts only)."""
+        files = [self.planned_shard(layer) for layer in self.layers]
+        files.append(planned_index(files))
+        for name, data in sorted(self._side_files(copy_from, fallback_config).items()):
+            files.append(PlannedFile(name, len(data) if isinstance(data, bytes) else data.stat().st_size))
+        return {f.path: f for f in files}
 
     def begin_layer(self, layer: int) -> "InplaceLayerWriter":
         if layer not in self.layers:
@@ -74,18 +90,20 @@ class InplaceSink:
         """Write the index, config.json (the source's — or `fallback_config` when the source has none — with this
         method's quantization_config) and copies of the tokenizer / generation config from `copy_from`; returns
         their records. The index comes from the plan (check_layers: KtSink's; no layer file is read here)."""
-        weight_map = {name: self.shard_of(layer) for layer in self.layers for name, _, _ in self.layer_specs(layer)}
-        total = sum(sum(self.method.matrix_bytes(n, k).values()) for n, k in self.shapes.values()) \
-            * self.n_experts * len(self.layers)
-        files = {INDEX_NAME: _json_bytes({"metadata": {"total_size": total},
-                                          "weight_map": dict(sorted(weight_map.items()))})}
-        for name, path in copy_sources(copy_from).items():
-            files[name] = path.read_bytes()
+        files = {INDEX_NAME: index_of([self.planned_shard(layer) for layer in self.layers])}
+        for name, data in self._side_files(copy_from, fallback_config).items():
+            files[name] = data if isinstance(data, bytes) else data.read_bytes()
+        return [write_record(self.out_dir, name, data) for name, data in sorted(files.items())]
+
+    def _side_files(self, copy_from, fallback_config: dict | None) -> dict[str, bytes | Path]:
+        """{name: bytes written, or the source file copied as is}: config.json (the source's, or `fallback_config`,
+        with this method's quantization_config) and the tokenizer / generation config copies."""
+        files: dict[str, bytes | Path] = dict(copy_sources(copy_from))
         if "config.json" in files or fallback_config is not None:
-            config = parse_json(files["config.json"], what="config.json") if "config.json" in files \
+            config = parse_json(files["config.json"].read_bytes(), what="config.json") if "config.json" in files \
                 else fallback_config
             files["config.json"] = _json_bytes(output_config(config, self.method))
-        return [write_record(self.out_dir, name, data) for name, data in sorted(files.items())]
+        return files
 
 
 class InplaceLayerWriter:
@@ -94,7 +112,8 @@ class InplaceLayerWriter:
     def __init__(self, sink: InplaceSink, layer: int):
         self.sink, self.layer = sink, layer
         sink.out_dir.mkdir(parents=True, exist_ok=True)
-        self.writer = StreamingSafetensorsWriter(sink.out_dir / sink.shard_of(layer), sink.layer_specs(layer))
+        planned = sink.planned_shard(layer)
+        self.writer = StreamingSafetensorsWriter(sink.out_dir / planned.path, planned.tensors)
 
     def put_matrix(self, proj: str, expert: int, w_bf16) -> None:
         """Encode one expert matrix (uint16 BF16 bits in HF orientation) and write its tensors."""

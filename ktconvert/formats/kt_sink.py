@@ -4,8 +4,9 @@ Layouts:
 
 * ``safetensors`` (merged): one shard per MoE layer, ``model-{i:05d}-of-{N:05d}.safetensors`` with i = the layer's
   position in the sorted MoE layer list (from 1) and N = MoE layers (+1 for the non-expert shard when
-  ``include_dense``). Keys ``blk.{L}.ffn_{gate|up|down}_exps.{E}.numa.{t}.weight`` (I8 1-D [quant bytes]) and
-  ``.scale`` (F32 1-D [n]); no ``__metadata__`` (as kt-kernel's converter). ``finalize`` writes
+  ``include_dense``). Keys ``blk.{L}.ffn_{gate|up|down}_exps.{E}.numa.{t}.weight`` and ``.scale``, each with the
+  dtype and shape the method's ``tensor_specs`` declares (AMX: I8 1-D [quant bytes], F32 1-D [n]); no
+  ``__metadata__`` (as kt-kernel's converter). ``finalize`` writes
   ``model.safetensors.index.json`` with the real total_size, from the shard headers on disk.
 * ``kt``: ``_layer_{L}/_numa_{t}/{PREFIX}_{proj}_{E}_{bytes}Byte_{quant|scale}_.kt`` raw bytes. Nothing at the top
   level ends in ``.safetensors`` (that would switch kt-kernel to merged mode).
@@ -13,13 +14,16 @@ Layouts:
 Per NUMA part t of T: gate/up are [n=I/T, k=H] (rows t*I/T..), down is [n=H, k=I/T] (input columns t*I/T..).
 A layer becomes visible atomically: merged by the shard's rename, kt by renaming ``_layer_{L}.partial/``.
 Both layouts report tensor hashes under the merged key names, so the same conversion hashes the same either way.
+``planned_files()`` is the one plan of every file and its bytes: the writers' headers, the index, the plan report
+and verify all read it.
 """
 from __future__ import annotations
 
-import json
+import fnmatch
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -29,22 +33,26 @@ from ktconvert.util import profile
 from ktconvert.errors import OutputError
 from ktconvert.formats.fileio import (FileRecord, LayerResult, fsync_dir, hash_bytes, open_dir, remove_tree,
                                       write_atomic, write_record)
+from ktconvert.formats.file_plan import PlannedFile, index_bytes, planned_index, shard
 from ktconvert.formats.safetensors_reader import parse_header
-from ktconvert.formats.st_writer import StreamingSafetensorsWriter, tensor_nbytes
+from ktconvert.formats.st_writer import NUMPY_DTYPES, StreamingSafetensorsWriter, tensor_nbytes
 from ktconvert.layouts.naming import INDEX_NAME, PROJS, dense_key, kt_relpath, merged_key, part_shape, shard_name
 
 LAYOUTS = ("safetensors", "kt")
 COPY_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
 COPY_GLOBS = ("*.tiktoken",)
+KT_PARTS = {"weight": "quant", "scale": "scale"}   # stored tensor suffix -> its .kt file name's part
+KT_LOADS = {"I8": ("I8", "U8")}   # planned dtype -> the labels kt-kernel's loader takes for it (it reads bytes)
 
 
 class KtSink:
     """Output folder for kt-kernel CPU experts.
 
-    out_dir:      output folder (created if absent)
+    out_dir:      output folder (created if absent; None: a plan only, nothing can be written)
     layout:       "safetensors" (merged shards) or "kt" (.kt tree)
-    method:       CpuMethod-like: ``file_prefix`` ("INT4"), ``quant_bytes(n, k)``, ``scale_bytes(n)``
+    method:       CpuMethod-like: ``file_prefix`` ("INT4") and ``tensor_specs(n, k)`` declaring the ``weight`` and
+                  ``scale`` tensors of one NUMA part
     numa:         NUMA parts T; moe_layers: MoE layer indices to be written; experts: E; hidden: H;
     intermediate: I (expert intermediate size); include_dense: reserve the last shard for non-expert tensors
     """
@@ -56,18 +64,23 @@ class KtSink:
         if include_dense and layout != "safetensors":
             raise OutputError("non-expert tensors can only go into the merged layout", found="layout kt",
                               hint="a top-level .safetensors file would switch kt-kernel into merged mode")
-        self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
         self.layout, self.method, self.numa = layout, method, int(numa)
         self.moe_layers = sorted(int(x) for x in moe_layers)
         self.experts, self.hidden, self.intermediate = int(experts), int(hidden), int(intermediate)
         self.include_dense = bool(include_dense)
         self.n_shards = len(self.moe_layers) + int(self.include_dense)
-        self.sizes = {p: self._part_sizes(p) for p in PROJS}
-
-    def _part_sizes(self, proj: str) -> tuple[int, int, int, int]:
-        n, k = part_shape(proj, self.hidden, self.intermediate, self.numa)
-        return n, k, int(self.method.quant_bytes(n, k)), int(self.method.scale_bytes(n))
+        self.shapes = {p: part_shape(p, self.hidden, self.intermediate, self.numa) for p in PROJS}   # (n, k)
+        self.specs = {p: dict(method.tensor_specs(*self.shapes[p])) for p in PROJS}
+        for proj, specs in self.specs.items():
+            if set(specs) != set(KT_PARTS):
+                raise OutputError(f"{getattr(method, 'kt_method', '') or method} declares tensors kt-kernel's "
+                                  "converted layouts do not hold", tensor=proj, expected=", ".join(KT_PARTS),
+                                  found=", ".join(specs))
+        # {proj: {suffix: bytes}} of one NUMA part
+        self.part_bytes = {p: {suffix: tensor_nbytes(*spec) for suffix, spec in self.specs[p].items()} for p in PROJS}
 
     def shard_for(self, layer: int) -> str:
         """Merged shard file name of MoE layer `layer`."""
@@ -79,16 +92,37 @@ class KtSink:
     def dense_shard(self) -> str:
         return shard_name(self.n_shards, self.n_shards)
 
-    def layer_tensors(self, layer: int) -> list[tuple[str, str, tuple[int]]]:
-        """[(key, dtype, shape)] of one layer in merged form: weight I8 [quant bytes], scale F32 [n]."""
-        specs = []
-        for proj in PROJS:
-            n, _, qbytes, sbytes = self.sizes[proj]
-            for e in range(self.experts):
-                for t in range(self.numa):
-                    specs.append((merged_key(layer, proj, e, t, "weight"), "I8", (qbytes,)))
-                    specs.append((merged_key(layer, proj, e, t, "scale"), "F32", (sbytes // 4,)))
-        return specs
+    def layer_tensors(self, layer: int) -> list[tuple[str, str, tuple[int, ...]]]:
+        """[(key, dtype, shape)] of one layer in merged form, as the method's tensor_specs declare them."""
+        return [(merged_key(layer, proj, e, t, suffix), dtype, shape) for proj in PROJS for e in range(self.experts)
+                for t in range(self.numa) for suffix, (dtype, shape) in self.specs[proj].items()]
+
+    def kt_file(self, layer: int, t: int, proj: str, expert: int, suffix: str) -> str:
+        """The ``.kt`` file (relative path) holding tensor `suffix` of one NUMA part, its planned bytes in the name."""
+        return kt_relpath(layer, t, self.method.file_prefix, proj, expert, self.part_bytes[proj][suffix],
+                          KT_PARTS[suffix])
+
+    def planned_shard(self, layer: int) -> PlannedFile:
+        """The merged shard of MoE layer `layer`: its tensors and exact bytes."""
+        return shard(self.shard_for(layer), self.layer_tensors(layer), layer)
+
+    def planned_files(self, copy_from=None, fallback_config: dict | None = None, dense=None) -> dict[str, PlannedFile]:
+        """{path: PlannedFile} of every file this sink writes, in writing order: the layer shards (their tensors
+        listed) and the index, or the ``.kt`` tree; the non-expert shard when ``include_dense`` and its `dense`
+        specs [(source name, dtype, shape)] are given (without them neither it nor the index is planned); the
+        copies of `copy_from`'s config / tokenizer files. fallback_config: unused, as in finalize."""
+        if self.layout == "safetensors":
+            files = [self.planned_shard(layer) for layer in self.moe_layers]
+            if self.include_dense and dense is not None:
+                files.append(shard(self.dense_shard(), _dense_specs(dense)))
+            if dense is not None or not self.include_dense:
+                files.append(planned_index(files))
+        else:
+            files = [PlannedFile(self.kt_file(layer, t, proj, e, suffix), nbytes, layer=layer)
+                     for layer in self.moe_layers for t in range(self.numa) for proj in PROJS
+                     for e in range(self.experts) for suffix, nbytes in self.part_bytes[proj].items()]
+        files += [PlannedFile(name, path.stat().st_size) for name, path in sorted(copy_sources(copy_from).items())]
+        return {f.path: f for f in files}
 
     def layer_done(self, layer: int) -> bool:
         """True when the layer's final output exists (a shard file, or the ``_layer_{L}`` folder)."""
@@ -112,7 +146,7 @@ class KtSink:
         """
         if not self.include_dense:
             raise OutputError("sink was created without include_dense", file=self.dense_shard())
-        renamed = [(dense_key(name), dtype, tuple(shape)) for name, dtype, shape in specs]
+        renamed = _dense_specs(specs)
         with StreamingSafetensorsWriter(self.out_dir / self.dense_shard(), renamed) as writer:
             for (name, _, _), (key, _, _) in zip(specs, renamed):
                 writer.write(key, read(name))
@@ -151,8 +185,7 @@ class KtSink:
             for key, ref in parse_header(self.out_dir / self.dense_shard()).tensors.items():
                 weight_map[key] = self.dense_shard()
                 total += ref.nbytes
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        return write_record(self.out_dir, INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+        return write_record(self.out_dir, INDEX_NAME, index_bytes(weight_map, total))
 
     def _remove_stale_partials(self) -> None:
         """Delete this sink's leftovers from interrupted runs (``.*.partial`` files, ``_layer_*.partial/``)."""
@@ -163,16 +196,21 @@ class KtSink:
                 remove_tree(entry)              # a symlink there: the link itself
 
 
+def _dense_specs(specs) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The non-expert shard's tensors: the source's [(name, dtype, shape)] under ``dense_key`` names."""
+    return [(dense_key(name), dtype, tuple(shape)) for name, dtype, shape in specs]
+
+
 def copy_sources(copy_from) -> dict[str, Path]:
-    """{name: path} of the config / tokenizer files present in the source folder."""
+    """{name: path} of the config / tokenizer files among `copy_from`: a source's side files
+    (``Source.side_files()``), or the files of a folder (of a file: its folder)."""
     if copy_from is None:
         return {}
-    src = Path(copy_from)
-    src = src if src.is_dir() else src.parent
-    found = {name: src / name for name in COPY_NAMES if (src / name).is_file()}
-    for pattern in COPY_GLOBS:
-        found.update({p.name: p for p in src.glob(pattern) if p.is_file()})
-    return found
+    if not isinstance(copy_from, Mapping):
+        folder = Path(copy_from) if Path(copy_from).is_dir() else Path(copy_from).parent
+        copy_from = {path.name: path for path in sorted(folder.iterdir()) if path.is_file()}
+    return {name: Path(path) for name, path in copy_from.items()
+            if name in COPY_NAMES or any(fnmatch.fnmatch(name, pattern) for pattern in COPY_GLOBS)}
 
 
 class LayerWriter:
@@ -183,26 +221,34 @@ class LayerWriter:
         self.tensors: dict[str, str] = {}
 
     def _checked(self, proj: str, expert: int, t: int, blob, scale) -> tuple[np.ndarray, np.ndarray]:
-        """(blob as int8 1-D, scale as float32 1-D) after checking them against the plan."""
+        """(blob, scale) in the planned dtypes and shapes (AMX: int8 1-D, float32 1-D) after checking them against
+        the plan: the planned bytes, the planned dtype (an integer array of its width for an integer one)."""
         where = merged_key(self.layer, proj, expert, t, "weight")
         if proj not in PROJS or not 0 <= expert < self.sink.experts or not 0 <= t < self.sink.numa:
             raise OutputError("expert part out of range", tensor=where,
                               expected=f"proj in {PROJS}, expert < {self.sink.experts}, numa < {self.sink.numa}")
         if where in self.tensors:
             raise OutputError("expert part written twice", tensor=where)
-        _, _, qbytes, sbytes = self.sink.sizes[proj]
-        blob, scale = np.asarray(blob), np.asarray(scale)
-        if blob.dtype not in (np.uint8, np.int8) or blob.nbytes != qbytes:
-            raise OutputError("wrong quant blob", tensor=where, expected=f"uint8/int8 [{qbytes}]",
-                              found=f"{blob.dtype} {list(blob.shape)}")
-        if scale.dtype != np.float32 or scale.nbytes != sbytes:
-            raise OutputError("wrong scale", tensor=where.replace(".weight", ".scale"),
-                              expected=f"float32 [{sbytes // 4}]", found=f"{scale.dtype} {list(scale.shape)}")
-        return np.ascontiguousarray(blob).reshape(-1).view(np.int8), np.ascontiguousarray(scale).reshape(-1)
+        specs = self.sink.specs[proj]
+        return (_as_planned(blob, specs["weight"], "wrong quant blob", where),
+                _as_planned(scale, specs["scale"], "wrong scale", merged_key(self.layer, proj, expert, t, "scale")))
 
     def _missing(self) -> list[str]:
-        expected = {key for key, dtype, _ in self.sink.layer_tensors(self.layer) if dtype == "I8"}
+        expected = {key for key, _, _ in self.sink.layer_tensors(self.layer) if key.endswith(".weight")}
         return sorted(expected - set(self.tensors))
+
+
+def _as_planned(array, spec: tuple[str, tuple[int, ...]], problem: str, where: str) -> np.ndarray:
+    """`array` as the planned (dtype, shape) `spec`: OutputError `problem` unless it has the planned bytes and dtype
+    (integer dtypes: any integer array of the same width, viewed as it)."""
+    dtype, shape = spec
+    want, array = np.dtype(NUMPY_DTYPES[dtype]), np.asarray(array)
+    same_kind = array.dtype == want or (array.dtype.kind in "iu" and want.kind in "iu"
+                                        and array.dtype.itemsize == want.itemsize)
+    if not same_kind or array.nbytes != tensor_nbytes(dtype, shape):
+        raise OutputError(problem, tensor=where, expected=f"{want} {list(shape)}",
+                          found=f"{array.dtype} {list(array.shape)}")
+    return np.ascontiguousarray(array).reshape(shape).view(want)
 
 
 class MergedLayerWriter(LayerWriter):
@@ -216,11 +262,11 @@ class MergedLayerWriter(LayerWriter):
 
     def __init__(self, sink: KtSink, layer: int):
         super().__init__(sink, layer)
-        self.writer = StreamingSafetensorsWriter(sink.out_dir / sink.shard_for(layer), sink.layer_tensors(layer),
-                                                 park_bytes=0)
+        planned = sink.planned_shard(layer)
+        self.writer = StreamingSafetensorsWriter(sink.out_dir / planned.path, planned.tensors, park_bytes=0)
 
     def put(self, proj: str, expert: int, t: int, blob, scale) -> None:
-        """blob: uint8/int8 [quant bytes]; scale: float32 [n] of NUMA part t of expert `expert`'s `proj`."""
+        """blob (uint8/int8) and scale (float32) of NUMA part t of expert `expert`'s `proj`, as planned."""
         blob, scale = self._checked(proj, expert, t, blob, scale)
         weight_key = merged_key(self.layer, proj, expert, t, "weight")
         self.tensors[weight_key] = self.writer.write(weight_key, blob)
@@ -248,12 +294,12 @@ class KtLayerWriter(LayerWriter):
         self.records: list[FileRecord] = []
 
     def put(self, proj: str, expert: int, t: int, blob, scale) -> None:
-        """blob: uint8/int8 [quant bytes]; scale: float32 [n] of NUMA part t of expert `expert`'s `proj`."""
+        """blob (uint8/int8) and scale (float32) of NUMA part t of expert `expert`'s `proj`, as planned."""
         blob, scale = self._checked(proj, expert, t, blob, scale)
-        for part, data, key_part in (("quant", blob, "weight"), ("scale", scale, "scale")):
-            rel = kt_relpath(self.layer, t, self.sink.method.file_prefix, proj, expert, data.nbytes, part)
-            self._write_file(rel, memoryview(data.view(np.uint8)))
-            self.tensors[merged_key(self.layer, proj, expert, t, key_part)] = self.records[-1].sha256
+        for suffix, data in (("weight", blob), ("scale", scale)):
+            self._write_file(self.sink.kt_file(self.layer, t, proj, expert, suffix),
+                             memoryview(data.reshape(-1).view(np.uint8)))
+            self.tensors[merged_key(self.layer, proj, expert, t, suffix)] = self.records[-1].sha256
 
     def _write_file(self, rel: str, data: memoryview) -> None:
         write_atomic(self.partial_dir / Path(rel).relative_to(f"_layer_{self.layer}"), data, durable=False,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ktconvert import __version__
-from ktconvert.architectures.manifests import MAX_DIM, MAX_EXPERTS, MAX_LAYERS
+from ktconvert.architectures.config_checks import MAX_DIM, MAX_EXPERTS, MAX_LAYERS
 from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.fileio import FileRecord, git_blob_id, hash_file, write_atomic
 from ktconvert.util.safe_read import MAX_MANIFEST_BYTES, read_json

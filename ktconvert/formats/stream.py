@@ -32,8 +32,9 @@ class MatrixJob:
     """One contiguous byte range of a source file that yields expert matrices.
 
     file/offset/nbytes: where the primary data lies. layer/expert: whose matrices. projs: the projections the
-    range decodes to — ("gate",), ("up",), ("down",), or ("gate", "up") for a fused gate_up slice.
-    key: the source's own handle (tensor name, slice index, ...) passed back to its decode().
+    range decodes to — ("gate",), ("up",), ("down",), or ("gate", "up") for a fused gate_up slice. tensor / index0:
+    the stored tensor the range lies in and its expert slice (None: the whole tensor), for the read order and for
+    messages. key: the source's own handle, opaque to everything but that source's decode().
     """
 
     file: Path
@@ -42,7 +43,9 @@ class MatrixJob:
     layer: int
     expert: int
     projs: tuple[str, ...]
-    key: tuple = field(default=())
+    tensor: str = ""
+    index0: int | None = None
+    key: object = field(default=())
 
 
 @dataclass(frozen=True)
@@ -239,5 +242,5 @@ def jobs_by_file(jobs: list[MatrixJob]) -> dict[Path, list[MatrixJob]]:
         items.sort(key=lambda j: j.offset)
         for a, b in zip(items, items[1:]):
             if b.offset < a.offset + a.nbytes:
-                raise InputError("overlapping tensor data", file=path, tensor=str(b.key))
+                raise InputError("overlapping tensor data", file=path, tensor=b.tensor or None)
     return grouped

@@ -157,7 +157,7 @@ def amx_stream(src, calibration, method_bits: int, numa: int, *, max_length: int
     source = src if isinstance(src, HFSource) else HFSource.open(src)
     samples = calibration
     if isinstance(calibration, (str, Path)):
-        samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
+        samples = load_samples(calibration, source.model_dir(), max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
     quantizer = AmxQuantizer(method_bits, numa, fallback_quant, selection)
     stream = (make_stream or LayerStream)(source, samples, quantizer, options, mtp_layers=mtp_layers)
@@ -253,7 +253,7 @@ def convert_cpu_gptq(output, progress=None, timings: dict | None = None, *, opti
     options = options or GptqOptions(dampening=opts.dampening)
     selection = selection or SelectionOptions(min_tokens=opts.min_tokens)
     source = output.source
-    samples = load_samples(opts.calibration, source.root, max_length=max_length, num_samples=num_samples,
+    samples = load_samples(opts.calibration, source.model_dir(), max_length=max_length, num_samples=num_samples,
                            vocab_size=source.info.config.get("vocab_size"))
 
     def write(output) -> None:

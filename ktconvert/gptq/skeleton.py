@@ -11,11 +11,9 @@ import ctypes
 import gc
 from pathlib import Path
 
+from ktconvert.architectures.manifests import transformers_alias
 from ktconvert.errors import InputError
 from ktconvert.util.safe_read import read_json
-
-# model_types whose checkpoints transformers runs with another model_type's classes (same tensors, same forward)
-TRANSFORMERS_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 TORCH_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
                 "float32": "float32", "fp32": "float32"}
@@ -85,7 +83,7 @@ def _aliased_config(root: Path):
     from transformers import CONFIG_MAPPING
 
     data = read_json(Path(root) / "config.json")
-    alias = TRANSFORMERS_ALIASES.get(data.get("model_type", ""))
+    alias = transformers_alias(str(data.get("model_type", "")))
     if alias is None:
         return None
     data = {k: v for k, v in data.items() if k not in ("model_type", "auto_map", "architectures")}
@@ -128,7 +126,7 @@ def build_skeleton(root: Path, dtype):
     """Meta-device AutoModelForCausalLM from root/config.json (eager attention, `dtype` parameters), experts
     linearised; rotary embeddings rebuilt on CPU (their buffers are computed, not loaded). Never runs code shipped
     with the checkpoint (trust_remote_code=False): model_types transformers knows under another name go through
-    TRANSFORMERS_ALIASES."""
+    their manifest's ``transformers_aliases``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -40,7 +40,6 @@ import re
 
 from ktconvert.errors import InputError
 from ktconvert.formats.hf_source import HFSource
-from ktconvert.formats.decoders import decode_matrix, detect_scheme
 from ktconvert.gptq.determinism import deterministic_cpu
 from ktconvert.gptq.hessians import StopForward
 from ktconvert.gptq.inputs import record_inputs
@@ -65,10 +64,10 @@ class DecoderStream:
         if inputs is None and not samples:
             raise InputError("no calibration samples", hint="--calibration FILE must hold at least one sample")
         self.source = src if isinstance(src, HFSource) else HFSource.open(src)
-        self.checkpoint, self.info = self.source.checkpoint, self.source.info
+        self.info = self.source.info
         self.device = pick_device(device)
-        self.dtype = torch_dtype_of(self.checkpoint.config) if dtype is None else dtype
-        self.model = build_skeleton(self.checkpoint.root, self.dtype)
+        self.dtype = torch_dtype_of(self.source.config_json()) if dtype is None else dtype
+        self.model = build_skeleton(self.source.model_dir(), self.dtype)
         self.layers = self.model.model.layers
         self.fp32_keys = tuple(getattr(self.model, "_keep_in_fp32_modules_strict", None) or ())
         self.prefix = self.info.name_prefix
@@ -88,12 +87,13 @@ class DecoderStream:
     def _mtp_module(self, L: int) -> tuple:
         """(meta module, decoder layer it copies) for MTP layer L: the last decoder layer whose tensor names, under
         MTP layer L's prefix, are all in the checkpoint (experts: in the source)."""
-        present = set(self.checkpoint.tensors)
+        present = set(self.source.tensor_names())
         for t in reversed(self.info.moe_layers):
             keys = [k for k in self.layers[t].state_dict(keep_vars=True) if not EXPERT_KEY.match(k)]
             if all(self._checkpoint_name(self._layer_tensor_name(L, k)) in present for k in keys):
                 return copy.deepcopy(self.layers[t]), t
-        raise InputError(f"MTP layer {L}: no decoder layer of the model has its tensors", file=self._index_name(),
+        raise InputError(f"MTP layer {L}: no decoder layer of the model has its tensors",
+                         file=self.source.tensors_file(),
                          tensor=self._layer_tensor_name(L, ""),
                          hint="convert without --include-mtp (the MTP layer is left out)")
 
@@ -106,7 +106,7 @@ class DecoderStream:
     def _checkpoint_name(self, name: str) -> str:
         """The checkpoint's name for transformers' in-memory tensor `name`: the same, or with transformers'
         renaming for this model_type undone (MiniMax / Mixtral keep `block_sparse_moe.` on disk, `mlp.` in memory)."""
-        if name in self.checkpoint.tensors:
+        if self.source.tensor(name) is not None:
             return name
         from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
 
@@ -115,19 +115,19 @@ class DecoderStream:
                 continue
             for on_disk, in_memory in zip(rule.source_patterns, rule.target_patterns):
                 candidate = name.replace(in_memory, on_disk)
-                if candidate != name and candidate in self.checkpoint.tensors:
+                if candidate != name and self.source.tensor(candidate) is not None:
                     return candidate
         return name
 
     def _tensor(self, name: str, like):
         """Checkpoint tensor `name` as a torch tensor with `like`'s shape, in from_pretrained's dtype."""
         name = self._checkpoint_name(name)
-        ref = self.checkpoint.tensors.get(name)
+        ref = self.source.tensor(name)
         if ref is None:
-            raise InputError("tensor the model needs is missing from the checkpoint", file=self._index_name(),
+            raise InputError("tensor the model needs is missing from the checkpoint", file=self.source.tensors_file(),
                              tensor=name, expected=f"shape {list(like.shape)}")
         if ref.dtype in ("BF16", "F16", "F32"):
-            t = bits_to_torch(self.checkpoint.read(name), ref.dtype)
+            t = bits_to_torch(self.source.read_tensor(name), ref.dtype)
         else:
             t = self._decode_quantized(name)
         if tuple(t.shape) != tuple(like.shape):
@@ -137,9 +137,10 @@ class DecoderStream:
         return t.to(self._dtype_for(name, like))
 
     def _decode_quantized(self, name: str):
-        """FP8 / packed-int weights of non-expert modules, through ktconvert's decoders, as BF16."""
+        """FP8 / packed-int weights of non-expert modules, through ktconvert's decoders (Source.read_linear), as
+        BF16."""
         base = name[: -len(".weight")] if name.endswith(".weight") else name
-        return bits_to_torch(decode_matrix(self.checkpoint, base, detect_scheme(self.checkpoint.config)), "BF16")
+        return bits_to_torch(self.source.read_linear(base), "BF16")
 
     def _dtype_for(self, name: str, like):
         import torch
@@ -147,10 +148,6 @@ class DecoderStream:
         if any(key in name for key in self.fp32_keys):
             return torch.float32
         return like.dtype
-
-    def _index_name(self) -> str:
-        ck = self.checkpoint
-        return (ck.index_file or ck.shards[0].path).name
 
     def load_layer(self, L: int, module=None, *, experts=None, others: bool = True):
         """Assign layer L's weights into the skeleton (experts via HFSource), or into `module` (a meta copy of

@@ -18,13 +18,13 @@ import time
 from ktconvert.activation.stats import write_gptq_activation
 from ktconvert.errors import KtConvertError
 from ktconvert.util.extras import require
-from ktconvert.formats.out_manifest import source_fingerprint
 from ktconvert.gpu.output import GpuOutput
-from ktconvert.gpu.plan import GpuOptions, plan_gpu
+from ktconvert.gpu.options import GpuOptions
 from ktconvert.gptq.calibration import load_samples
+from ktconvert.kinds import KINDS
 from ktconvert.run.inputs import open_input
+from ktconvert.run.local import target_output
 from ktconvert.run.outputs import layer_source_bytes, refuse_gptq_part, write_in_layer_order, write_outputs
-from ktconvert.distributed.parts import select_layers
 from ktconvert.util.progress import Progress
 from ktconvert.results import ConvertResult
 
@@ -40,12 +40,13 @@ def convert_gpu(src, out, options: GpuOptions | None = None, *, threads: int | N
     require("gpu", "ktconvert gpu")
     if options.quant == "gptq":
         gptq_hook()
-    plan = plan_gpu(open_input(src), options)
-    output = GpuOutput(out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
+    kind = KINDS.get("gpu")
+    plan = kind.plan(open_input(src), options)
+    output = target_output(kind, out, plan, resume=resume, force=force, layers=layers)
     timings = {"plan": time.monotonic() - t0}
     if options.quant == "gptq":
         refuse_gptq_part(output)
-        samples = load_samples(options.calibration, output.source.root, max_length=options.max_length,
+        samples = load_samples(options.calibration, output.source.model_dir(), max_length=options.max_length,
                                num_samples=options.num_samples, vocab_size=output.source.info.config.get("vocab_size"))
         make_stream = gptq_stream(plan.input) if gptq_stream is not None else None
         return write_in_layer_order(output, lambda o: _run_gptq(o, samples, progress or Progress(), make_stream),
@@ -76,7 +77,7 @@ def _run_gptq(output: GpuOutput, samples: list, progress, make_stream=None) -> N
     sizes = layer_source_bytes(source, output.layers)
     progress.start(sum(sizes.values()), len(output.layers), f"gpu {opts.experts.upper()} gptq", unit="layers")
     state = write_gptq_layers(output, samples, progress, sizes, make_stream=make_stream)
-    fingerprint = source_fingerprint(source.root, source.files())
+    fingerprint = source.fingerprint()
     for name, entry in fingerprint["files"].items():
         output.journal.finish_source(name, entry)
     decoder = {L: tokens for L, tokens in state.tokens.items() if L < source.info.n_layers}

@@ -56,7 +56,7 @@ def start(source, bits: int, group_size: int, calibration, options: GptqOptions 
                          '{"text": ...} or {"input_ids": [...]})', found="none")
     samples = calibration
     if not isinstance(calibration, list):
-        samples = load_samples(calibration, source.root, max_length=max_length, num_samples=num_samples,
+        samples = load_samples(calibration, source.model_dir(), max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
     quantizer = GpuQuantizer(bits, group_size, "static", GPTQ_OBSERVER)
     stream = (make_stream or LayerStream)(source, samples, quantizer, options or GptqOptions(), mtp_layers=mtp_layers)

@@ -6,8 +6,10 @@ experts and every routed expert (``<expert>.weight_packed`` / ``weight_scale`` /
 are converted with ``include_mtp`` and otherwise left out (SGLang's main model does not load them; llmcompressor's
 ``oneshot`` output lacks them too).
 
-Each shard is a list of items ``(specs, produce)``: specs [(name, dtype, shape)], produce(checkpoint) ->
-{name: array} reading one source tensor; routed experts are not items: they come from the pipeline's stream.
+Each shard is a list of items ``(specs, produce)``: specs [(name, dtype, shape)], produce(source) ->
+{name: array} reading one source tensor (formats.base.Source's tensor methods); routed experts are not items: they
+come from the pipeline's stream. Which non-expert modules are SGLang LinearBase layers: the family manifest's
+``[linears]``.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.gpu import linears
+from ktconvert.formats.linear_storage import SCALE_SUFFIXES
 from ktconvert.gpu.experts import expert_specs
 from ktconvert.layouts.naming import PROJS, shard_name
 
@@ -44,19 +47,19 @@ class Shard:
 
 def _copy(ref) -> Item:
     name = ref.name
-    return Item([(name, ref.dtype, tuple(ref.shape))], lambda ck: {name: ck.read(name)})
+    return Item([(name, ref.dtype, tuple(ref.shape))], lambda src: {name: src.read_tensor(name)})
 
 
 def _to_bf16(module: str, shape) -> Item:
     name = module + ".weight"
-    return Item([(name, "BF16", tuple(shape))], lambda ck: {name: linears.read_bf16(ck, module)})
+    return Item([(name, "BF16", tuple(shape))], lambda src: {name: src.read_linear(module)})
 
 
 class GpuLayout:
     """The GPU checkpoint of `source` (an HFSource) for `layers` (MoE layers, plus MTP layers when included)."""
 
     def __init__(self, source, layers, linear_mode: str, bits: int, group_size: int):
-        info, ck = source.info, source.checkpoint
+        info = source.info
         self.source, self.layers, self.mode = source, list(layers), linear_mode
         self.bits, self.group_size = bits, group_size
         # routed experts are written per expert under the family's per-expert names, whatever the source layout
@@ -72,7 +75,7 @@ class GpuLayout:
             self.shards[layer].items += self._expert_biases(layer)
         self.linear_modules: set[str] = set()
         self.other_linears: set[str] = set()
-        for name in sorted(ck.tensors):
+        for name in source.tensor_names():
             layer = info.layer_of(name)
             if layer in dropped or name in routed:
                 continue        # routed expert weights come from the stream, their biases from _expert_biases
@@ -85,46 +88,44 @@ class GpuLayout:
 
     def _expert_biases(self, layer: int) -> list[Item]:
         """Per-expert ``<expert>.bias`` items of `layer` (as stored: copied, or sliced out of a fused bias)."""
-        source, ck = self.source, self.source.checkpoint
+        source = self.source
         layout = source.required_layout(layer)
         if layout.kind == "per_expert":
-            return [_copy(ck.tensors[n]) for e in range(source.info.n_experts)
+            return [_copy(source.tensor(n)) for e in range(source.info.n_experts)
                     for k, n in source.expert_weight_names(layer, e).items() if k.endswith("_bias")]
         items = []
         for t in (t for t in layout.tensors if t.bias):
-            ref = ck.tensors[t.bias]
+            ref = source.tensor(t.bias)
             rows = ref.shape[1] // len(t.projs)
             for e in range(source.info.n_experts):
                 names = {p: self.expert_bases[(layer, e, p)] + ".bias" for p in t.projs}
                 items.append(Item([(names[p], ref.dtype, (rows,)) for p in t.projs],
-                                  lambda ck, t=t, e=e, names=names: {
+                                  lambda src, t=t, e=e, names=names: {
                                       names[p]: np.ascontiguousarray(b) for p, b in
-                                      source.split_role(t, ck.read_slice(t.bias, e)).items()}))
+                                      source.split_role(t, src.read_tensor(t.bias, e)).items()}))
         return items
 
     def _place(self, shard: Shard, name: str) -> None:
-        ck = self.source.checkpoint
-        ref = ck.tensors[name]
+        ref = self.source.tensor(name)
         module = linears.module_of(name)
-        decoded = linears.decoded_refs(ck, module)
-        if decoded is not None:
-            self._place_decoded(shard, name, module, decoded)
+        stored = self.source.stored_linear(module)
+        if stored.kind == "decoded":
+            self._place_decoded(shard, name, module, stored.refs)
             return
         is_weight = name == module + ".weight"
         suffix = name[len(module) + 1:]
-        if linears.is_linear_base(module):
+        if self._linear_base(module):
             if is_weight:
-                plan = linears.plan_linear(ck, module, self.mode)
+                plan = linears.plan_linear(self.source, module, self.mode)
                 shard.items.append(Item(plan.specs, plan.produce))
                 self.linear_modules.add(module)
-            elif suffix not in linears.SCALE_SUFFIXES:
+            elif suffix not in SCALE_SUFFIXES:
                 shard.items.append(_copy(ref))
             return
-        kind = linears.stored_kind(ck, module)
-        if kind == "fp8-block":
+        if stored.kind == "fp8-block":
             if is_weight:
                 shard.items.append(_to_bf16(module, ref.shape))
-            elif suffix not in linears.SCALE_SUFFIXES:
+            elif suffix not in SCALE_SUFFIXES:
                 shard.items.append(_copy(ref))
         else:
             shard.items.append(_copy(ref))
@@ -132,25 +133,28 @@ class GpuLayout:
             self.other_linears.add(module)
 
     def _place_decoded(self, shard: Shard, name: str, module: str, refs) -> None:
-        """A linear stored in a quantized form a decoder reads (linears.decoded_refs): its primary tensor becomes the
-        module's weight (LinearBase: as --linears says; others BF16), its partners (scales, zeros, g_idx, activation
-        scales) go, anything else (a bias) is copied."""
+        """A linear stored in a quantized form a decoder reads (Source.stored_linear "decoded"): its primary tensor
+        becomes the module's weight (LinearBase: as --linears says; others BF16), its partners (scales, zeros, g_idx,
+        activation scales) go, anything else (a bias) is copied."""
         if name == refs.primary:
-            if linears.is_linear_base(module):
-                plan = linears.plan_linear(self.source.checkpoint, module, self.mode)
+            if self._linear_base(module):
+                plan = linears.plan_linear(self.source, module, self.mode)
                 shard.items.append(Item(plan.specs, plan.produce))
                 self.linear_modules.add(module)
             else:
                 shard.items.append(_to_bf16(module, refs.shape))
                 self.other_linears.add(module)
         elif name not in refs.partners.values():
-            shard.items.append(_copy(self.source.checkpoint.tensors[name]))
+            shard.items.append(_copy(self.source.tensor(name)))
+
+    def _linear_base(self, module: str) -> bool:
+        return linears.is_linear_base(module, self.source.info.manifest)
 
     def _check_fp8_config(self) -> None:
         """`keep` needs all linears FP8 or all float (linear_fp8_config covers every LinearBase or none)."""
         if self.mode != "keep":
             return
-        kinds = {linears.stored_kind(self.source.checkpoint, m) for m in self.linear_modules} - {"decoded"}
+        kinds = {self.source.stored_linear(m).kind for m in self.linear_modules} - {"decoded"}
         if len(kinds) > 1:
             raise InputError("--linears keep: the source mixes FP8 and float linears, which SGLang cannot load "
                              "(linear_fp8_config applies to every linear)", expected="all FP8 or all BF16",
@@ -163,7 +167,7 @@ class GpuLayout:
             return True
         if self.mode == "bf16":
             return False
-        return any(linears.stored_kind(self.source.checkpoint, m) == "fp8-block" for m in self.linear_modules)
+        return any(self.source.stored_linear(m).kind == "fp8-block" for m in self.linear_modules)
 
     def ignore_modules(self) -> tuple[set[str], set[str]]:
         """(HF module names, SGLang module names) of every non-expert linear the ignore list must cover."""

@@ -26,7 +26,6 @@ from ktconvert.gpu.plan import GpuPlan
 from ktconvert.layouts.naming import INDEX_NAME
 from ktconvert.run.output import Output
 
-NO_COPY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 NO_COPY_NAMES = ("config.json", INDEX_NAME, MANIFEST_NAME, "README.md")
 
 
@@ -42,7 +41,7 @@ class GpuLayerWriter:
         self.bases = {(e, p): base for e, p, base, _, _ in shard.experts}
         self.shapes = {(e, p): (n, k) for e, p, _, n, k in shard.experts}
         try:
-            _write_items(self.writer, shard.items, output.source.checkpoint)
+            _write_items(self.writer, shard.items, output.source)
             for e, p, base, n, k in shard.experts:
                 self.writer.write(f"{base}.weight_shape", np.array([n, k], np.int64))
         except BaseException:
@@ -75,10 +74,10 @@ class GpuLayerWriter:
         self.writer.abort()
 
 
-def _write_items(writer, items, checkpoint) -> None:
+def _write_items(writer, items, source) -> None:
     for item in items:
         with profile.span("linears"):
-            tensors = item.produce(checkpoint)
+            tensors = item.produce(source)
         for name, array in tensors.items():
             writer.write(name, array)
 
@@ -86,7 +85,7 @@ def _write_items(writer, items, checkpoint) -> None:
 class GpuOutput(Output):
     """The GPU checkpoint of `plan` (gpu.plan.GpuPlan) in `out_dir`."""
 
-    kind = "gpu"
+    kind, flags = "gpu", GPU_FLAGS      # flags: SGLang's --model, the folder itself
     option_of = {"method": "--experts", "gpu.bits": "--experts", "gpu.algo": "--quant", "gpu.linear_fp8": "--linears"}
 
     def __init__(self, out_dir, plan: GpuPlan, *, resume: bool = False, force: bool = False,
@@ -108,7 +107,7 @@ class GpuOutput(Output):
         shard = self.layout.shards[None]
         opts = self.options
         with StreamingSafetensorsWriter(self.out_dir / shard.name, shard.specs(opts.bits, opts.group_size)) as w:
-            _write_items(w, shard.items, self.source.checkpoint)
+            _write_items(w, shard.items, self.source)
         records = [w.record(shard.name), write_record(self.out_dir, INDEX_NAME, self._index_bytes()),
                    write_record(self.out_dir, "config.json", self._config_bytes())]
         records += [write_record(self.out_dir, rel, src.read_bytes()) for rel, src in self._copies()]
@@ -131,23 +130,17 @@ class GpuOutput(Output):
         qc = gpu_config.quantization_config(self.options.bits, self.options.group_size, ignore,
                                             "static" if gptq else None, linear_fp8=self.layout.linear_fp8,
                                             observer=gpu_config.GPTQ_OBSERVER if gptq else "minmax")
-        config = gpu_config.output_config(self.source.checkpoint.config, qc)
+        config = gpu_config.output_config(self.source.config_json(), qc)
         return (json.dumps(config, indent=2) + "\n").encode()
 
     def _copies(self) -> list[tuple[str, Path]]:
         """Top-level non-weight files of the source: tokenizer, generation_config, chat template, custom code."""
-        out = []
-        for path in sorted(self.source.root.iterdir()):
-            name = path.name
-            if path.is_file() and not name.startswith(".") and name not in NO_COPY_NAMES \
-                    and not name.endswith(NO_COPY_SUFFIXES):
-                out.append((name, path))
-        return out
+        return [(name, path) for name, path in sorted(self.source.side_files().items()) if name not in NO_COPY_NAMES]
 
     def manifest_fields(self) -> dict:
         opts = self.options
         gpu = {"experts": opts.experts, "bits": opts.bits, "group_size": opts.group_size, "linears": opts.linears,
                "linear_fp8": self.layout.linear_fp8, "algo": opts.quant, "include_mtp": opts.include_mtp}
         return {"method": opts.experts.upper(), "numa": 1, "layout": "compressed-tensors", "quant": opts.quant,
-                "kind": "gpu", "flags": dict(GPU_FLAGS),
+                "kind": "gpu", "flags": dict(self.flags),
                 "packages": package_versions(BYTE_PACKAGES + ("torch", "compressed-tensors")), "extra": {"gpu": gpu}}

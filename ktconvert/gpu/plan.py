@@ -9,56 +9,17 @@ checkpoint checked and laid out from headers and config only, before OUT is crea
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 
-from ktconvert.errors import InputError, ShapeError, UsageError
+from ktconvert.errors import InputError, ShapeError
 from ktconvert.formats.hf_source import HFSource
 from ktconvert.formats.st_writer import build_header, tensor_nbytes
-from ktconvert.gpu.experts import GROUP_SIZES, bits_of, expert_bytes
+from ktconvert.gpu.experts import GROUP_SIZES, expert_bytes
 from ktconvert.gpu.layout import GpuLayout
-from ktconvert.gpu.linears import LINEAR_MODES, module_of
+from ktconvert.gpu.linears import module_of
+from ktconvert.gpu.options import QUANTS, GpuOptions  # noqa: F401  (QUANTS: vocabulary's)
 from ktconvert.run.inputs import Input, open_input
-from ktconvert.run.options import SAMPLING_DEFAULTS, Options, Plan
-
-QUANTS = ("rtn", "gptq")
-
-
-@dataclass(frozen=True)
-class GpuOptions(Options):
-    """What the GPU checkpoint is: experts (compressed-tensors scheme of the routed experts: w4a16 | w8a16),
-    group_size (32 | 64 | 128, SGLang's Marlin MoE kernels), quant ("rtn": bytes equal llmcompressor's
-    model_free_ptq; "gptq": calibrated, needs calibration), linears ("fp8": 128x128 block FP8 + linear_fp8_config,
-    "bf16", "keep"), include_mtp (also the MTP layers), calibration (JSON lines of texts or token ids)."""
-
-    experts: str = "w4a16"
-    group_size: int = 128
-    quant: str = "rtn"
-    linears: str = "fp8"
-    include_mtp: bool = False
-    calibration: str | None = None
-    max_length: int = SAMPLING_DEFAULTS["max_length"]
-    num_samples: int | None = SAMPLING_DEFAULTS["num_samples"]
-
-    kind, lowercase = "GPU", ("experts", "quant", "linears")
-
-    @property
-    def bits(self) -> int:
-        return bits_of(self.experts)
-
-    def check(self) -> None:
-        """UsageError for an expert scheme, group size, linears mode or quant that does not exist."""
-        self.bits  # noqa: B018  (validates the scheme name)
-        for name, value, allowed in (("--group-size", self.group_size, GROUP_SIZES),
-                                     ("--linears", self.linears, LINEAR_MODES), ("--quant", self.quant, QUANTS)):
-            if value not in allowed:
-                raise UsageError(f"unsupported {name} for the GPU checkpoint", expected=" or ".join(map(str, allowed)),
-                                 found=str(value))
-        if self.quant == "gptq" and self.calibration is None:
-            raise UsageError("--quant gptq needs calibration data", expected="--calibration FILE (JSON lines)")
-        if self.quant != "gptq" and self.calibration is not None:
-            raise UsageError("--calibration is only used with --quant gptq", found=f"--quant {self.quant}")
-        self.check_sampling()
+from ktconvert.run.options import Plan
 
 
 class GpuPlan(Plan):

@@ -324,7 +324,7 @@ def _linear_modules(info, layers, tensors: dict) -> tuple[set[str], set[str]]:
         module = _module(name)
         if module in expert_modules or module.endswith(("embed_tokens", "embeddings", "wte")):
             continue
-        (base if is_linear_base(module) else other).add(module)
+        (base if is_linear_base(module, info.manifest) else other).add(module)
     return base, other
 
 

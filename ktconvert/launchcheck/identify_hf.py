@@ -35,8 +35,8 @@ GROUPED = ("MXFP4", "NVFP4", "MXFP8", "GPTQ_INT4", "RAW")
 def registered_with(suffix: str, dtype: str) -> type | None:
     """The registered in-place method whose tensors include (suffix, dtype), asked of the registry."""
     for method in all_methods():
-        specs = getattr(method, "tensor_specs", None)
-        if specs and not method.needs_conversion and any(s == suffix and d == dtype for s, d, _ in specs(256, 256)):
+        if method.writable and not method.needs_conversion \
+                and method.tensor_specs(256, 256).get(suffix, ("",))[0] == dtype:
             return method
     return None
 

@@ -7,6 +7,7 @@ Implementation choice for ``quantize``: the native library when it is built and 
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, ClassVar
 
 import numpy as np
@@ -14,9 +15,10 @@ import numpy as np
 from ktconvert import native
 from ktconvert.errors import KtConvertError, NativeError, NumericError, ShapeError
 from ktconvert.formats.kt_sink import KtSink
+from ktconvert.formats.st_writer import tensor_nbytes
 from ktconvert.layouts import tiles
 from ktconvert.layouts.numa import numa_slices
-from ktconvert.methods.base import METHODS, CpuMethod
+from ktconvert.methods.base import METHODS, CpuMethod, TensorSpecs
 from ktconvert.quant import amx_rows, mse  # noqa: F401  (mse registers the "mse" row quantizer)
 from ktconvert.quant.row_quant import ROW_QUANT
 from ktconvert.verification import numeric_amx, structure
@@ -37,18 +39,10 @@ class AmxMethod(CpuMethod):
     _unpack: ClassVar[Callable]
 
     @classmethod
-    def quant_bytes(cls, n: int, k: int) -> int:
-        """Bytes of the quant blob (``_quant_`` file / ``.weight`` tensor) for one [n, k] matrix."""
-        return n * k * cls.bits // 8
-
-    @classmethod
-    def scale_bytes(cls, n: int) -> int:
-        """Bytes of the fp32 per-row scale blob (``_scale_`` file / ``.scale`` tensor)."""
-        return 4 * n
-
-    @classmethod
-    def matrix_bytes(cls, n: int, k: int) -> dict[str, int]:
-        return {"quant": cls.quant_bytes(n, k), "scale": cls.scale_bytes(n)}
+    def tensor_specs(cls, n: int, k: int) -> TensorSpecs:
+        """The tiled blob (``.weight`` tensor / ``_quant_`` file, ``bits`` per weight) and the fp32 per-row scales
+        (``.scale`` / ``_scale_``) of one [n, k] NUMA part."""
+        return {"weight": ("I8", (n * k * cls.bits // 8,)), "scale": ("F32", (n,))}
 
     @classmethod
     def pack(cls, codes: np.ndarray) -> np.ndarray:
@@ -58,7 +52,7 @@ class AmxMethod(CpuMethod):
     @classmethod
     def quantize(cls, w_bf16: np.ndarray, threads: int = 1, where: str = "",
                  quant: str = "rtn") -> tuple[np.ndarray, np.ndarray]:
-        """uint16 [n, k] BF16 bits -> (blob uint8 [quant_bytes(n, k)], scale float32 [n]).
+        """uint16 [n, k] BF16 bits -> (blob uint8, scale float32) of tensor_specs(n, k)'s sizes and shapes.
 
         quant: "rtn" (kt-kernel's own rounding, byte-identical to its converter; native when built) or another
         name registered in ROW_QUANT. ShapeError on a bad shape, NumericError on NaN/Inf; ``where`` names the
@@ -81,46 +75,46 @@ class AmxMethod(CpuMethod):
         rows = ROW_QUANT.get(quant)
         packed = getattr(rows, "quantize_packed", None)   # optional native search + tiling in one step
         result = packed(w_bf16, cls.bits, threads=max(1, int(threads)), where=where) if packed else None
+        specs = cls.tensor_specs(*w_bf16.shape)
         if result is not None:
-            n, k = w_bf16.shape
             blob, scale = np.asarray(result[0]).reshape(-1), np.asarray(result[1])
-            _check_native_result(blob, scale, cls.quant_bytes(n, k), n, f"quantizer {quant!r}", where)
+            _check_native_result(blob, scale, specs, f"quantizer {quant!r}", where)
             return blob, scale
         codes, scale = rows(w_bf16, cls.bits, where)
         limit = 7 if cls.bits == 4 else 127
-        n = w_bf16.shape[0]
-        if codes.shape != w_bf16.shape or codes.dtype != np.int8 or np.asarray(scale).shape != (n,) \
+        if codes.shape != w_bf16.shape or codes.dtype != np.int8 or np.asarray(scale).shape != specs["scale"][1] \
                 or (codes.size and (codes.min() < -limit or codes.max() > limit)):
             raise NumericError(f"quantizer {quant!r} returned invalid codes or scales", tensor=where or None,
-                               expected=f"int8 {list(w_bf16.shape)} in -{limit}..{limit}, float32 [{n}]",
+                               expected=f"int8 {list(w_bf16.shape)} in -{limit}..{limit}, "
+                                        f"float32 {list(specs['scale'][1])}",
                                found=f"{codes.dtype} {list(codes.shape)} in {codes.min()}..{codes.max()}, "
                                      f"scale {list(np.asarray(scale).shape)}")
         return cls._pack(codes), np.asarray(scale, np.float32)
 
     @classmethod
     def _quantize_native(cls, w_bf16: np.ndarray, threads: int, where: str) -> tuple[np.ndarray, np.ndarray]:
-        n, k = w_bf16.shape
         try:
             blob, scale = native.amx_quantize(w_bf16, cls.bits, max(1, int(threads)))   # a column slice in place
         except KtConvertError:
             amx_rows.bf16_rows_ftz(w_bf16, where)   # a NaN/Inf raises NumericError naming the tensor
             raise
         blob, scale = np.asarray(blob), np.asarray(scale)
-        _check_native_result(blob, scale, cls.quant_bytes(n, k), n, "native amx_quantize", where)
+        _check_native_result(blob, scale, cls.tensor_specs(*w_bf16.shape), "native amx_quantize", where)
         return blob.reshape(-1), scale
 
     @classmethod
     def dequantize(cls, blob: np.ndarray, scale: np.ndarray, n: int, k: int) -> np.ndarray:
-        """(blob uint8 [quant_bytes(n, k)], scale float32 [n] or its raw bytes) -> float32 [n, k] weights as
-        kt-kernel sees them."""
+        """(blob uint8, scale float32 or its raw bytes, as tensor_specs(n, k) declares them) -> float32 [n, k]
+        weights as kt-kernel sees them."""
         cls.check_shape(n, k)
+        shape = cls.tensor_specs(n, k)["scale"][1]
         scale = np.ascontiguousarray(scale).reshape(-1)
         if scale.dtype != np.float32:
             scale = scale.view(np.uint8).view(np.float32)     # raw little-endian bytes of a _scale_ file
-        if scale.shape != (n,):
-            raise ShapeError(f"{cls.kt_method} scale has the wrong size", expected=f"{n} fp32 values",
+        if scale.size != math.prod(shape):
+            raise ShapeError(f"{cls.kt_method} scale has the wrong size", expected=f"{math.prod(shape)} fp32 values",
                              found=f"{scale.size}")
-        return cls._dequantize_rows(cls._unpack(blob, n, k), scale)
+        return cls._dequantize_rows(cls._unpack(blob, n, k), scale.reshape(shape))
 
     # ---------------------------------------------------------------- writing and checking
 
@@ -153,10 +147,12 @@ class AmxMethod(CpuMethod):
         return numeric_amx.expert_reader(out, manifest, folder, methods=METHODS)
 
 
-def _check_native_result(blob, scale, quant_bytes: int, n: int, what: str, where: str) -> None:
-    if blob.dtype != np.uint8 or blob.size != quant_bytes or scale.dtype != np.float32 or scale.shape != (n,):
+def _check_native_result(blob, scale, specs: TensorSpecs, what: str, where: str) -> None:
+    """NativeError unless (blob, scale) are uint8 of the planned weight bytes and float32 of the planned scale shape."""
+    nbytes, shape = tensor_nbytes(*specs["weight"]), specs["scale"][1]
+    if blob.dtype != np.uint8 or blob.size != nbytes or scale.dtype != np.float32 or scale.shape != shape:
         raise NativeError(f"{what} returned arrays of the wrong size", tensor=where or None,
-                          expected=f"uint8 [{quant_bytes}], float32 [{n}]",
+                          expected=f"uint8 [{nbytes}], float32 {list(shape)}",
                           found=f"{blob.dtype} [{blob.size}], {scale.dtype} {list(scale.shape)}")
 
 

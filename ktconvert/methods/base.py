@@ -4,12 +4,16 @@ A method is one class, the single source of truth for everything that depends on
 rules (n/k multiples, the NUMA counts and group sizes that work), the sink it writes with, the checks it is
 verified with and their thresholds, the kt-kernel / SGLang flags, the ``quantization_config`` of its output, what
 kt-kernel needs at run time (``needs_amx``) and which inputs kt-kernel reads in place with it (``reads_as_is``).
-Classes register themselves when defined (``__init_subclass__``, as gguf-py's quant classes do): a class that
-sets its own ``name`` is in ``METHODS`` under that name and its ``aliases``. Everything else (plan, inspect,
+A method's own options (llamafile's ``ggml_type``) are data it declares, ``method_options``: configured() applies
+them (``with_options``) and refuses them with every other method. Classes register themselves when defined
+(``__init_subclass__``, as gguf-py's quant classes do): a class that sets its own ``name`` is in ``METHODS`` under
+that name and its ``aliases``. Everything else (plan, inspect,
 verify, the command line, the sources and sinks) asks the registry and never names a method.
 
 Sizes are per matrix in HF orientation [n, k] = [out, in]: gate/up [I, H], down [H, I]; a NUMA part t of T holds
-gate/up rows [t*I/T, (t+1)*I/T) and down columns of the same range.
+gate/up rows [t*I/T, (t+1)*I/T) and down columns of the same range. A method declares the tensors one stored matrix
+(part) becomes as data, ``tensor_specs(n, k) -> {suffix: (safetensors dtype, shape)}``; every byte count (the plan,
+the sinks' file plans and headers, verify) is derived from that declaration and nowhere restated.
 """
 from __future__ import annotations
 
@@ -17,8 +21,11 @@ from typing import ClassVar
 
 from ktconvert.errors import ShapeError, UsageError
 from ktconvert.formats.out_manifest import kt_flags
+from ktconvert.formats.st_writer import tensor_nbytes
 from ktconvert.layouts.naming import PROJS, part_shape
 from ktconvert.registry import Registry
+
+TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]   # {suffix: (safetensors dtype, shape)}
 
 
 def check(name: str, ok: bool, detail: str) -> dict:
@@ -46,6 +53,9 @@ class CpuMethod:
     group_size: ClassVar[int | None] = None
     group_size_limit: ClassVar[str] = ""     # why group_sizes is what it is, said when another size is refused
     thresholds: ClassVar[dict] = {}          # verification limits against the source (relative L2, cosine)
+    # the method's own options: {name: the values it takes}, each a CpuOptions field of that name (None there: not
+    # given), applied by with_options and refused with every other method (configured)
+    method_options: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -55,31 +65,51 @@ class CpuMethod:
     # ---------------------------------------------------------------- options
 
     @classmethod
-    def configured(cls, group_size: int | None = None) -> type["CpuMethod"]:
+    def configured(cls, group_size: int | None = None, **options) -> type["CpuMethod"]:
         """This method with its options applied: a group size, where the method has groups (elsewhere it is
-        ignored, so one set of batch defaults serves every method). UsageError for a method ktconvert cannot write,
-        or a group size the method does not have (listing those that work)."""
+        ignored, so one set of batch defaults serves every method), and the method's own options (``options``:
+        {name: value}, None = not given). UsageError for a method ktconvert cannot write, a group size the method
+        does not have (listing those that work), or an option of another method."""
         if not cls.writable:
             raise UsageError(f"ktconvert does not write {cls.kt_method}: kt-kernel reads it from the source as is",
                              hint="choose one of " + ", ".join(writable_names()))
-        if group_size is None or group_size == cls.group_size or not cls.group_sizes:
-            return cls
-        if group_size not in cls.group_sizes:
-            raise UsageError(f"unsupported group size for {cls.kt_method}",
-                             expected=" or ".join(map(str, cls.group_sizes)), found=str(group_size),
-                             hint=cls.group_size_limit or None)
-        return type(f"{cls.__name__}G{group_size}", (cls,), {"group_size": group_size, "k_multiple": group_size})
+        given = {name: value for name, value in options.items() if value is not None}
+        for name in given:
+            if name not in cls.method_options:
+                flag = "--" + name.replace("_", "-")
+                owners = [m.name for m in all_methods() if name in m.method_options]
+                raise UsageError(f"{flag} does not apply to --method {cls.name}", found=f"{flag} {given[name]}",
+                                 hint=f"{flag} is an option of --method {' or '.join(owners)}" if owners else None)
+        method = cls
+        if group_size is not None and group_size != cls.group_size and cls.group_sizes:
+            if group_size not in cls.group_sizes:
+                raise UsageError(f"unsupported group size for {cls.kt_method}",
+                                 expected=" or ".join(map(str, cls.group_sizes)), found=str(group_size),
+                                 hint=cls.group_size_limit or None)
+            method = type(f"{cls.__name__}G{group_size}", (cls,), {"group_size": group_size,
+                                                                  "k_multiple": group_size})
+        return method.with_options(**given) if given else method
+
+    @classmethod
+    def with_options(cls, **options) -> type["CpuMethod"]:
+        """This method with its own options (names of ``method_options``, values given) applied; UsageError for a
+        value it does not take. Only methods that declare options override it."""
+        return cls
 
     @classmethod
     def from_manifest(cls, manifest: dict) -> type["CpuMethod"]:
-        """The method a ``ktconvert.json`` records (with its group size). A positive group size the method no longer
-        writes is still read: the files are what they are, and verify says what kt-kernel makes of them (RAWINT4:
-        verification.numeric_rawint4). Anything else configured() refuses is refused here too."""
+        """The method a ``ktconvert.json`` records (with its group size and its own options, as manifest_fields
+        wrote them under "extra"). A positive group size the method no longer writes is still read: the files are
+        what they are, and verify says what kt-kernel makes of them (RAWINT4: verification.numeric_rawint4).
+        Anything else configured() refuses is refused here too."""
         method = METHODS.get(manifest["method"])
+        extra = manifest.get("extra") if isinstance(manifest.get("extra"), dict) else {}
+        options = {name: manifest.get(name, extra.get(name)) for name in method.method_options}
         size = manifest.get("group_size")
         if method.writable and method.group_sizes and type(size) is int and size > 0 and size != method.group_size:
-            return type(f"{method.__name__}G{size}", (method,), {"group_size": size, "k_multiple": size})
-        return method.configured(size)
+            method = type(f"{method.__name__}G{size}", (method,), {"group_size": size, "k_multiple": size})
+            size = None
+        return method.configured(size, **options)
 
     @classmethod
     def manifest_fields(cls) -> dict:
@@ -147,9 +177,15 @@ class CpuMethod:
     # ---------------------------------------------------------------- sizes
 
     @classmethod
-    def matrix_bytes(cls, n: int, k: int) -> dict[str, int]:
-        """Bytes of one stored [n, k] matrix, per stored tensor."""
+    def tensor_specs(cls, n: int, k: int) -> TensorSpecs:
+        """{suffix: (safetensors dtype, shape)} of every tensor one stored [n, k] matrix (or NUMA part) becomes:
+        the single declaration of the method's geometry."""
         raise NotImplementedError
+
+    @classmethod
+    def matrix_bytes(cls, n: int, k: int) -> dict[str, int]:
+        """Bytes of one stored [n, k] matrix, per stored tensor (from tensor_specs)."""
+        return {suffix: tensor_nbytes(dtype, shape) for suffix, (dtype, shape) in cls.tensor_specs(n, k).items()}
 
     @classmethod
     def expert_bytes(cls, hidden: int, inter: int, numa: int) -> int:
@@ -247,6 +283,11 @@ METHODS: Registry = Registry("CPU method", base=CpuMethod)
 def all_methods() -> list[type[CpuMethod]]:
     """Every registered method, by name."""
     return [cls for _, cls in METHODS.items()]
+
+
+def method_option_values(name: str) -> list[str]:
+    """Every value of the method option `name` that some method takes (the choices of its command-line option)."""
+    return list(dict.fromkeys(v for cls in all_methods() for v in cls.method_options.get(name, ())))
 
 
 def writable_names() -> list[str]:

@@ -1,5 +1,5 @@
-"""kt-kernel methods that read an HF-layout checkpoint in place (kt-format.md §2.6-2.7): BF16, RAWINT4, FP8, and
-LLAMAFILE (kt-kernel reads a GGUF itself; ktconvert writes nothing for it).
+"""kt-kernel methods that read an HF-layout checkpoint in place (kt-format.md §2.6-2.7): BF16, RAWINT4, FP8
+(LLAMAFILE, GGUF experts: ``methods.llamafile``).
 
 ktconvert writes BF16 / RAWINT4 / FP8 experts in the layout kt-kernel's loaders read (``formats/inplace_sink.py``),
 one tensor set per expert matrix:
@@ -20,12 +20,10 @@ from typing import ClassVar
 import numpy as np
 
 from ktconvert.formats.inplace_sink import InplaceSink
-from ktconvert.methods.base import CpuMethod, check
+from ktconvert.methods.base import CpuMethod, TensorSpecs, check
 from ktconvert.quant import ct_int4, fp8
 from ktconvert.verification import numeric_inplace, structure
 
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "F32": 4, "I32": 4, "I64": 8}
-TensorSpecs = list[tuple[str, str, tuple[int, ...]]]   # (suffix, safetensors dtype, shape)
 RAWINT4_TARGET = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 
 
@@ -37,18 +35,9 @@ class InplaceMethod(CpuMethod):
     stored_aliases: ClassVar[dict[str, str]] = {}   # source tensor suffix -> output suffix of the same bytes
 
     @classmethod
-    def tensor_specs(cls, n: int, k: int) -> TensorSpecs:
-        """(suffix, dtype, shape) of every tensor one [n, k] matrix becomes."""
-        raise NotImplementedError
-
-    @classmethod
     def encode(cls, w_bf16: np.ndarray, where: str = "") -> dict[str, np.ndarray]:
         """uint16 [n, k] BF16 bits -> {suffix: array} matching tensor_specs(n, k)."""
         raise NotImplementedError
-
-    @classmethod
-    def matrix_bytes(cls, n: int, k: int) -> dict[str, int]:
-        return {suffix: _DTYPE_BYTES[d] * int(np.prod(s)) for suffix, d, s in cls.tensor_specs(n, k)}
 
     @classmethod
     def part_checks(cls, hidden: int, part: int) -> list[dict]:
@@ -90,7 +79,7 @@ class InplaceMethod(CpuMethod):
     @classmethod
     def _renamed(cls, stored: dict, n: int, k: int) -> dict[str, str] | None:
         """{source suffix: output suffix} when `stored` ({suffix: (dtype, shape)}) are exactly tensor_specs(n, k)."""
-        want = {suffix: (dtype, tuple(shape)) for suffix, dtype, shape in cls.tensor_specs(n, k)}
+        want = {suffix: (dtype, tuple(shape)) for suffix, (dtype, shape) in cls.tensor_specs(n, k).items()}
         names = {suffix: cls.stored_aliases.get(suffix, suffix) for suffix in stored}
         if sorted(names.values()) != sorted(want) or any(stored[s] != want[o] for s, o in names.items()):
             return None
@@ -134,7 +123,7 @@ class Bf16Inplace(InplaceMethod):
 
     @classmethod
     def tensor_specs(cls, n: int, k: int) -> TensorSpecs:
-        return [("weight", "BF16", (n, k))]
+        return {"weight": ("BF16", (n, k))}
 
     @classmethod
     def encode(cls, w_bf16: np.ndarray, where: str = "") -> dict[str, np.ndarray]:
@@ -161,8 +150,8 @@ class RawInt4(InplaceMethod):
 
     @classmethod
     def tensor_specs(cls, n: int, k: int) -> TensorSpecs:
-        return [("weight_packed", "I32", (n, ct_int4.packed_cols(k, 4))),
-                ("weight_scale", "BF16", (n, k // cls.group_size)), ("weight_shape", "I64", (2,))]
+        return {"weight_packed": ("I32", (n, ct_int4.packed_cols(k, 4))),
+                "weight_scale": ("BF16", (n, k // cls.group_size)), "weight_shape": ("I64", (2,))}
 
     @classmethod
     def encode(cls, w_bf16: np.ndarray, where: str = "") -> dict[str, np.ndarray]:
@@ -187,7 +176,7 @@ class RawInt4(InplaceMethod):
 def _has_group_index(source) -> bool:
     """Whether the checkpoint stores ``weight_g_idx`` (activation order "group"): kt-kernel's RAWINT4 loader reads
     weight_packed / weight_scale in column order only, so such experts must be converted."""
-    return any(name.endswith(".weight_g_idx") for name in source.checkpoint.tensors)
+    return any(name.endswith(".weight_g_idx") for name in source.tensor_names())
 
 
 class Fp8Inplace(InplaceMethod):
@@ -201,7 +190,7 @@ class Fp8Inplace(InplaceMethod):
 
     @classmethod
     def tensor_specs(cls, n: int, k: int) -> TensorSpecs:
-        return [("weight", "F8_E4M3", (n, k)), ("weight_scale_inv", "F32", fp8.block_scale_shape(n, k, cls.block))]
+        return {"weight": ("F8_E4M3", (n, k)), "weight_scale_inv": ("F32", fp8.block_scale_shape(n, k, cls.block))}
 
     @classmethod
     def encode(cls, w_bf16: np.ndarray, where: str = "") -> dict[str, np.ndarray]:
@@ -221,22 +210,3 @@ class Fp8Inplace(InplaceMethod):
             return "FP8 e4m3 experts with 128x128 block scales"
         return None
 
-
-class Llamafile(CpuMethod):
-    """kt-kernel's LLAMAFILE backend reads a GGUF checkpoint itself; ktconvert writes nothing for it."""
-
-    name, kt_method = "llamafile", "LLAMAFILE"
-    writable = False
-    needs_conversion = False
-
-    @classmethod
-    def reads_as_is(cls, source) -> str | None:
-        if source.input_format == "gguf" and source.info.intermediate % 256 == 0:
-            return "kt-kernel reads the GGUF"
-        return None
-
-    @classmethod
-    def cannot_read(cls, source) -> str:
-        if source.input_format == "gguf":
-            return f"needs I % 256 == 0 (I = {source.info.intermediate})"
-        return "needs GGUF (llama.cpp's convert_hf_to_gguf.py)"

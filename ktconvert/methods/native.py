@@ -32,7 +32,8 @@ from typing import ClassVar
 import numpy as np
 
 from ktconvert.errors import KtConvertError, NumericError
-from ktconvert.methods.inplace import InplaceMethod, TensorSpecs
+from ktconvert.methods.base import TensorSpecs
+from ktconvert.methods.inplace import InplaceMethod
 from ktconvert.quant import fp8, nvfp4, qweight
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 
@@ -63,7 +64,7 @@ class Fp8PerChannel(InplaceMethod):
 
     @classmethod
     def tensor_specs(cls, n: int, k: int) -> TensorSpecs:
-        return [("weight", "F8_E4M3", (n, k)), ("weight_scale", "F32", (n, 1))]
+        return {"weight": ("F8_E4M3", (n, k)), "weight_scale": ("F32", (n, 1))}
 
     @classmethod
     def encode(cls, w_bf16: np.ndarray, where: str = "") -> dict[str, np.ndarray]:
@@ -110,8 +111,8 @@ class GptqInt4(InplaceMethod):
     @classmethod
     def tensor_specs(cls, n: int, k: int) -> TensorSpecs:
         g = k // cls.group_size
-        return [("qweight", "I32", (k // 8, n)), ("qzeros", "I32", (g, n // 8)), ("scales", "F16", (g, n)),
-                ("g_idx", "I32", (k,))]
+        return {"qweight": ("I32", (k // 8, n)), "qzeros": ("I32", (g, n // 8)), "scales": ("F16", (g, n)),
+                "g_idx": ("I32", (k,))}
 
     @classmethod
     def encode(cls, w_bf16: np.ndarray, where: str = "") -> dict[str, np.ndarray]:
@@ -182,7 +183,7 @@ class Mxfp8(InplaceMethod):
 
     @classmethod
     def tensor_specs(cls, n: int, k: int) -> TensorSpecs:
-        return [("weight", "F8_E4M3", (n, k)), ("weight_scale_inv", "U8", (n, k // MX_GROUP))]
+        return {"weight": ("F8_E4M3", (n, k)), "weight_scale_inv": ("U8", (n, k // MX_GROUP))}
 
     @classmethod
     def encode(cls, w_bf16: np.ndarray, where: str = "") -> dict[str, np.ndarray]:
@@ -241,8 +242,8 @@ class Nvfp4(InplaceMethod):
 
     @classmethod
     def tensor_specs(cls, n: int, k: int) -> TensorSpecs:
-        return [("weight", "U8", (n, k // 2)), ("weight_scale", "F8_E4M3", (n, k // NV_GROUP)),
-                ("weight_scale_2", "F32", ())]
+        return {"weight": ("U8", (n, k // 2)), "weight_scale": ("F8_E4M3", (n, k // NV_GROUP)),
+                "weight_scale_2": ("F32", ())}
 
     @classmethod
     def encode(cls, w_bf16: np.ndarray, where: str = "") -> dict[str, np.ndarray]:

@@ -13,8 +13,8 @@ Job file (see examples/jobs.toml)::
 
       [[jobs.outputs]]              # one or more; a job may instead put these keys at its own top level
       out = "out/qwen3-int4-numa2"
-      method = "amxint4"            # cpu options: method numa layout quant group_size threads include_dense
-      numa = 2                      #   include_mtp allow_drop_bias
+      method = "amxint4"            # the CPU output's options as a `convert` target takes them (method numa
+      numa = 2                      #   layout quant group_size include_dense include_mtp allow_drop_bias), threads
       bundle = "dist/qwen3.tar.zst" # optional
         [[jobs.outputs.publish]]    # zero or more
         hub = "hf"                  # hf | modelscope
@@ -26,6 +26,8 @@ A bundle path may not lie inside a local source or an output folder (refused whe
 already at a bundle path is replaced only when it is that output's bundle from an earlier run (OutputError else).
 A failed job stops the run unless keep_going. The summary holds per job: status (ok / failed / skipped), wall time,
 bytes written, each output's files root (sha256 over its manifest's sorted "path sha256" lines) and remote URLs.
+A job's outputs are CPU outputs (the ``cpu`` kind of ``kinds.KINDS``): their keys and types are that kind's target
+fields (``OutputKind.target_fields``, fixed choices checked as written) plus ``threads``.
 """
 from __future__ import annotations
 
@@ -33,15 +35,18 @@ import os
 import time
 from pathlib import Path
 
-from ktconvert.cpu.plan import CpuOptions, plan_cpu
 from ktconvert.errors import EXIT_ERROR, InputError, KtConvertError, OutputError
+from ktconvert.formats.out_manifest import load_manifest
+from ktconvert.kinds import KINDS
+from ktconvert.ops.bundle import bundle, bundled_manifest
+from ktconvert.ops.hub import files_digest, parse_source, publish
 from ktconvert.run.inputs import open_input
+from ktconvert.util.progress import Progress
 from ktconvert.vocabulary import choices, choose
 from ktconvert.util.toml_schema import Field, check_table as _check_table, read_toml
 
-CPU_FIELDS = {"method": Field(str), "numa": Field(int, 1), "layout": Field(str, choices=("safetensors", "kt")),
-              "quant": Field(str), "group_size": Field(int, 1), "threads": Field(int, 1),
-              "include_dense": Field(bool), "include_mtp": Field(bool), "allow_drop_bias": Field(bool)}
+CPU = KINDS.get("cpu")                  # the kind of every output of a job
+CPU_FIELDS = {**CPU.target_fields(choices=True), "threads": Field(int, 1)}
 CPU_KEYS = tuple(CPU_FIELDS)
 OUTPUT_FIELDS = {**CPU_FIELDS, "out": Field(str), "bundle": Field(str)}
 OUTPUT_KEYS = set(OUTPUT_FIELDS) | {"publish"}
@@ -119,8 +124,6 @@ def _normalise(job, index: int, defaults: dict, path: Path) -> dict:
 
 def _source(job: dict, path: Path, where: str) -> str:
     """Local sources resolved against the job file's folder; hub sources checked, with `revision` applied."""
-    from ktconvert.ops.hub import parse_source
-
     source = job["source"]
     if "://" not in source:
         if "revision" in job:
@@ -170,7 +173,8 @@ def _check_choices(output: dict, path: Path, where: str) -> None:
 
 
 def plan_jobs(jobs: list[dict]) -> list[dict]:
-    """--dry-run: the CPU plan (cpu.plan.plan_cpu) of every output of every job (headers only, no weights read)."""
+    """--dry-run: the CPU plan of every output of every job, with every option the job gives it (headers only, no
+    weights read)."""
     plans = []
     for job in jobs:
         for output in job["outputs"]:
@@ -181,11 +185,8 @@ def plan_jobs(jobs: list[dict]) -> list[dict]:
                 entry["plan"] = None
                 entry["note"] = "hub source: downloaded and verified at run time, planned after download"
             else:
-                cpu = output["cpu"]
-                options = CpuOptions.make(method=cpu["method"], numa=cpu.get("numa", 1),
-                                          layout=cpu.get("layout", "safetensors"), group_size=cpu.get("group_size"),
-                                          include_mtp=cpu.get("include_mtp", False))
-                entry["plan"] = plan_cpu(open_input(job["source"]), options, out=output["out"]).report
+                options = CPU.options.make(**{k: v for k, v in output["cpu"].items() if k != "threads"})
+                entry["plan"] = CPU.plan(open_input(job["source"]), options, out=output["out"]).report
             plans.append(entry)
     return plans
 
@@ -193,8 +194,6 @@ def plan_jobs(jobs: list[dict]) -> list[dict]:
 def run_jobs(jobs: list[dict], keep_going: bool = False, progress=None) -> dict:
     """Run every job in order; returns {"ok", "exit_code", "jobs": [per-job summary]}. Never raises for a job's
     failure (it is recorded); stops after the first failure unless keep_going (the rest are "skipped")."""
-    from ktconvert.util.progress import Progress
-
     progress = progress or Progress()
     results, stop, exit_code = [], False, 0
     for job in jobs:
@@ -227,9 +226,7 @@ def run_job(job: dict, progress) -> dict:
 
 
 def _run_output(source: str, output: dict, progress) -> dict:
-    from ktconvert.formats.out_manifest import load_manifest
-    from ktconvert.ops.hub import files_digest, publish
-    from ktconvert.cpu.convert import convert_cpu
+    from ktconvert.cpu.convert import convert_cpu      # looked up when run (tests stand in for it)
 
     cpu = dict(output["cpu"])
     summary = str(convert_cpu(source, output["out"], resume=True, force=False, progress=progress, **cpu))
@@ -238,8 +235,6 @@ def _run_output(source: str, output: dict, progress) -> dict:
               "numa": manifest.get("numa"), "bytes": sum(int(e["bytes"]) for e in manifest["files"].values()),
               "files_root": files_digest(manifest["files"]), "remotes": [], "bundle": None}
     if output["bundle"]:
-        from ktconvert.ops.bundle import bundle, bundled_manifest
-
         dest = Path(output["bundle"])
         dest.parent.mkdir(parents=True, exist_ok=True)
         again = bundled_manifest(dest) == (Path(output["out"]) / "ktconvert.json").read_bytes()   # a rerun's
@@ -274,13 +269,11 @@ def render_summary(summary: dict) -> str:
 
 
 def render_plans(plans: list[dict]) -> str:
-    from ktconvert.cpu.plan import render
-
     lines = []
     for entry in plans:
         head = f"== {entry['job']}: {entry['source']} -> {entry['out']}"
         if entry["publish"]:
             head += f" (publish {', '.join(entry['publish'])})"
         lines.append(head)
-        lines.append(entry["note"] if entry["plan"] is None else render(entry["plan"]))
+        lines.append(entry["note"] if entry["plan"] is None else CPU.render(entry["plan"]))
     return "\n".join(lines)

@@ -9,13 +9,10 @@ import os
 import time
 from pathlib import Path
 
-from ktconvert.cpu.output import CpuOutput
-from ktconvert.cpu.plan import CpuOptions
 from ktconvert.cpu.sizes import free_at
 from ktconvert.errors import KtConvertError, UsageError
+from ktconvert.kinds import KINDS, kind_of
 from ktconvert.util.extras import require
-from ktconvert.gpu.output import GpuOutput
-from ktconvert.gpu.plan import GpuOptions
 from ktconvert.run.inputs import open_input
 from ktconvert.run.outputs import write_outputs
 from ktconvert.distributed.parts import select_layers
@@ -37,11 +34,12 @@ def plan_outputs(src, targets, *, threads: int | None = None, resume: bool = Fal
                  layers=None) -> list:
     """The output.Output of each target (as api.convert takes them), planned on one opening of `src` and not yet
     opened; UsageError for GPTQ, two targets in one folder or too little free disk for all of them,
-    MissingExtraError (exit 2) for a GPU target without the [gpu] extra. With `layers` (a part) a hub source is
-    opened in part: only the shards the part reads are downloaded (ops.hub_shards)."""
+    MissingExtraError (exit 2) for a target whose kind needs an extra not installed (a GPU target: [gpu]). With
+    `layers` (a part) a hub source is opened in part: only the shards the part reads are downloaded
+    (ops.hub_shards)."""
     wanted = target_list(targets)
-    if any(target.kind == "gpu" for target in wanted):
-        require("gpu", "ktconvert convert")
+    for extra in dict.fromkeys(KINDS.get(t.kind).extra for t in wanted if KINDS.get(t.kind).extra):
+        require(extra, "ktconvert convert")
     input = open_input(src, in_part=layers is not None)
     built = [_target_output(input, target, threads, resume, force, layers) for target in wanted]
     check_disk([(o.out_dir, o.plan["total_bytes"]) for o in built if not (resume and o.out_dir.exists())], free_at)
@@ -61,27 +59,36 @@ def target_list(value) -> list[Target]:
 
 
 def _pair_target(pair: tuple, index: int) -> Target:
-    """Target number `index` from an (out, CpuOptions | GpuOptions | dict of either's fields: one with "experts"
-    is a GPU checkpoint) pair."""
+    """Target number `index` from an (out, options) pair: options an instance of a kind's options class
+    (CpuOptions, GpuOptions, ...) or a dict of its fields (the first kind, by name, whose options have every key:
+    one with "experts" is a GPU checkpoint, one with "method" a CPU output)."""
     out, options = pair
-    if isinstance(options, (CpuOptions, GpuOptions)):
-        kind, values = ("cpu" if isinstance(options, CpuOptions) else "gpu"), dataclasses.asdict(options)
+    kind = kind_of(options)
+    if kind is not None:
+        values = dataclasses.asdict(options)
     elif isinstance(options, dict):
-        kind, values = ("gpu" if "experts" in options else "cpu"), dict(options)
-    else:
-        raise UsageError(f"target {index}: expected CpuOptions, GpuOptions or a dict of their fields",
+        kind = next((k for _, k in KINDS.items() if set(options) <= {f.name for f in dataclasses.fields(k.options)}),
+                    None)
+        values = dict(options)
+    if kind is None:
+        raise UsageError(f"target {index}: expected the options of an output kind ("
+                         f"{', '.join(k.options.__name__ for _, k in KINDS.items())}) or a dict of their fields",
                          found=type(options).__name__)
-    return Target(kind, Path(out), values, f"target {index} ({kind} {out})")
+    return Target(kind.name, Path(out), values, f"target {index} ({kind.name} {out})")
+
+
+def target_output(kind, out, plan, *, resume: bool = False, force: bool = False, layers=None):
+    """The Output of `kind` (kinds.OutputKind) writing `plan` into `out`, not yet opened; with `layers` ("A-B")
+    the part of those MoE layers: every conversion goes from plan to Output here."""
+    kind.check_writable(plan)
+    return kind.output_class()(out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
 
 
 def _target_output(input, target: Target, threads, resume: bool, force: bool, layers=None):
-    """The CpuOutput / GpuOutput of `target`, planned (errors name the target); with `layers` ("A-B") the part of
-    those MoE layers."""
+    """The Output of `target`, planned (errors name the target); with `layers` ("A-B") the part of those MoE
+    layers."""
     plan = plan_target(input, target, threads, gptq_hint="convert each output on its own")
     try:
-        if target.kind == "cpu":
-            plan.refuse_dropped_biases()
-            return CpuOutput(target.out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
-        return GpuOutput(target.out, plan, resume=resume, force=force, part=select_layers(plan.layers, layers))
+        return target_output(KINDS.get(target.kind), target.out, plan, resume=resume, force=force, layers=layers)
     except KtConvertError as exc:
         raise exc.within(target.name) from None

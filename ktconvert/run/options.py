@@ -1,9 +1,10 @@
 """The bases of CpuOptions / GpuOptions (one frozen set of options per output, built from keywords named as on
 the command line, values case-insensitive, validated before anything is opened) and of CpuPlan / GpuPlan (what
-the plan found: the opened input, the layers, and a JSON-ready report)."""
+the plan found: the opened input, the layers, and a JSON-ready report); ``option``: a field of such options with
+the metadata an output kind's schemas are generated from (``kinds``)."""
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import MISSING, Field, asdict, field, fields
 from typing import ClassVar
 
 from ktconvert.errors import UsageError
@@ -12,6 +13,17 @@ from ktconvert.errors import UsageError
 # `max_length` tokens per sample, the first `num_samples` samples (None: all). Journalled only when not the
 # default, so the journals of runs that leave them out stay as they were.
 SAMPLING_DEFAULTS = {"max_length": 2048, "num_samples": None}
+
+
+def option(default=MISSING, *, help: str = "", choices: str | tuple = (), minimum: int | None = None,
+           target: bool = True, command_help: str = "", **kw) -> Field:
+    """A field of a kind's options with what the schemas are generated from: help (the command line's text for a
+    `convert` target's option; command_help: for the kind's own command, `ktconvert cpu` / `gpu`, when it says
+    more), choices (a ``vocabulary`` kind such as "method", asked when a value is converted, or a tuple of fixed
+    values), minimum (for ints), target (False: not an option of a `convert` target, e.g. GPTQ's, which runs
+    alone; nor of the generated options of the kind's command)."""
+    metadata = {"help": help, "choices": choices, "minimum": minimum, "target": target, "command_help": command_help}
+    return field(default=default, metadata=metadata, **kw)
 
 
 class Options:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import socket
 import threading
 from pathlib import Path
 
@@ -275,14 +276,14 @@ class Output:
 
     def _config_sha256(self) -> str | None:
         """sha256 of the source's config.json as ktconvert.json records it (None without one)."""
-        config = self.source.root / "config.json"
-        return hash_file(config, kind="read")[1] if config.is_file() else None
+        config = self.source.side_files().get("config.json")
+        return hash_file(config, kind="read")[1] if config is not None else None
 
 
 def lock_folder(out_dir: Path) -> int:
-    """Take `out_dir`'s lock (exclusive, non-blocking ``flock`` on OUT/.ktconvert.lock), write our pid into it and
-    return its descriptor; OutputError naming the holder when another process has it, or naming the lock file when
-    it is a symlink (``fileio.open_lock``: never opened through one)."""
+    """Take `out_dir`'s lock (exclusive, non-blocking ``flock`` on OUT/.ktconvert.lock), write our pid and host name
+    into it and return its descriptor; OutputError naming the holder (pid and host) when another process has it, or
+    naming the lock file when it is a symlink (``fileio.open_lock``: never opened through one)."""
     path = Path(out_dir) / LOCK_NAME
     while True:
         try:
@@ -292,9 +293,10 @@ def lock_folder(out_dir: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            pid, _, host = os.pread(fd, 320, 0).decode(errors="replace").strip().partition(" ")
             os.close(fd)
-            raise OutputError(f"another ktconvert process (pid {holder}) is writing this output directory",
+            holder = f"pid {pid or 'unknown'}" + (f" on host {host}" if host else "")
+            raise OutputError(f"another ktconvert process ({holder}) is writing this output directory",
                               file=out_dir, hint="wait for it to finish, or stop that process") from None
         try:
             same = os.fstat(fd).st_ino == os.lstat(path).st_ino   # not a lock file its holder just removed
@@ -304,7 +306,7 @@ def lock_folder(out_dir: Path) -> int:
             break
         os.close(fd)
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)   # a folder on shared storage: say where
     return fd
 
 

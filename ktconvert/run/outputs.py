@@ -14,7 +14,7 @@ import time
 
 from ktconvert.util import profile
 from ktconvert.errors import KtConvertError, OutputError, UsageError
-from ktconvert.formats.out_manifest import load_manifest, sglang_args
+from ktconvert.formats.out_manifest import sglang_args
 from ktconvert.util.progress import Progress
 from ktconvert.results import ConvertResult
 from ktconvert.run.read_loop import JointJournal, run_jobs

@@ -2,21 +2,21 @@
 opening of the source, and what the one pass that writes them all needs together.
 
     planned, combined = plan_targets(input, targets, threads)
-    planned  -> [{"name", "kind", "out", "plan": CpuPlan | GpuPlan}], in target order
+    planned  -> [{"name", "kind", "out", "plan": the kind's plan (CpuPlan, GpuPlan, ...)}], in target order
     combined -> {"outputs", "source_files", "source_bytes" (the weight files: read and hashed once),
                  "outputs_bytes", "peak_ram_bytes", "workers", "disk": [{"path", "free_bytes", "need_bytes",
                  "outputs", "ok"}] per filesystem}
 
 The peak RAM of the pass: every decoded expert matrix goes to each output in turn, so one worker's working set
-is the source's plus the largest output's (the CPU estimate, cpu.sizes.peak_ram, at the smallest NUMA count of
-the CPU targets, or 1 with a GPU target: the whole matrix), not their sum.
+is the source's plus the largest output's (the CPU estimate, cpu.sizes.peak_ram, at the smallest NUMA count an
+output splits a matrix into, ``OutputKind.ram_numa``: a CPU target's T, 1 for a whole matrix), not their sum.
 """
 from __future__ import annotations
 
-from ktconvert.cpu.plan import CpuOptions, gib, plan_cpu
+from ktconvert.cpu.plan import gib
 from ktconvert.cpu.sizes import free_at, peak_ram
 from ktconvert.errors import KtConvertError, UsageError
-from ktconvert.gpu.plan import GpuOptions, plan_gpu
+from ktconvert.kinds import KINDS
 from ktconvert.run.targets import Target, check_disk, is_gptq
 
 
@@ -30,8 +30,7 @@ def plan_targets(input, targets: list[Target], threads: int | None = None) -> tu
                for t in targets]
     reports = [entry["plan"].report for entry in planned]
     disk = check_disk([(t.out, report["total_bytes"]) for t, report in zip(targets, reports)], free_at)
-    numa = min([r["numa"] for t, r in zip(targets, reports) if t.kind == "cpu"]
-               + [1 for t in targets if t.kind == "gpu"])
+    numa = min(KINDS.get(t.kind).ram_numa(report) for t, report in zip(targets, reports))
     source, info = input.source, input.source.info
     ram = peak_ram(source, info.hidden, info.intermediate, numa, threads)
     combined = {"outputs": len(targets), "source_files": len(source.files()), "source_bytes": source.file_bytes(),
@@ -42,14 +41,13 @@ def plan_targets(input, targets: list[Target], threads: int | None = None) -> tu
 
 def plan_target(input, target: Target, threads: int | None,
                 gptq_hint: str = "plan it with --method / --experts"):
-    """The CpuPlan / GpuPlan of `target` on the opened source `input` (errors name the target); UsageError with
+    """The plan of `target` by its kind on the opened source `input` (errors name the target); UsageError with
     `gptq_hint` for a --quant gptq target (written alone, never in a shared pass)."""
     try:
         if is_gptq(target):
             raise UsageError("--quant gptq writes one output at a time", hint=gptq_hint)
-        if target.kind == "cpu":
-            return plan_cpu(input, CpuOptions.make(**target.values), out=target.out, threads=threads)
-        return plan_gpu(input, GpuOptions.make(**target.values))
+        kind = KINDS.get(target.kind)
+        return kind.plan(input, kind.options.make(**target.values), out=target.out, threads=threads)
     except KtConvertError as exc:
         raise exc.within(target.name) from None
 

@@ -100,7 +100,8 @@ class _Pass:
     flight, finishing layers, the first error, all behind one lock; the read budget."""
 
     def __init__(self, jobs: list[MatrixJob], source, outputs: list, journal, workers: int, progress):
-        self.source, self.outputs, self.journal, self.workers, self.progress = source, outputs, journal, workers, progress
+        self.source, self.outputs, self.journal = source, outputs, journal
+        self.workers, self.progress = workers, progress
         self.tracker = _LayerTracker(jobs)
         self.grouped = jobs_by_file(jobs)
         self.consumers: dict[int, list] = {}
@@ -276,9 +277,7 @@ class _Pass:
 
 def job_tensor(job: MatrixJob) -> str:
     """'file: tensor' (with the expert slice of a fused tensor) for messages."""
-    name = job.key[0] if job.key else "?"
-    index = job.key[1] if len(job.key) > 1 else None
-    return f"{job.file.name}: {name}" + (f"[{index}]" if index is not None else "")
+    return f"{job.file.name}: {job.tensor or '?'}" + (f"[{job.index0}]" if job.index0 is not None else "")
 
 
 class _LayerTracker:

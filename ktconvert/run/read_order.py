@@ -57,4 +57,4 @@ def merged_jobs(per_file: list[list]) -> list:
 
 
 def _name_order(job) -> tuple[str, int]:
-    return (str(job.key[0]) if job.key else "", job.offset)
+    return (job.tensor, job.offset)

@@ -1,7 +1,7 @@
 """The outputs one `ktconvert convert` writes from one read of the source: its targets, one table each.
 
-A target names its kind by the key that holds its output folder, next to that output's options (the fields of
-CpuOptions / GpuOptions a streaming pass can write)::
+A target names its kind (``kinds.KINDS``) by the key that holds its output folder, next to that output's options
+(the fields of its options class a streaming pass can write: ``OutputKind.target_fields``)::
 
     {"cpu": "out/int4-numa2", "method": "amxint4", "numa": 2}
     {"cpu": "out/int8-numa1", "method": "amxint8", "numa": 1}
@@ -9,10 +9,11 @@ CpuOptions / GpuOptions a streaming pass can write)::
 
 The command line builds this list from ``--cpu OUT [options] --gpu OUT [options] ...``, a targets file holds it as
 ``[[targets]]`` tables (relative folders resolved against the file's folder), and the Python API takes it as is
-(``ktconvert.convert(src, targets=[...])``). Every table is checked against the schema (``FIELDS``): an unknown
-key, a key of the other kind or a value of the wrong type is a UsageError (exit 2) naming the target and the key.
-Two targets may not write the same folder, nor one inside the other. Light: imports nothing heavy (the command
-line classifies its options with ``FIELDS``).
+(``ktconvert.convert(src, targets=[...])``). Every table is checked against its kind's schema, generated from the
+options' fields when the table is read (so a kind registered later is read the same way): an unknown key, a key of
+another kind or a value of the wrong type is a UsageError (exit 2) naming the target and the key. Two targets may
+not write the same folder, nor one inside the other. Light: imports nothing heavy (the command line classifies
+its options with the same schema).
 """
 from __future__ import annotations
 
@@ -21,22 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.errors import OutputError, UsageError
-from ktconvert.util.toml_schema import Field, check_table, read_toml
-
-KINDS = ("cpu", "gpu")
-FIELDS = {
-    "cpu": {"method": Field(str), "numa": Field(int, 1), "layout": Field(str), "quant": Field(str),
-            "group_size": Field(int, 1), "include_dense": Field(bool), "include_mtp": Field(bool),
-            "allow_drop_bias": Field(bool)},
-    "gpu": {"experts": Field(str), "group_size": Field(int, 1), "quant": Field(str), "linears": Field(str),
-            "include_mtp": Field(bool)},
-}
-REQUIRED = {"cpu": ("method",), "gpu": ()}
+from ktconvert.kinds import KINDS
+from ktconvert.util.toml_schema import check_table, read_toml
 
 
 @dataclass(frozen=True)
 class Target:
-    """One output of a pass: kind ("cpu" | "gpu"), out (its folder), values (CpuOptions / GpuOptions fields),
+    """One output of a pass: kind (a name in kinds.KINDS), out (its folder), values (fields of the kind's options),
     name (how messages call it: 'target 2 (cpu out/int8)')."""
 
     kind: str
@@ -67,10 +59,10 @@ def parse_target(table, index: int, file: Path | None = None) -> Target:
     """Target number `index` (1-based) from its table."""
     if not isinstance(table, dict):
         raise UsageError(f"target {index} must be a table", file=file, found=repr(table)[:80])
-    kinds = [kind for kind in KINDS if kind in table]
+    kinds = [kind for kind in KINDS.names() if kind in table]
     if len(kinds) != 1:
-        raise UsageError(f"target {index} needs exactly one of 'cpu' / 'gpu' (its output folder)", file=file,
-                         found=", ".join(map(repr, kinds)) or "neither")
+        raise UsageError(f"target {index} needs exactly one of {' / '.join(map(repr, KINDS.names()))} (its output "
+                         f"folder)", file=file, found=", ".join(map(repr, kinds)) or "neither")
     kind = kinds[0]
     out = table[kind]
     if not isinstance(out, (str, os.PathLike)) or not str(out):
@@ -78,8 +70,8 @@ def parse_target(table, index: int, file: Path | None = None) -> Target:
                          found=repr(out)[:80])
     name = f"target {index} ({kind} {out})"
     values = {key: value for key, value in table.items() if key != kind}
-    check_table(values, FIELDS[kind], set(), file, name, UsageError)
-    missing = [key for key in REQUIRED[kind] if key not in values]
+    check_table(values, KINDS.get(kind).target_fields(), set(), file, name, UsageError)
+    missing = [key for key in KINDS.get(kind).required() if key not in values]
     if missing:
         raise UsageError(f"{name}: {missing[0]!r} is required", file=file)
     folder = Path(out) if file is None or Path(out).is_absolute() else Path(file).parent / out

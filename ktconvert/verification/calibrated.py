@@ -151,7 +151,7 @@ def _samples(calibration, src, max_length, num_samples) -> tuple[list, dict]:
     if isinstance(calibration, list):
         samples, calib = calibration, {"file": None, "samples": len(calibration)}
     else:
-        samples = load_samples(calibration, src.root, max_length=max_length, num_samples=num_samples,
+        samples = load_samples(calibration, src.model_dir(), max_length=max_length, num_samples=num_samples,
                                vocab_size=src.info.config.get("vocab_size"))
         calib = {"file": str(calibration), "samples": len(samples)}
     calib["tokens"] = int(sum(len(s) for s in samples))

@@ -9,6 +9,7 @@ from ktconvert.errors import InputError
 from ktconvert.formats.fileio import hash_file, hash_safetensors
 from ktconvert.formats.out_manifest import load_manifest, output_files
 from ktconvert.layouts.naming import key_for_kt_path
+from ktconvert.verification.gguf_output import gguf_tensor_hashes
 
 
 def verify_hashes(out_dir, manifest: dict | None = None, folder=None) -> dict:
@@ -53,14 +54,17 @@ def _check_file(root: Path, rel: str, entry: dict, header, report: dict, seen_te
 
 def file_hashes(root: Path, rel: str, header=None,
                 content_git: bool = False) -> tuple[int, str, str, dict[str, str]]:
-    """(size, sha256, git_sha1, {tensor: sha256}) of one output file: a shard's tensors from its header, a .kt
-    file is one tensor; InputError when it is not a regular file. content_git: see fileio.hash_file."""
+    """(size, sha256, git_sha1, {tensor: sha256}) of one output file: a shard's tensors from its header, a GGUF's
+    from its tensor infos, a .kt file is one tensor; InputError when it is not a regular file. content_git: see
+    fileio.hash_file."""
     if rel.endswith(".safetensors"):
         try:
             return hash_safetensors(root / rel, header, content_git)
         except InputError:
             return (*hash_file(root / rel, content_git), {})
     size, sha256, git_sha1 = hash_file(root / rel, content_git)
+    if rel.endswith(".gguf"):
+        return size, sha256, git_sha1, gguf_tensor_hashes(root / rel)
     key = key_for_kt_path(rel)
     return size, sha256, git_sha1, ({key: sha256} if key is not None else {})
 

@@ -74,8 +74,8 @@ def check_source(manifest: dict, source, hashes: bool) -> tuple[list[str], str]:
     record = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
     recorded = record.get("files") if isinstance(record.get("files"), dict) else {}
     problems = []
-    config = src.root / "config.json"
-    config_sha256 = hash_file(config, kind="read")[1] if config.is_file() else None
+    config = src.side_files().get("config.json")
+    config_sha256 = hash_file(config, kind="read")[1] if config is not None else None
     if config_sha256 != record.get("config_sha256"):
         problems.append(f"--source: config.json is not the one the folder was made from; expected sha256 "
                         f"{record.get('config_sha256')!r:.80} ({MANIFEST_NAME} source.config_sha256), found "

@@ -10,24 +10,26 @@ from __future__ import annotations
 
 from ktconvert.activation.counts import FILE_NAME as ACTIVATION_FILE
 from ktconvert.errors import KtConvertError
-from ktconvert.formats.out_manifest import GPU_FLAGS, launch_fields
-from ktconvert.methods import CpuMethod
+from ktconvert.formats.out_manifest import launch_fields
+from ktconvert.kinds.base import KINDS  # (importing it registers the kinds: kinds/__init__ runs first)
 
 
 def expected_launch(manifest: dict) -> dict:
-    """{"flags", "sglang_args", "expert_activation"} that the output described by `manifest` needs: kt-kernel's
-    flags of the recorded method and NUMA count (a CPU output) or SGLang's --model (a GPU checkpoint), plus the
+    """{"flags", "sglang_args", "expert_activation"} that the output described by `manifest` needs: its kind's
+    flags (kt-kernel's of the recorded method and NUMA count, SGLang's --model of a GPU checkpoint), plus the
     placement flags exactly when OUT lists the counts file. KtConvertError / KeyError / TypeError when the manifest
     does not say enough."""
-    kind = manifest.get("kind", "cpu")
-    if kind == "cpu":
-        flags = CpuMethod.from_manifest(manifest).flags(manifest["numa"])
-    elif kind == "gpu":
-        flags = GPU_FLAGS
-    else:
-        raise KeyError(f"kind {kind!r}")
+    flags = _kind(manifest).launch_flags(manifest)
     activation = ACTIVATION_FILE if ACTIVATION_FILE in manifest["files"] else None
     return launch_fields(flags, activation)
+
+
+def _kind(manifest: dict):
+    """The manifest's output kind (kinds.KINDS; a manifest without "kind": a CPU output); KeyError for another."""
+    kind = manifest.get("kind", "cpu")
+    if kind not in KINDS:
+        raise KeyError(f"kind {kind!r}")
+    return KINDS.get(kind)
 
 
 def check_launch(manifest: dict) -> tuple[list[str], str]:
@@ -37,8 +39,7 @@ def check_launch(manifest: dict) -> tuple[list[str], str]:
         expected = expected_launch(manifest)
     except (KtConvertError, KeyError, TypeError, ValueError) as exc:
         return [f"ktconvert.json: cannot derive the launch flags ({exc})"], ""
-    what = f"{manifest.get('method')} NUMA {manifest.get('numa')}" if manifest.get("kind", "cpu") == "cpu" \
-        else "a GPU checkpoint"
+    what = _kind(manifest).describe(manifest)
     problems = []
     recorded = manifest.get("flags")
     if not isinstance(recorded, dict):

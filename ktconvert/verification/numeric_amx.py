@@ -57,7 +57,9 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
     report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run", "probe": PROBE}
     try:
         rt = KtOutput.open(out, manifest, folder, methods=methods)
-        variant = native_rt.variant(impl)
+        # a method the native runtime has no kernels for (its kt_method is not a runtime weight type) is checked
+        # with the numpy forward of its own dequantize alone
+        variant = native_rt.variant(impl) if rt.kt_method in native_rt.WTYPES else "numpy (no native kernel)"
         thresholds = _thresholds(rt.method, threshold)
     except KtConvertError as exc:
         report["problems"].append(str(exc))
@@ -67,8 +69,7 @@ def check_numerics(out, manifest: dict, source=None, tokens: int = 8, layers=Non
     except InputError as exc:
         report["problems"].append(str(exc))
         return report
-    src = open_checked_source(source, manifest, rt.layers)
-    mismatch = source_mismatch(src, rt.hidden, rt.intermediate, rt.experts, rt.layers)
+    src, mismatch = open_checked_source(source, manifest, rt.layers, (rt.hidden, rt.intermediate, rt.experts))
     if mismatch:
         report["problems"].append(mismatch)
         return report
@@ -93,16 +94,17 @@ def _thresholds(method, threshold) -> dict:
     return limits
 
 
-def open_checked_source(source, manifest: dict, layers):
-    """The opened source (None without one) with every expert tensor header of its MoE layers, and of the `layers`
-    among its MTP layers, checked as the conversion's plan checks them (dtype, shape, partners, data inside the
-    file): the numerics sample experts, so a broken source must not pass unseen. Raises InputError (exit 3, bad
-    input) instead of reporting a verification problem."""
+def open_checked_source(source, manifest: dict, layers, dims: tuple[int, int, int]):
+    """(source, mismatch): the opened source (None without one) with every expert tensor header of its MoE layers,
+    and of the `layers` among its MTP layers, checked as the conversion's plan checks them (dtype, shape, partners,
+    data inside the file): the numerics sample experts, so a broken source must not pass unseen; and why it is not
+    the model of the output's `dims` (hidden, intermediate, experts) and `layers` (None: it is). Raises InputError
+    (exit 3, bad input) instead of reporting a verification problem."""
     if source is None:
-        return None
+        return None, None
     src = open_recorded_source(source, manifest)
     src.validate(include_mtp=bool(set(layers) & set(src.info.mtp_layers)))
-    return src
+    return src, source_mismatch(src, *dims, layers)
 
 
 def source_mismatch(src, hidden: int, intermediate: int, experts: int, layers) -> str | None:
@@ -255,15 +257,20 @@ def _check_expert(rt, src, layer: int, e: int, x: np.ndarray, ids: np.ndarray, w
     blobs = rt.read_expert(layer, e)
     _check_hashes(rt.manifest, blobs.sha256, acc)
     parts = blobs.parts
-    native_rt.moe_forward(rt.kt_method, rt.hidden, rt.inter_part, {e: parts}, x, ids, weights, out=acc.out_native,
-                          impl=impl, threads=threads, name=f"layer {layer} expert {e}")
+    kernel = rt.kt_method in native_rt.WTYPES
+    if kernel:
+        native_rt.moe_forward(rt.kt_method, rt.hidden, rt.inter_part, {e: parts}, x, ids, weights,
+                              out=acc.out_native, impl=impl, threads=threads, name=f"layer {layer} expert {e}")
     deq = [_dequantize_part(rt, part) for part in parts]
-    acc.kernel_rel = max(acc.kernel_rel, _kernel_check(rt, parts, deq, x, impl, threads))
+    if kernel:
+        acc.kernel_rel = max(acc.kernel_rel, _kernel_check(rt, parts, deq, x, impl, threads))
     rows, cols = np.nonzero(ids == e)
     coef = weights[rows, cols].astype(np.float64)[:, None]
     x64 = x.astype(np.float64)
     out_deq_e = _expert_ref(deq, x64)
     acc.out_deq[rows] += coef * out_deq_e[rows]
+    if not kernel:      # the numpy forward stands in for the kernels' output
+        acc.out_native[rows] += (coef * out_deq_e[rows]).astype(acc.out_native.dtype)
     if src is None:
         return
     ew = src.read_expert(layer, e)
@@ -362,8 +369,16 @@ def _weight_errors(rt, deq, parts, full, acc: _Layer) -> None:
     for t, part in enumerate(parts):
         i0, i1 = t * rt.inter_part, (t + 1) * rt.inter_part
         for (w, s), wq, ws in zip(part, deq[t], (full[0][i0:i1], full[1][i0:i1], full[2][:, i0:i1])):
-            limit = bound * s.astype(np.float64)[:, None] * (1 + 1e-5) + 1e-35
+            limit = bound * _per_weight(s, wq.shape) * (1 + 1e-5) + 1e-35
             acc.bound_violations += int((np.abs(wq.astype(np.float64) - ws) > limit).sum())
+
+
+def _per_weight(scale: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """float64 [n, k]: each weight's scale, from scales of any declared shape with n rows ([n]: per row, [n, g]:
+    one per k/g in-features)."""
+    n, k = shape
+    per_row = np.asarray(scale, np.float64).reshape(n, -1)
+    return np.repeat(per_row, k // per_row.shape[1], axis=1)
 
 
 def _layer_metrics(acc: _Layer, with_source: bool, kt_method: str) -> dict:

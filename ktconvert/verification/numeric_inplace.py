@@ -24,8 +24,7 @@ from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verification import numeric_rawint4
 from ktconvert.verification.folder import OutputFolder
 from ktconvert.verification.numeric_amx import (PROBE, choose_experts, choose_layers, kernel_problems,
-                                                numeric_options, open_checked_source, rel_l2, silu_mul,
-                                                source_mismatch)
+                                                numeric_options, open_checked_source, rel_l2, silu_mul)
 
 
 
@@ -60,8 +59,7 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
     except InputError as exc:
         report["problems"].append(str(exc))
         return report
-    src = open_checked_source(source, manifest, all_layers)
-    mismatch = source_mismatch(src, *dims, all_layers)
+    src, mismatch = open_checked_source(source, manifest, all_layers, dims)
     if mismatch:
         report["problems"].append(mismatch)
         return report

@@ -1,14 +1,15 @@
 """Open a converted CPU-expert folder the way kt-kernel 0.7.2's loader does (kt-format.md §2.3), strictly.
 
 kt-kernel itself checks almost nothing in merged mode (a short tensor is an out-of-bounds read, a wrong-sized one is
-silently garbage). Here every blob is checked against the byte formulas of the method and NUMA count recorded in
-``ktconvert.json`` before anything computes with it, and each failure is one VerifyError naming the tensor or file.
+silently garbage). Here every blob is checked against the plan of the method and NUMA count recorded in
+``ktconvert.json`` (the writing sink's, ``formats.kt_sink.KtSink``, from the method's ``tensor_specs``) before
+anything computes with it, and each failure is one VerifyError naming the tensor or file.
 
 * Mode: merged when the folder's top level holds any ``*.safetensors`` (kt-kernel's ``glob``), else the ``.kt`` tree.
 * Merged: every key of every ``*.safetensors`` under the folder (recursively) is indexed; per layer, experts are
   counted by probing ``blk.L.ffn_up_exps.{e}.numa.0.weight`` and NUMA parts by ``blk.L.ffn_up_exps.0.numa.{t}.weight``.
 * ``.kt``: ``_layer_L/_numa_t/{INT4|INT8}_{proj}_{E}_{bytes}Byte_{quant|scale}_.kt``; the file size must equal the
-  byte count in the name, which must equal the formula.
+  byte count in the name, which must equal the plan's.
 
 ``KtOutput.read_expert(layer, e)`` reads one expert (all projections and NUMA parts) and nothing else.
 """
@@ -23,8 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from ktconvert.errors import InputError, UnknownNameError, VerifyError
+from ktconvert.formats.kt_sink import KT_LOADS, KT_PARTS, KtSink
 from ktconvert.formats.out_manifest import load_manifest
-from ktconvert.layouts.naming import PROJS, kt_relpath, merged_key, parse_kt_relpath, part_shape
+from ktconvert.formats.st_writer import NUMPY_DTYPES
+from ktconvert.layouts.naming import PROJS, merged_key, parse_kt_relpath, part_shape
 from ktconvert.util.safe_read import check_regular, open_regular
 from ktconvert.verification.folder import OutputFolder
 
@@ -34,7 +37,8 @@ _NUMA_DIR = re.compile(r"^_numa_(\d+)$")
 @dataclass
 class ExpertBlobs:
     """One expert as stored: ``parts[t] = ((gate_w, gate_s), (up_w, up_s), (down_w, down_s))`` (uint8 blobs,
-    float32 scales) for NUMA part t, and ``sha256[key]`` of each tensor's bytes under its merged key name."""
+    1-D scales of the planned dtype, float32 for AMX) for NUMA part t, and ``sha256[key]`` of each tensor's bytes
+    under its merged key name."""
 
     layer: int
     expert: int
@@ -46,14 +50,12 @@ def _method_hint(methods, proj: str, nbytes: int, hidden: int, intermediate: int
     """"looks like AMXINT8 with numa 2" when another (method of `methods`, NUMA count) gives exactly nbytes."""
     guesses = []
     for name, method in methods.items():
-        if not hasattr(method, "quant_bytes"):
+        if not method.needs_conversion or not method.writable:
             continue
         for numa in (1, 2, 3, 4, 6, 8, 16):
             if intermediate % numa:
                 continue
-            n, k = part_shape(proj, hidden, intermediate, numa)
-            size = method.quant_bytes(n, k) if kind == "weight" else method.scale_bytes(n)
-            if size == nbytes:
+            if method.matrix_bytes(*part_shape(proj, hidden, intermediate, numa)).get(kind) == nbytes:
                 guesses.append(f"{method.kt_method or name} with numa {numa}")
     return f"the size fits {' or '.join(dict.fromkeys(guesses))}" if guesses else None
 
@@ -61,8 +63,9 @@ def _method_hint(methods, proj: str, nbytes: int, hidden: int, intermediate: int
 class KtOutput:
     """A converted folder plus its manifest. Attributes: root, manifest, method (CpuMethod), kt_method
     ("AMXINT4"), numa, layers, experts, hidden, intermediate, inter_part (I / numa), mode ("safetensors" | "kt"),
-    shapes {proj: (n, k, quant bytes, scale bytes)} per NUMA part. `methods`: the CPU method registry (name ->
-    method class, with .get and .items), for the manifest's method and for hints naming what the sizes fit."""
+    plan (the writing KtSink, a plan only: its specs, part_bytes and .kt names), shapes {proj: (n, k)} per NUMA
+    part. `methods`: the CPU method registry (name -> method class, with .get and .items), for the manifest's method
+    and for hints naming what the sizes fit."""
 
     def __init__(self, root, manifest: dict, methods, folder: OutputFolder | None = None):
         self.root, self.manifest, self.methods = Path(root), manifest, methods
@@ -74,18 +77,17 @@ class KtOutput:
             self.layers = [int(x) for x in model["layers"]]
         except (KeyError, TypeError, ValueError, UnknownNameError) as exc:
             raise InputError(f"manifest lacks what the runtime needs ({exc})", file="ktconvert.json") from None
-        if not hasattr(self.method, "quant_bytes"):
-            tiles = [m.kt_method for _, m in methods.items() if hasattr(m, "quant_bytes")]
+        if not self.method.needs_conversion:
+            tiles = [m.kt_method for _, m in methods.items() if m.needs_conversion and m.writable]
             raise InputError("method is not a converted kt-kernel format", file="ktconvert.json",
                              found=str(manifest["method"]), expected=" or ".join(tiles))
         self.kt_method = self.method.kt_method
         self.inter_part = self.intermediate // max(self.numa, 1)
-        self.shapes = {}
-        for proj in PROJS:
-            n, k = part_shape(proj, self.hidden, self.intermediate, self.numa)
-            self.shapes[proj] = (n, k, int(self.method.quant_bytes(n, k)), int(self.method.scale_bytes(n)))
         top = [p for p in self.root.iterdir() if p.name.endswith(".safetensors")] if self.root.is_dir() else []
         self.mode = "safetensors" if top else "kt"
+        self.plan = KtSink(None, self.mode, self.method, self.numa, self.layers, self.experts, self.hidden,
+                           self.intermediate)
+        self.shapes = self.plan.shapes
         self._index = self._index_merged(folder or OutputFolder.scan(self.root)) if self.mode == "safetensors" \
             else None
 
@@ -119,8 +121,8 @@ class KtOutput:
         ref = self._index.get(key)
         if ref is None:
             raise VerifyError("tensor missing", tensor=key)
-        n, _, qbytes, sbytes = self.shapes[proj]
-        want, dtypes = (qbytes, ("I8", "U8")) if kind == "weight" else (sbytes, ("F32",))
+        dtype = self.plan.specs[proj][kind][0]
+        want, dtypes = self.plan.part_bytes[proj][kind], KT_LOADS.get(dtype, (dtype,))
         where = Path(ref.file).name
         if ref.dtype not in dtypes:
             raise VerifyError("tensor dtype cannot be loaded", file=where, tensor=key,
@@ -137,12 +139,10 @@ class KtOutput:
         return self.root / f"_layer_{layer}" / f"_numa_{t}"
 
     def _read_kt(self, layer: int, t: int, proj: str, expert: int, kind: str) -> np.ndarray:
-        part = "quant" if kind == "weight" else "scale"
-        want = self.shapes[proj][2] if kind == "weight" else self.shapes[proj][3]
-        rel = kt_relpath(layer, t, self.method.file_prefix, proj, expert, want, part)
+        want, rel = self.plan.part_bytes[proj][kind], self.plan.kt_file(layer, t, proj, expert, kind)
         path = self.root / rel
         if not os.path.lexists(path):
-            raise self._kt_missing(layer, t, proj, expert, part, rel, kind)
+            raise self._kt_missing(layer, t, proj, expert, KT_PARTS[kind], rel, kind)
         size = check_regular(path, rel, error=VerifyError).st_size
         if size != want:
             raise VerifyError("file size differs from the byte count in its name (truncated?)", file=rel,
@@ -210,7 +210,8 @@ class KtOutput:
                     data = self._read_merged(key, kind, proj) if self.mode == "safetensors" \
                         else self._read_kt(layer, t, proj, expert, kind)
                     blobs.sha256[key] = hashlib.sha256(data).hexdigest()
-                    pair.append(data if kind == "weight" else data.view(np.float32))
+                    pair.append(data if kind == "weight" else
+                                data.view(NUMPY_DTYPES[self.plan.specs[proj]["scale"][0]]))
                 part.append(tuple(pair))
             blobs.parts.append(tuple(part))
         return blobs

@@ -1,25 +1,24 @@
 """``ktconvert verify OUT``: is a converted folder loadable as its manifest says, and unchanged?
 
 Checks, in order: manifest (``ktconvert.json`` present and parseable), integrity (its self hash, tool version and
-source record: ``verification.identity``), structure (CPU outputs: every expected
-expert tensor or .kt file present with the byte count that the recorded method, NUMA count and model dims give,
-probed the way kt-kernel's loader probes, nothing extra; GPU outputs: ``gpu.verify``), flags (the recorded
-kt-kernel / SGLang flags are the ones the method, NUMA count and files need: ``verification.launch``), hashes (``--hashes``: every
-file and tensor re-hashed against the manifest), source (``--source``: the recorded source fingerprint, file
-sha256s with ``--hashes``), numerics (the method's own numeric check, against ``--source``
-when given) and remote (``--remote``: ``ops.hub.verify_remote``). The folder is walked once
-(``verification.folder.OutputFolder``) and every check reads that walk. Returns a dict; ``render`` makes the table.
+source record: ``verification.identity``), structure (the output kind's own checks, ``kinds``: a CPU output's
+``cpu.verify``: every expected expert tensor or .kt file present with the byte count that the recorded method, NUMA
+count and model dims give, probed the way kt-kernel's loader probes, nothing extra; a GPU checkpoint's
+``gpu.verify``), flags (the recorded kt-kernel / SGLang flags are the ones the kind, method, NUMA count and files
+need: ``verification.launch``), hashes (``--hashes``: every file and tensor re-hashed against the manifest), source
+(``--source``: the recorded source fingerprint, file sha256s with ``--hashes``), numerics (the kind's numeric
+check: a CPU method's own, against ``--source`` when given, or on ``--calibration`` tokens) and remote
+(``--remote``: ``ops.hub.verify_remote``). The folder is walked once (``verification.folder.OutputFolder``) and
+every check reads that walk. Returns a dict; ``render`` makes the table.
 """
 from __future__ import annotations
 
 import os
 
-from ktconvert.errors import InputError, KtConvertError, ShapeError, UnknownNameError, UsageError
-from ktconvert.util.extras import require
+from ktconvert.errors import InputError, KtConvertError, UsageError
 from ktconvert.formats import out_manifest
 from ktconvert.formats.out_manifest import load_manifest
-from ktconvert.gpu import verify as gpu_verify
-from ktconvert.methods import METHODS, CpuMethod
+from ktconvert.kinds import KINDS
 from ktconvert.ops import bundle as ops_bundle, hub as ops_hub
 from ktconvert.distributed.parts import parse_layers
 from ktconvert.verification import calibrated
@@ -67,16 +66,14 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
     _add_check(result, "manifest", [], _manifest_summary(manifest))
     _add_check(result, "integrity", *check_integrity(manifest))
     folder = OutputFolder.scan(out)
-    kind = manifest.get("kind", "cpu")
-    if kind == "cpu":
-        problems, detail = check_structure(folder, manifest)
-        _add_check(result, "structure", problems, detail)
-    elif kind == "gpu":
-        require("gpu", "verify of a GPU checkpoint")
-        result["gpu"] = gpu_verify.check_gpu_checkpoint(out, source=source, experts=experts, folder=folder)
-        for check in result["gpu"]["checks"]:
-            _add_check(result, check["name"], check["problems"], check["detail"])
-    else:
+    kind = manifest.get("kind", "cpu")          # a manifest from before kinds were recorded: a CPU output
+    report, rows = KINDS.get(kind).verify_structure(out, manifest, folder, source=source, experts=experts) \
+        if kind in KINDS else (None, [])
+    if report is not None:
+        result[kind] = report
+    for name, problems, detail in rows:
+        _add_check(result, name, problems, detail)
+    if not rows:
         _skip(result, "structure", "skipped", f"no structure rules for kind {kind!r}")
     problems, detail = check_launch(manifest)      # ktconvert.json's "." is the folder itself: shown as its path,
     _add_check(result, "flags", problems, detail and out_manifest.sglang_args(manifest, os.path.abspath(out)))
@@ -91,52 +88,21 @@ def verify(out, source=None, hashes: bool = False, tokens: int = 8, layers=None,
         _add_check(result, "source", *check_source(manifest, source, hashes))
     else:
         _skip(result, "source", "skipped", "use --source SRC")
-    if calibration is not None or compare is not None:
-        _add_report(result, "numerics", _calibrated(out, manifest, kind, source, calibration, compare, layers,
-                                                    threshold, folder, max_length, num_samples))
-    elif kind == "cpu" and manifest.get("method", "") in METHODS:
-        try:
-            method = CpuMethod.from_manifest(manifest)
-        except (UsageError, TypeError) as exc:      # e.g. a group size that is not a number
-            report = {"ok": False, "problems": [f"ktconvert.json: cannot read the method's options ({exc})"]}
-        else:
-            report = method.check_numerics(out, manifest, source, tokens, layers, experts, threshold, folder=folder)
-            report["summary"] = f"on random probes: {report.get('summary', '')}"
-        _add_report(result, "numerics", report)
+    if calibration is None and compare is not None:
+        numerics = {"ok": False, "problems": ["--compare needs --calibration (side by side on calibration tokens)"]}
+    else:
+        numerics = None if kind not in KINDS else KINDS.get(kind).numerics(
+            out, manifest, folder, source=source, tokens=tokens, layers=layers, experts=experts, threshold=threshold,
+            calibration=calibration, compare=compare, max_length=max_length, num_samples=num_samples)
+    if numerics is None and calibration is not None:
+        numerics = {"ok": False, "problems": [f"--calibration checks CPU expert outputs, not kind {kind!r}"]}
+    if numerics is not None:
+        _add_report(result, "numerics", numerics)
     if remote is not None:
         _add_report(result, "remote", ops_hub.verify_remote(manifest, remote, hub, revision, endpoint))
     else:
         _skip(result, "remote", "skipped", "use --remote REPO")
     return result
-
-
-def _calibrated(out, manifest: dict, kind: str, source, calibration, compare, layers, threshold, folder,
-                max_length: int = 2048, num_samples=None) -> dict:
-    """verification.calibrated's report, or one naming what is missing (--compare without --calibration, a GPU
-    output)."""
-    if calibration is None:
-        return {"ok": False, "problems": ["--compare needs --calibration (side by side on calibration tokens)"]}
-    if kind != "cpu" or manifest.get("method", "") not in METHODS:
-        return {"ok": False, "problems": [f"--calibration checks CPU expert outputs, not kind {kind!r}"]}
-    return calibrated.check_calibrated(out, manifest, source, calibration, compare=compare, layers=layers,
-                                       threshold=threshold, folder=folder, max_length=max_length,
-                                       num_samples=num_samples)
-
-
-def check_structure(folder: OutputFolder, manifest: dict) -> tuple[list[str], str]:
-    """(problems, detail) of the folder's layout against the manifest's method / NUMA count / model. The NUMA count
-    must be one the converter accepts for the method and dims (in-place outputs' files do not depend on it, so
-    nothing else would catch an edited one)."""
-    try:
-        method = CpuMethod.from_manifest(manifest)
-        model, numa = manifest["model"], manifest["numa"]
-        failed = [c for c in method.alignment_checks(model["hidden"], model["intermediate"], numa) if not c["ok"]]
-        if failed:
-            return [f"ktconvert.json: numa {numa} is not a NUMA count {method.kt_method} converts H={model['hidden']},"
-                    f" I={model['intermediate']} with; expected {failed[0]['check']}, found {failed[0]['detail']}"], ""
-        return method.check_structure(folder, manifest)
-    except (KeyError, TypeError, ValueError, UnknownNameError, ShapeError) as exc:
-        return [f"ktconvert.json: cannot derive the expected tensors ({exc})"], ""
 
 
 def _add_check(result: dict, name: str, problems: list[str], detail: str) -> None:
@@ -167,7 +133,8 @@ def _identify_unrecorded(result: dict, out) -> None:
     what = ", ".join(f"{k} {v}" for k, v in (("NUMA", identity.numa), ("group size", identity.group_size)) if v)
     detail = (f"{identity.method or 'unknown method'} ({identity.layout}{', ' + what if what else ''}), "
               f"{len(identity.layers)} MoE layers x {identity.experts} experts, H {identity.hidden}, "
-              f"I {identity.intermediate}: from its headers; `ktconvert check {out} -- <launch flags>` checks the flags")
+              f"I {identity.intermediate}: from its headers; `ktconvert check {out} -- <launch flags>` checks the "
+              f"flags")
     _skip(result, "identified", "info", detail)
 
 

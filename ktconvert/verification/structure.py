@@ -3,17 +3,19 @@ count and model dims call for is present with the right dtype and byte count, fo
 finds it, and nothing else is there. Works on the one walk of the folder (``verification.folder.OutputFolder``).
 
 Two shapes of output: kt-kernel's converted tiles (``check_tiles``: merged shards or the ``.kt`` tree) and HF
-tensors kt-kernel reads in place (``check_hf_tensors``). Each returns (problem lines, detail).
+tensors kt-kernel reads in place (``check_hf_tensors``). Each returns (problem lines, detail). What is expected is
+the writing sink's own plan (``planned_files`` / ``layer_tensors``, from the method's ``tensor_specs``), built from
+the manifest without touching the folder.
 """
 from __future__ import annotations
 
-import math
 import re
 
 from ktconvert.errors import InputError
 from ktconvert.formats.inplace_sink import InplaceSink
-from ktconvert.formats.safetensors_reader import DTYPES
-from ktconvert.layouts.naming import INDEX_NAME, PROJS, kt_relpath, merged_key, part_shape
+from ktconvert.formats.kt_sink import KT_LOADS, KtSink
+from ktconvert.formats.st_writer import tensor_nbytes
+from ktconvert.layouts.naming import INDEX_NAME
 from ktconvert.util.safe_read import read_json
 from ktconvert.verification.folder import OutputFolder
 
@@ -33,14 +35,14 @@ class Problems:
         return list(self.lines)
 
 
-def tile_sizes(method, manifest: dict) -> dict[str, tuple[int, int]]:
-    """{proj: (quant bytes, scale bytes)} per NUMA part for `method`, the manifest's NUMA count and model dims."""
-    model = manifest["model"]
-    sizes = {}
-    for proj in PROJS:
-        n, k = part_shape(proj, int(model["hidden"]), int(model["intermediate"]), int(manifest["numa"]))
-        sizes[proj] = (int(method.quant_bytes(n, k)), int(method.scale_bytes(n)))
-    return sizes
+def tile_plan(method, manifest: dict) -> KtSink:
+    """The plan of the manifest's converted output (`method`, layout, NUMA count, model dims): the sink that wrote
+    it, as a plan only."""
+    layers, experts = _model(manifest)
+    model, layout = manifest["model"], manifest["layout"]
+    dense = layout == "safetensors" and bool(manifest.get("include_dense"))
+    return KtSink(None, layout, method, int(manifest["numa"]), layers, experts, int(model["hidden"]),
+                  int(model["intermediate"]), include_dense=dense)
 
 
 def _model(manifest: dict) -> tuple[list[int], int]:
@@ -50,15 +52,14 @@ def _model(manifest: dict) -> tuple[list[int], int]:
 
 def check_tiles(folder: OutputFolder, manifest: dict, method) -> tuple[list[str], str]:
     """Converted tiles (AMX methods) in the manifest's layout: merged shards or the ``.kt`` tree."""
-    sizes = tile_sizes(method, manifest)
-    layers, experts = _model(manifest)
+    if manifest["layout"] not in ("safetensors", "kt"):
+        return [f"ktconvert.json: unknown layout {manifest['layout']!r}"], ""
+    plan = tile_plan(method, manifest)
     problems = Problems()
     if manifest["layout"] == "safetensors":
-        detail = _check_merged(folder, manifest, layers, experts, sizes, problems)
-    elif manifest["layout"] == "kt":
-        detail = _check_kt_tree(folder, manifest, method.file_prefix, layers, experts, sizes, problems)
+        detail = _check_merged(folder, manifest, plan, problems)
     else:
-        return [f"ktconvert.json: unknown layout {manifest['layout']!r}"], ""
+        detail = _check_kt_tree(folder, plan, problems)
     return problems.all_lines(), detail
 
 
@@ -69,15 +70,15 @@ def check_hf_tensors(folder: OutputFolder, manifest: dict, method) -> tuple[list
     model = manifest["model"]
     problems = Problems()
     entries = _entries(folder, problems)
-    sink = InplaceSink(folder.root, method, layers, experts, int(model["hidden"]), int(model["intermediate"]))
-    expected = {name: (dtype, shape) for layer in layers for name, dtype, shape in sink.layer_specs(layer)}
+    sink = InplaceSink(None, method, layers, experts, int(model["hidden"]), int(model["intermediate"]))
+    expected = {name: (dtype, shape) for layer in layers for name, dtype, shape in sink.layer_tensors(layer)}
     for name, (dtype, shape) in expected.items():
         if name not in entries:
             problems.add("missing", f"{name}: missing")
         elif entries[name][1] != dtype:
             problems.add("dtype", f"{name}: expected {dtype}, found {entries[name][1]}")
-        elif entries[name][2] != DTYPES[dtype][0] * math.prod(shape):
-            problems.add("size", f"{name}: expected {DTYPES[dtype][0] * math.prod(shape)} bytes for "
+        elif entries[name][2] != tensor_nbytes(dtype, shape):
+            problems.add("size", f"{name}: expected {tensor_nbytes(dtype, shape)} bytes for "
                                  f"{dtype} {list(shape)}, found {entries[name][2]}")
     for name in sorted(set(entries) - set(expected)):
         problems.add("extra", f"{entries[name][0]}: {name}: not an expected expert tensor")
@@ -104,12 +105,11 @@ def _probe_count(entries: dict, fmt: str) -> int:
     return i
 
 
-def _check_merged(folder: OutputFolder, manifest: dict, layers: list[int], experts: int, sizes: dict,
-                  problems: Problems) -> str:
+def _check_merged(folder: OutputFolder, manifest: dict, plan: KtSink, problems: Problems) -> str:
     entries = _entries(folder, problems)
-    numa = int(manifest["numa"])
+    numa, experts = plan.numa, plan.experts
     expected = set()
-    for layer in layers:
+    for layer in plan.moe_layers:
         found_e = _probe_count(entries, f"blk.{layer}.ffn_up_exps.{{}}.numa.0.weight")
         found_t = _probe_count(entries, f"blk.{layer}.ffn_up_exps.0.numa.{{}}.weight")
         if found_e < experts:
@@ -117,14 +117,9 @@ def _check_merged(folder: OutputFolder, manifest: dict, layers: list[int], exper
         if found_t != numa:
             problems.add("probe", f"layer {layer}: kt-kernel's probe finds {found_t} NUMA parts, expected numa "
                                   f"{numa} (= --kt-threadpool-count)")
-        for proj in PROJS:
-            for e in range(experts):
-                for t in range(numa):
-                    for part, dtypes, nbytes in (("weight", ("I8", "U8"), sizes[proj][0]),
-                                                 ("scale", ("F32",), sizes[proj][1])):
-                        key = merged_key(layer, proj, e, t, part)
-                        expected.add(key)
-                        _check_entry(key, entries.get(key), dtypes, nbytes, problems)
+        for key, dtype, shape in plan.layer_tensors(layer):
+            expected.add(key)
+            _check_entry(key, entries.get(key), KT_LOADS.get(dtype, (dtype,)), tensor_nbytes(dtype, shape), problems)
     for key in sorted(set(entries) - expected):
         if _EXPERT_KEY.match(key) or not manifest.get("include_dense", False):
             problems.add("extra", f"{entries[key][0]}: {key}: unexpected tensor")
@@ -165,20 +160,11 @@ def _check_index(folder: OutputFolder, entries: dict, problems: Problems) -> Non
         problems.add("index", f"{INDEX_NAME}: total_size {total}, shards hold {want_total} tensor bytes")
 
 
-def _check_kt_tree(folder: OutputFolder, manifest: dict, prefix: str, layers: list[int], experts: int,
-                   sizes: dict, problems: Problems) -> str:
-    numa = int(manifest["numa"])
+def _check_kt_tree(folder: OutputFolder, plan: KtSink, problems: Problems) -> str:
     for rel in folder.top_level_shards():
         problems.add("extra", f"{rel}: top-level .safetensors switches kt-kernel into merged mode")
-    expected = {}
-    for layer in layers:
-        if not _kt_layer_folder_ok(folder, layer, numa, problems):
-            continue
-        for proj in PROJS:
-            for e in range(experts):
-                for t in range(numa):
-                    for part, nbytes in (("quant", sizes[proj][0]), ("scale", sizes[proj][1])):
-                        expected[kt_relpath(layer, t, prefix, proj, e, nbytes, part)] = nbytes
+    present = {layer for layer in plan.moe_layers if _kt_layer_folder_ok(folder, layer, plan.numa, problems)}
+    expected = {path: f.nbytes for path, f in plan.planned_files().items() if f.layer in present}
     found = folder.tree
     for rel, nbytes in sorted(expected.items()):
         if rel not in found:
@@ -187,7 +173,7 @@ def _check_kt_tree(folder: OutputFolder, manifest: dict, prefix: str, layers: li
             problems.add("size", f"{rel}: {found[rel]} bytes, expected {nbytes}")
     for rel in sorted(set(found) - set(expected)):
         problems.add("extra", f"{rel}: unexpected file in the .kt tree")
-    return f"{len(layers)} layer folders, {len(found)} .kt-tree files, {len(expected)} expected"
+    return f"{len(plan.moe_layers)} layer folders, {len(found)} .kt-tree files, {len(expected)} expected"
 
 
 def _kt_layer_folder_ok(folder: OutputFolder, layer: int, numa: int, problems: Problems) -> bool:

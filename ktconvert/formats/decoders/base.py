@@ -7,9 +7,10 @@ one decoder per storage scheme in ``DECODERS``, and the three operations every r
 
 ``base`` is a module name (``model.layers.3.mlp.experts.7.up_proj``) or a fused [E, ...] tensor name with
 ``expert`` selecting the slice. A decoder class (subclass of ``Decoder`` with its own ``scheme``) registers itself;
-it parses its part of quantization_config (a top-level ``quant_method``, or a compressed-tensors group ``format``),
-finds its tensors (``locate``) and decodes them. A float tensor stored under the weight's own name is read as
-plain BF16 / F16 / F32 whatever the config says; a module the config ignores must be plain.
+it parses its part of quantization_config (a top-level ``quant_method``, or a compressed-tensors group ``format``;
+``claims`` takes a whole config first, DeepSeek-V4's ``quant_method: fp8``), finds its tensors (``locate``) and
+decodes them. A float tensor stored under the weight's own name is read as plain BF16 / F16 / F32 whatever the
+config says; a module the config ignores must be plain.
 """
 from __future__ import annotations
 
@@ -109,6 +110,11 @@ class Decoder:
             DECODERS.register(cls.scheme)(cls)
 
     @classmethod
+    def claims(cls, config: dict) -> bool:
+        """Whether this decoder parses config.json's quantization_config whatever its quant_method says."""
+        return False
+
+    @classmethod
     def parse_config(cls, qc: dict) -> QuantScheme:
         """The QuantScheme of a quantization_config whose quant_method is this decoder's."""
         raise NotImplementedError
@@ -165,6 +171,9 @@ def detect_scheme(config: dict) -> QuantScheme | None:
     if not isinstance(qc, dict):
         raise bad_config("quantization_config is not an object", found=type(qc).__name__)
     method = str(qc.get("quant_method", "")).lower()
+    claimed = next((d for _, d in DECODERS.items() if d.claims(config)), None)
+    if claimed is not None:
+        return claimed.parse_config(qc)
     if method == "compressed-tensors":
         return _ct_scheme(qc)
     for _, decoder in DECODERS.items():

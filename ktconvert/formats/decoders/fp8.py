@@ -124,3 +124,22 @@ class FloatQuantizedDecoder(Fp8BlockDecoder):
             return None
         block = _block_of(weights.get("block_structure"), "block_structure") if strategy == "block" else None
         return QuantGroup(cls.scheme, tuple(group.get("targets") or ("Linear",)), 8, strategy, block=block)
+
+
+def grid_refs(checkpoint, base: str, block: tuple[int, int] | None = None, kind: str = "fp8-block") -> MatrixRefs:
+    """MatrixRefs of an F8_E4M3 ``<base>.weight`` with a 2-D float scale grid (``weight_scale_inv`` or
+    ``weight_scale``), for a non-expert linear: read in `block`, or without one in the block the grid implies
+    ([ceil(n/sn), ceil(k/sk)]: [N, 1] is per channel), by the decoder of `kind` ("fp8-block", or
+    "float-quantized": an F16 scale then multiplies in F16). InputError naming the scale when the grid does not
+    cover the weight in that block."""
+    w, s = fp8_refs(checkpoint, base, None, Fp8BlockDecoder.scale_suffixes)
+    n, k = matrix_shape(w, None)
+    if s.dtype not in FLOAT_DTYPES or len(s.shape) != 2:
+        raise shape_error(s, "FP8 scale is not a 2-D float grid", "F32, BF16 or F16 [rows, cols]",
+                          f"{s.dtype} {list(s.shape)}")
+    sn, sk = s.shape
+    block = block or (-(-n // sn), -(-k // sk))
+    if tuple(s.shape) != fp8.block_scale_shape(n, k, block):
+        raise shape_error(s, f"scale shape does not match weight [{n}, {k}] in {list(block)} blocks",
+                          str(list(fp8.block_scale_shape(n, k, block))), str(list(s.shape)))
+    return MatrixRefs(kind, w.name, {"scale": s.name}, None, (n, k), QuantGroup(kind, block=block))

@@ -1,0 +1,189 @@
+"""``verify`` of a LLAMAFILE output (routed experts as GGUF, ``formats/gguf_sink.py``).
+
+Structure: the files and tensors the writing sink plans for the manifest's method, layers and model dims
+(``GgufSink.planned_files`` / ``layer_tensors``, built without touching the folder) against every ``*.gguf`` in the
+folder as gguf-py's ``GGUFReader`` reads it: names, ggml types, shapes, byte counts, file sizes, nothing else.
+A llama-quantize mix's down tensors take a type that depends on the model's block count, which the manifest does
+not record: there each tensor's type must be one the mix gives that layer for some block count, and the sizes
+follow the type found.
+
+Numerics: each sampled expert decoded by gguf-py's ``gguf.quants.dequantize`` (a decoder independent of ktconvert's
+quantizer), with a source compared against the source's weights: relative L2 per projection and of the layer's MoE
+output on seeded random activations, limited by the type's ``thresholds["moe_rel_l2"]``.
+"""
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, quants
+
+from ktconvert.errors import InputError, KtConvertError
+from ktconvert.formats.fileio import HASH_CHUNK
+from ktconvert.formats.gguf_sink import GgufSink
+from ktconvert.quant import ggml_quant
+from ktconvert.quant.bf16 import bf16_bits_to_f32
+from ktconvert.verification.numeric_amx import (PROBE, choose_experts, choose_layers, numeric_options,
+                                                open_checked_source, rel_l2, silu_mul)
+
+PROJS = ("gate", "up", "down")
+
+
+def dequantize(raw: np.ndarray, ggml_type) -> np.ndarray:
+    """One expert's blocks (uint8) of `ggml_type` (a gguf.GGMLQuantizationType) -> float32, flat (gguf-py)."""
+    return np.asarray(quants.dequantize(np.ascontiguousarray(raw), GGMLQuantizationType(ggml_type)),
+                      dtype=np.float32).reshape(-1)
+
+
+def gguf_tensor_hashes(path) -> dict[str, str]:
+    """{tensor name: sha256 of its data} of a GGUF file (as GgufLayerWriter records them); {} for a file gguf-py
+    cannot read (its file hash tells)."""
+    try:
+        tensors = GGUFReader(path).tensors
+    except (ValueError, KeyError, IndexError, OSError):
+        return {}
+    out = {}
+    with open(path, "rb") as f:
+        for t in tensors:
+            h, left = hashlib.sha256(), int(t.n_bytes)
+            f.seek(int(t.data_offset))
+            while left > 0:
+                chunk = f.read(min(HASH_CHUNK, left))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+            out[t.name] = h.hexdigest()
+    return out
+
+
+def planned_sink(manifest: dict, method) -> GgufSink:
+    """The sink that wrote the manifest's output, as a plan only."""
+    model = manifest["model"]
+    layers = [int(x) for x in model["layers"]]
+    info = SimpleNamespace(n_experts=int(model["experts"]), hidden=int(model["hidden"]),
+                           intermediate=int(model["intermediate"]), model_type=str(model.get("model_type", "")),
+                           n_layers=max(layers) + 1, mtp_layers=(), experts_per_tok=1)
+    return GgufSink(None, method, layers, info, numa=int(manifest["numa"]))
+
+
+def _allowed_types(method, proj: str, layer: int) -> set[str]:
+    """The types the method gives `proj` of `layer` for any block count (one type, but a mix's down tensors)."""
+    return {method.expert_type(proj, layer, n) for n in range(layer + 1, 8 * (layer + 2) + 1)}
+
+
+def check_structure(root, manifest: dict, method) -> tuple[list[str], str]:
+    """(problem lines, detail) of the folder's GGUF files against the plan of the manifest's output."""
+    sink = planned_sink(manifest, method)
+    planned = sink.planned_files()
+    found = {p.name: p for p in sorted(root.glob("*.gguf"))}
+    problems = [f"{name}: missing" for name in planned if name not in found]
+    problems += [f"{name}: not a file of this output's plan" for name in found if name not in planned]
+    mixed = method.ggml_type != method.base_type()
+    checked = 0
+    for layer in sink.layers:
+        name = sink.file_of(layer)
+        if name not in found:
+            continue
+        try:
+            tensors = {t.name: t for t in GGUFReader(found[name]).tensors}
+        except (ValueError, KeyError, IndexError, OSError) as exc:
+            problems.append(f"{name}: unreadable GGUF ({exc})")
+            continue
+        if not mixed and found[name].stat().st_size != planned[name].nbytes:
+            problems.append(f"{name}: {found[name].stat().st_size} bytes, expected {planned[name].nbytes}")
+        expected = sink.layer_tensors(layer)
+        for (key, kind, (e, n, k)), proj in zip(expected, PROJS):
+            t = tensors.get(key)
+            if t is None:
+                problems.append(f"{name}: {key}: missing")
+                continue
+            checked += 1
+            got = t.tensor_type.name
+            allowed = _allowed_types(method, proj, layer) if mixed else {kind}
+            if got not in allowed:
+                problems.append(f"{name}: {key}: ggml type {got}, expected {' or '.join(sorted(allowed))}")
+                continue
+            if [int(x) for x in t.shape] != [k, n, e]:
+                problems.append(f"{name}: {key}: shape {[int(x) for x in t.shape]}, expected {[k, n, e]}")
+            elif int(t.n_bytes) != e * n * ggml_quant.row_bytes(got, k):
+                want = e * n * ggml_quant.row_bytes(got, k)
+                problems.append(f"{name}: {key}: {int(t.n_bytes)} bytes, expected {want}")
+        problems += [f"{name}: {key}: not an expected expert tensor" for key in sorted(set(tensors) -
+                                                                                         {x[0] for x in expected})]
+    return problems, f"{len(planned)} GGUF files, {3 * len(planned)} expert tensors expected, {checked} found"
+
+
+def check_numerics(manifest: dict, open_reader, source=None, tokens: int = 8, layers=None, experts="4",
+                   threshold=None, seed: int = 0, *, method) -> dict:
+    """{"ok", "problems", "summary", "probe", "layers": [{layer, experts, with a source weight_rel_l2 (the worst
+    matrix), gate_rel_l2 / up_rel_l2 / down_rel_l2, moe_rel_l2}]}. open_reader() -> (layer, expert) -> {proj:
+    float32 matrix} (the method's reader, gguf-py's dequantization, hashes checked against the manifest)."""
+    tokens, layers, experts, threshold = numeric_options(tokens, layers, experts, threshold)
+    report = {"ok": False, "problems": [], "layers": [], "summary": "numerics not run", "probe": PROBE}
+    try:
+        model = manifest["model"]
+        all_layers = [int(x) for x in model["layers"]]
+        hidden, inter, n_experts = int(model["hidden"]), int(model["intermediate"]), int(model["experts"])
+        chosen = choose_layers(all_layers, layers)
+        read = open_reader()
+    except (KeyError, TypeError, ValueError) as exc:
+        report["problems"].append(f"ktconvert.json or a GGUF file lacks what the numerics need ({exc!r})")
+        return report
+    except (KtConvertError, InputError) as exc:
+        report["problems"].append(str(exc))
+        return report
+    src, mismatch = open_checked_source(source, manifest, all_layers, (hidden, inter, n_experts))
+    if mismatch:
+        report["problems"].append(mismatch)
+        return report
+    limit = method.thresholds["moe_rel_l2"] if threshold is None else float(threshold)
+    rng = np.random.default_rng(seed)
+    for layer in chosen:
+        row = _check_layer(read, src, layer, choose_experts(rng, n_experts, experts),
+                           rng.standard_normal((tokens, hidden)))
+        if src is not None and row["moe_rel_l2"] > limit:
+            row["problems"].append(f"MoE output rel L2 {row['moe_rel_l2']:.4g} above the limit {limit:g} "
+                                   f"({method.ggml_type})")
+        report["layers"].append(row)
+        report["problems"].extend(f"layer {layer}: {p}" for p in row.pop("problems"))
+    report["ok"] = not report["problems"]
+    worst = max((r.get("moe_rel_l2", 0.0) for r in report["layers"]), default=0.0)
+    report["summary"] = (f"{len(report['layers'])} layer(s) of {method.ggml_type}, decoded by gguf-py and hashed"
+                         + (f"; MoE vs source rel L2 max {worst:.4g} (limit {limit:g})" if src else ""))
+    return report
+
+
+def _check_layer(read, src, layer: int, sample: list[int], x: np.ndarray) -> dict:
+    row = {"layer": layer, "experts": list(sample), "problems": []}
+    got_y, ref_y = np.zeros_like(x), np.zeros_like(x)
+    energy = {p: [0.0, 0.0] for p in PROJS}
+    worst = 0.0
+    for e in sample:
+        try:
+            mats = {p: m.astype(np.float64) for p, m in read(layer, e).items()}
+        except KtConvertError as exc:
+            row["problems"].append(str(exc))
+            continue
+        if not all(np.isfinite(m).all() for m in mats.values()):
+            row["problems"].append(f"expert {e}: NaN or Inf in the decoded weights")
+            continue
+        got_y += _expert(mats, x)
+        if src is None:
+            continue
+        w = src.read_expert(layer, e)
+        ref = {p: bf16_bits_to_f32(getattr(w, p)).astype(np.float64) for p in PROJS}
+        ref_y += _expert(ref, x)
+        worst = max([worst] + [rel_l2(mats[p], ref[p]) for p in PROJS])
+        for p in PROJS:
+            energy[p][0] += float(((mats[p] - ref[p]) ** 2).sum())
+            energy[p][1] += float((ref[p] ** 2).sum())
+    if src is not None:
+        row["weight_rel_l2"], row["moe_rel_l2"] = worst, rel_l2(got_y, ref_y)
+        row.update({f"{p}_rel_l2": float(np.sqrt(d2 / w2)) if w2 > 0 else 0.0 for p, (d2, w2) in energy.items()})
+    return row
+
+
+def _expert(m: dict, x: np.ndarray) -> np.ndarray:
+    return silu_mul(x @ m["gate"].T, x @ m["up"].T) @ m["down"].T
