@@ -11,6 +11,8 @@ on that stream (llmcompressor's own functions for the GPU checkpoint, a fixed-gr
   ``GpuQuantizer``; ``distributed.py``: the same stream with each layer's forward split by calibration sample and
   its experts by owner (``DistributedStream``; on Ray: ktconvert.distributed.ray_gptq); ``cpu.py``: the AMX variant
   (``mse``-searched per-row scales mapped 1:1 onto kt-kernel's AMXINT4/AMXINT8 files, codes from ``grid.py``).
+* ``groups.py``: ``GroupQuantizer``, the same for in-place methods that declare a grouped grid (``gptq_grid``:
+  GPTQ_INT4's -8..7 per group, F16 steps), written as the method's own tensors.
 * ``holdout.py``: the fit / held-out split and the per-expert choice between GPTQ and the data-free codes.
 * ``calibration.py``: ``--calibration FILE`` (jsonl of {"text": ...} or {"input_ids": [...]}).
 

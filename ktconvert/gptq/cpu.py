@@ -14,6 +14,9 @@ the files keep kt-kernel's format byte for byte: w ~= codes * 16 * d (INT4), cod
 With a ``selection`` (holdout.SelectionOptions, on by default) the stream judges each expert on held-out
 calibration tokens and writes the data-free codes (exactly what ``--quant scale_quant`` writes for that expert)
 where GPTQ does not beat them (loop.LayerStream, holdout.py).
+
+The writer (``write_gptq_layers``) serves every method with a GPTQ grid: the AMX methods (``bits``) through
+``AmxQuantizer``, in-place methods declaring ``gptq_grid`` (GPTQ_INT4) through gptq.groups' ``GroupQuantizer``.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from ktconvert.formats.hf_source import HFSource
 from ktconvert.gptq import grid
 from ktconvert.gptq.calibration import load_samples
 from ktconvert.gptq.determinism import deterministic_cpu, pin_process
+from ktconvert.gptq.groups import GroupQuantizer, bf16_bits
+from ktconvert.gptq.groups import write_layer as write_group_layer
 from ktconvert.gptq.holdout import REASONS, SelectionOptions
 from ktconvert.gptq.loop import GptqOptions, LayerResult, LayerStream
 from ktconvert.gptq.resume import restore_for, samples_digest
@@ -112,7 +117,7 @@ class AmxQuantizer:
         quantize_rows = ROW_QUANT.get(self.fallback_quant)
         out = {}
         for proj in PROJS:
-            w = _bf16_bits(getattr(expert, proj + "_proj").weight)
+            w = bf16_bits(getattr(expert, proj + "_proj").weight)
             rows = proj != "down"
             parts = [w[sl] if rows else w[:, sl] for sl in numa_slices(w.shape[0] if rows else w.shape[1],
                                                                         self.numa)]
@@ -136,30 +141,25 @@ def default_fallback() -> str:
     return "mse" if "mse" in ROW_QUANT else "rtn"
 
 
-def _bf16_bits(weight) -> np.ndarray:
-    import torch
-
-    return weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
-
-
 # ---------------------------------------------------------------------------------------------- entry points
 
 def amx_stream(src, calibration, method_bits: int, numa: int, *, max_length: int = 2048,
                num_samples: int | None = None, options: GptqOptions = GptqOptions(),
                fallback_quant: str | None = None, selection: SelectionOptions | None = SelectionOptions(),
-               mtp_layers=(), make_stream=None) -> LayerStream:
+               mtp_layers=(), make_stream=None, quantizer=None) -> LayerStream:
     """The GPTQ stream over checkpoint `src` (path or HFSource) with an AmxQuantizer (``stream.quantizer``) and
     the calibration samples (``stream.samples_digest``: resume.samples_digest of them). calibration: a jsonl
     path (ktconvert.gptq.calibration) or a list of 1-D int64 token tensors (file order). mtp_layers: MTP layers
     quantized after the decoder layers (gptq.stream). make_stream: the stream class, called as LayerStream is
-    (None: LayerStream, this process; ray_gptq.ray_streams: on Ray, the same results)."""
+    (None: LayerStream, this process; ray_gptq.ray_streams: on Ray, the same results). quantizer: the stream's
+    quantizer (None: an AmxQuantizer of method_bits and numa; ``method_quantizer``)."""
     pin_process()                          # before torch computes anything here (gptq.determinism)
     source = src if isinstance(src, HFSource) else HFSource.open(src)
     samples = calibration
     if isinstance(calibration, (str, Path)):
         samples = load_samples(calibration, source.model_dir(), max_length=max_length, num_samples=num_samples,
                                vocab_size=source.info.config.get("vocab_size"))
-    quantizer = AmxQuantizer(method_bits, numa, fallback_quant, selection)
+    quantizer = quantizer or AmxQuantizer(method_bits, numa, fallback_quant, selection)
     stream = (make_stream or LayerStream)(source, samples, quantizer, options, mtp_layers=mtp_layers)
     stream.samples_digest = samples_digest(samples)
     return stream
@@ -191,8 +191,19 @@ def selection_counts(result: LayerResult) -> dict:
             "because": because}
 
 
+def method_quantizer(method, numa: int, selection: SelectionOptions | None):
+    """The quantizer on `method`'s grid: a GroupQuantizer (gptq.groups) where the method declares ``gptq_grid``,
+    else an AmxQuantizer of its per-row tiles (``bits``)."""
+    if hasattr(method, "gptq_grid"):
+        return GroupQuantizer(method, selection=selection)
+    return AmxQuantizer(method.bits, numa, None, selection)
+
+
 def write_layer(writer, method, result: LayerResult) -> None:
-    """Tile one layer's codes and hand them to a KtSink LayerWriter: writer.put(proj, e, t, blob, scale)."""
+    """Tile one layer's codes and hand them to a KtSink LayerWriter: writer.put(proj, e, t, blob, scale); a grouped
+    method's (``gptq_grid``) go to its in-place writer as its tensors (groups.write_layer)."""
+    if hasattr(method, "gptq_grid"):
+        return write_group_layer(writer, method, result)
     for (e, proj), parts in sorted(result.payloads.items()):
         for t, (codes, d) in enumerate(parts):
             method.check_shape(*codes.shape, where=f"layer {result.layer} expert {e} {proj} part {t}")
@@ -205,19 +216,20 @@ def write_gptq_layers(output, samples: list, progress=None, *, options: GptqOpti
     numa; its layers may include MTP layers) from the GPTQ stream on `samples` (1-D int64 token tensors), then
     record the source files' digests in its journal. A resumed output (``output.resume``) restores the stream
     saved with its journal (gptq.resume) and writes only the layers the journal does not record. progress: one
-    phase over the layers' source bytes, advanced per layer. make_stream: as amx_stream's. Returns {"tokens" {layer: [per expert]}, "fallback"
-    {layer: [experts]}, "fallback_quant", "selection" {layer: selection_counts}}."""
+    phase over the layers' source bytes, advanced per layer. make_stream: as amx_stream's. Returns {"tokens"
+    {layer: [per expert]}, "fallback" {layer: [experts]}, "fallback_quant", "selection" {layer: selection_counts}}."""
     method, source = output.method, output.source
-    if not hasattr(method, "bits"):
-        tiled = [name for name, m in METHODS.items() if hasattr(m, "bits")]
-        raise InputError("--quant gptq needs a method with per-row tiles", expected=" or ".join(tiled),
+    if not (hasattr(method, "bits") or hasattr(method, "gptq_grid")):
+        gridded = [name for name, m in METHODS.items() if hasattr(m, "bits") or hasattr(m, "gptq_grid")]
+        raise InputError("--quant gptq needs a method with a GPTQ grid", expected=" or ".join(gridded),
                          found=method.name)
     sizes = layer_source_bytes(source, output.layers)
     progress = progress or Progress()
     progress.start(sum(sizes.values()), len(output.layers), f"cpu {method.name.upper()} gptq", unit="layers")
     mtp = [layer for layer in output.layers if layer in source.info.mtp_layers]
-    stream = amx_stream(source, samples, method.bits, output.options.numa, options=options, selection=selection,
-                        mtp_layers=mtp, make_stream=make_stream)
+    stream = amx_stream(source, samples, getattr(method, "bits", 0), output.options.numa, options=options,
+                        selection=selection, mtp_layers=mtp, make_stream=make_stream,
+                        quantizer=method_quantizer(method, output.options.numa, selection))
     saved, layers = restore_for(output, stream)
     for layer in sorted(layers):
         progress.advance(sizes.get(layer, 0), items=1, detail=f"layer {layer} (saved)")

@@ -1,15 +1,17 @@
-"""GPTQ's error compensation on a fixed symmetric grid: the solve behind ``--quant gptq`` for kt-kernel's AMX files.
+"""GPTQ's error compensation on a fixed symmetric grid: the solve behind ``--quant gptq`` for kt-kernel's AMX and
+GPTQ_INT4 files.
 
 llmcompressor's ``quantize_weight`` rounds to compressed-tensors' integer ranges (-8..7 for 4 bits), and kt-kernel's
 AMXINT4 forward breaks on code -8 (kt-format.md §2.1): its grid is -7..7 (-127..127 for INT8). This solve is
-GPTQ (Frantar et al., 2022, with §3.4's lazy block updates and "act-order") for steps chosen beforehand:
+GPTQ (Frantar et al., 2022, with §3.4's lazy block updates and "act-order") for steps chosen beforehand, on the
+``Grid`` the method declares (AMX: -7..7 per row part; GPTQ_INT4: -8..7 per group, F16 steps):
 
     H      the Hessian [k, k] (any positive multiple of X^T X over the layer's calibration inputs X [T, k])
     dead   columns with H[j, j] == 0 (inputs always zero) get H[j, j] = 1: plain rounding, the weight kept
     damp   H += dampening * mean(diag H) * I (llmcompressor's percdamp)
     order  columns by descending diag H (act-order; the steps travel with their columns)
     U      upper Cholesky factor of H^-1
-    loop   column j in that order: q_j = clamp(round_half_even(w_j / s_j), -qmax, qmax), s_j the step of w_j's
+    loop   column j in that order: q_j = clamp(round_half_even(w_j / s_j), qmin, qmax), s_j the step of w_j's
            row and group; err_j = (w_j - q_j s_j) / U[j, j]; the columns after j absorb -err_j U[j, j+1:]
            (inside a block of `block_size` columns at once, across blocks with one matrix product)
 
@@ -18,6 +20,27 @@ one torch thread without oneDNN by the caller (``determinism.deterministic_cpu``
 ``determinism.pin_process``), so the codes do not depend on the host.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The quantization grid a method declares for ``--quant gptq``: integer codes qmin..qmax of ``bits`` bits, one
+    step per ``group_size`` input columns (0: one per row or NUMA part), symmetric (no zero point: w ~= code * step),
+    steps stored as ``scale_dtype`` (a safetensors dtype: "F16", "BF16", "F32"). The solve below quantizes on it."""
+
+    bits: int
+    group_size: int
+    symmetric: bool = True
+    scale_dtype: str = "F32"
+    qmin: int = 0
+    qmax: int = 0
+
+    @classmethod
+    def int_sym(cls, bits: int, group_size: int, scale_dtype: str) -> "Grid":
+        """Two's-complement symmetric codes -2^(b-1)..2^(b-1)-1 (AutoGPTQ sym, compressed-tensors' int groups)."""
+        return cls(bits, group_size, True, scale_dtype, -(1 << (bits - 1)), (1 << (bits - 1)) - 1)
 
 
 def inverse_factor(hessian, dampening: float):
@@ -37,14 +60,15 @@ def inverse_factor(hessian, dampening: float):
     return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True), perm
 
 
-def solve(weight, factor, step, qmax: int, block_size: int = 128):
-    """GPTQ codes of `weight` float32 [n, k] on the grid step * (-qmax..qmax).
+def solve(weight, factor, step, qmax: int, block_size: int = 128, qmin: int | None = None):
+    """GPTQ codes of `weight` float32 [n, k] on the grid step * (qmin..qmax) (qmin None: -qmax).
 
     factor: ``inverse_factor``'s (U, perm); step: float32 [n, G] (column j uses group j // (k / G); a step of 0
-    gives codes 0 there, as kt-kernel's zero rows). Returns codes int8 [n, k] (torch), |codes| <= qmax."""
+    gives codes 0 there, as kt-kernel's zero rows). Returns codes int8 [n, k] (torch) in qmin..qmax."""
     import torch
 
     U, perm = factor
+    lo = -qmax if qmin is None else qmin
     n, k = weight.shape
     group = k // step.shape[1]
     W = weight.to(torch.float32)[:, perm].clone()
@@ -58,7 +82,7 @@ def solve(weight, factor, step, qmax: int, block_size: int = 128):
         err = torch.zeros_like(W1)
         for i in range(i2 - i1):
             j = i1 + i
-            q = torch.clamp(torch.round(W1[:, i] / S[:, j]), -qmax, qmax) * live[:, j]
+            q = torch.clamp(torch.round(W1[:, i] / S[:, j]), lo, qmax) * live[:, j]
             Q[:, j] = q
             err[:, i] = (W1[:, i] - q * S[:, j]) / U1[i, i]
             W1[:, i:] -= err[:, i:i + 1] * U1[i, i:].unsqueeze(0)

@@ -32,6 +32,7 @@ from typing import Iterator
 from ktconvert.gpu.experts import quantize_expert_rtn, scheme
 from ktconvert.gptq.calibration import oneshot_permutation
 from ktconvert.gptq.determinism import pin_process
+from ktconvert.gptq.grid import Grid
 from ktconvert.gptq.hessians import expert_hessians, gptq_module, routes, shared_gate_up
 from ktconvert.gptq.holdout import DATA_FREE, FEW_TOKENS, GPTQ, NOT_PD, choose, expert_errors, holdout_masks
 from ktconvert.gptq.skeleton import experts_module, routed
@@ -233,6 +234,7 @@ class GpuQuantizer:
 
     def __init__(self, bits: int, group_size: int, actorder: str | None = "static", observer: str | None = None):
         self.bits, self.group_size, self.observer = bits, group_size, observer
+        self.grid = Grid.int_sym(bits, group_size, "BF16")   # the grid `scheme` gives llmcompressor, as data
         self.scheme = scheme(bits, group_size, actorder, observer)
         self.rtn_fallback: list[str] = []   # modules where llmcompressor itself fell back (not positive definite)
 

@@ -12,7 +12,9 @@ Per expert matrix ``model.layers.L.mlp.experts.E.{gate,up,down}_proj`` ([n, k] =
   symmetric RTN, scale = fp16(2 * amax / 15) per (group, column), q = clip(rint(w / s) + 8, 0, 15), W = (q - 8) * s.
   kt-kernel reads qweight and scales only, and refuses ``desc_act: true`` / ``sym: false`` configs. Group 32, 64
   or 128 (default 128); a NUMA part of down must hold whole groups (I/T % gs == 0: with less kt-kernel's AVX2
-  backend returns zeros, its VNNI backend refuses).
+  backend returns zeros, its VNNI backend refuses). ``--quant mse`` searches each (group, column)'s scale
+  (``gptq_sym_mse``); ``--quant gptq`` solves the codes on the grid ``GptqInt4.gptq_grid`` declares
+  (ktconvert.gptq.groups). Both write the same tensors, decoded the same way.
 * ``mxfp8`` -> ``model.layers.L.block_sparse_moe.experts.E.{w1,w3,w2}`` (gate, up, down: the only names kt-kernel's
   MXFP8SafeTensorLoader reads) ``.weight`` F8_E4M3 [n, k], ``.weight_scale_inv`` U8 [n, k/32] E8M0 exponents that
   multiply despite the name: W = e4m3 * 2^(e - 127). OCP MX encoder: e = floor(log2(group amax)) - 8 (e4m3's
@@ -34,7 +36,8 @@ import numpy as np
 from ktconvert.errors import KtConvertError, NumericError
 from ktconvert.methods.base import TensorSpecs
 from ktconvert.methods.inplace import InplaceMethod
-from ktconvert.quant import fp8, nvfp4, qweight
+from ktconvert.gptq.grid import Grid
+from ktconvert.quant import fp8, mse, nvfp4, qweight
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 
 MX_GROUP = 32
@@ -96,6 +99,7 @@ class GptqInt4(InplaceMethod):
                                        "with kt-kernel 0.7.2's GPTQ_INT4 backends)")
     k_multiple: ClassVar[int] = 128
     n_multiple: ClassVar[int] = 8         # qzeros pack eight out-features per int32
+    quants: ClassVar[tuple[str, ...]] = ("rtn", "mse", "gptq")
     # symmetric RTN INT4 of the tiny heavy-tailed models (deepseek_v3, mixtral, glm4_moe, qwen2_moe, qwen3_moe),
     # verify's MoE rel L2 vs source, measured max 0.27 (g32), 0.35 (g64), 0.44-0.46 (g128)
     thresholds = {"moe_rel_l2": 0.8}
@@ -115,14 +119,44 @@ class GptqInt4(InplaceMethod):
                 "g_idx": ("I32", (k,))}
 
     @classmethod
-    def encode(cls, w_bf16: np.ndarray, where: str = "") -> dict[str, np.ndarray]:
-        w = _finite_f32(w_bf16, where)
-        n, k = w.shape
+    def encode(cls, w_bf16: np.ndarray, where: str = "", quant: str = "rtn") -> dict[str, np.ndarray]:
+        """uint16 [n, k] BF16 bits -> the four tensors, scales by ``quant`` ("rtn" or "mse")."""
+        return cls.from_codes(*cls.group_codes(w_bf16, where, quant), where)
+
+    @classmethod
+    def group_codes(cls, w_bf16: np.ndarray, where: str = "", quant: str = "rtn") -> tuple[np.ndarray, np.ndarray]:
+        """Data-free codes on ``gptq_grid``: (codes int8 [n, k] in -8..7, steps float32 [n, k/gs], each an F16
+        value) with W = codes * step."""
+        if quant not in ("rtn", "mse"):
+            raise ValueError(f"GPTQ_INT4's data-free quantizers are rtn and mse, not {quant}")
+        q, scale = (gptq_sym_mse if quant == "mse" else gptq_sym_rtn)(_finite_f32(w_bf16, where), cls.group_size)
+        return q.astype(np.int8) - np.int8(GPTQ_ZERO), scale.T.astype(np.float32)
+
+    @classmethod
+    def from_codes(cls, codes: np.ndarray, steps: np.ndarray, where: str = "") -> dict[str, np.ndarray]:
+        """(codes int8 [n, k] in -8..7, steps float32 [n, k/gs] of F16 values) -> {qweight, qzeros, scales,
+        g_idx}: AutoGPTQ v1's stored q = code + 8."""
+        n, k = codes.shape
         gs = cls.group_size
-        q, scale = gptq_sym_rtn(w, gs)
-        return {"qweight": qweight.pack_rows(q.T, 4, where),
+        q = (codes.astype(np.int16) + GPTQ_ZERO).astype(np.uint8)
+        return {"qweight": qweight.pack_rows(np.ascontiguousarray(q.T), 4, where),
                 "qzeros": np.full((k // gs, n // 8), GPTQ_V1_ZEROS, dtype=np.uint32).view(np.int32),
-                "scales": scale, "g_idx": (np.arange(k, dtype=np.int32) // gs).astype(np.int32)}
+                "scales": np.ascontiguousarray(steps.T.astype(np.float16)),
+                "g_idx": (np.arange(k, dtype=np.int32) // gs).astype(np.int32)}
+
+    @classmethod
+    def gptq_grid(cls) -> Grid:
+        """The grid ``--quant gptq`` solves on: AutoGPTQ symmetric INT4, codes -8..7 per (group, column), F16 steps
+        (the GPU checkpoint's W4A16 grid, gptq.loop.GpuQuantizer.grid, with F16 scales instead of BF16)."""
+        return Grid.int_sym(4, cls.group_size, "F16")
+
+    @classmethod
+    def write_matrix(cls, writer, proj: str, expert: int, w_bf16, *, numa: int, quant: str, where: str) -> None:
+        """Encoded whole with the --quant encoder: kt-kernel slices the NUMA parts in memory."""
+        if quant == "rtn":
+            writer.put_matrix(proj, expert, w_bf16)
+        else:
+            writer.put_stored(proj, expert, cls.encode(w_bf16, where, quant))
 
     @classmethod
     def quantization_config(cls) -> dict:
@@ -165,6 +199,50 @@ def gptq_sym_rtn(w: np.ndarray, gs: int) -> tuple[np.ndarray, np.ndarray]:
     s = np.repeat(scale.astype(np.float32), gs, axis=1)                     # [n, k]
     q = np.clip(np.rint(w / s) + GPTQ_ZERO, 0, 15).astype(np.uint8)
     return q, np.ascontiguousarray(scale.T)
+
+
+MSE_GROUP_CHUNK = 1 << 14   # groups per numpy pass of the scale search (bounds its float64 temporaries)
+
+
+def gptq_sym_mse(w: np.ndarray, gs: int) -> tuple[np.ndarray, np.ndarray]:
+    """As gptq_sym_rtn, each (k-group, column)'s scale searched: ktconvert.quant.mse's least-squares search over
+    the group on codes -8..7 (``least_squares_search``, INT4's candidate levels), the step rounded to F16 and the
+    codes rounded on it as rtn rounds them. A group keeps rtn's scale and codes unless the searched ones decode it
+    with a strictly smaller squared error (float64), so no group is worse than rtn's."""
+    q, scale = gptq_sym_rtn(w, gs)
+    n, k = w.shape
+    groups = n * (k // gs)
+    x, qg = w.reshape(groups, gs), q.reshape(groups, gs)              # group r * G + g: row r, k-group g
+    s = np.ascontiguousarray(scale.T).reshape(groups)
+    for g0 in range(0, groups, MSE_GROUP_CHUNK):
+        sl = slice(g0, g0 + MSE_GROUP_CHUNK)
+        s[sl], qg[sl] = _mse_groups(x[sl], s[sl], qg[sl])
+    return qg.reshape(n, k), np.ascontiguousarray(s.reshape(n, k // gs).T)
+
+
+def _mse_groups(x: np.ndarray, s_rtn: np.ndarray, q_rtn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Groups float32 [g, gs] with rtn's (scales float16 [g], q uint8 [g, gs]) -> the better of rtn's and the
+    searched (scales, q) per group."""
+    s_out, q_out = s_rtn.copy(), q_rtn.copy()
+    amax = np.abs(x).max(axis=1)
+    live = np.flatnonzero(amax >= mse.ZERO_ROW_AMAX)
+    if live.size == 0:
+        return s_out, q_out
+    xl = x[live]
+    _, ratio, e = mse.least_squares_search(xl, amax[live], mse.grid(4), GPTQ_ZERO - 1, -GPTQ_ZERO)
+    with np.errstate(over="ignore"):
+        step = np.ldexp(ratio, e - 24).astype(np.float16)
+    ok = np.isfinite(step) & (step > 0)
+    s32 = np.where(ok, step, 1).astype(np.float32)
+    q = np.clip(np.rint(xl / s32[:, None]) + GPTQ_ZERO, 0, 15).astype(np.uint8)
+    x64 = xl.astype(np.float64)
+    err = np.sum((x64 - (q.astype(np.float64) - GPTQ_ZERO) * s32[:, None]) ** 2, axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        old = np.sum((x64 - (q_rtn[live].astype(np.float64) - GPTQ_ZERO)
+                      * s_rtn[live].astype(np.float64)[:, None]) ** 2, axis=1)
+    take = ok & (err < old)
+    s_out[live[take]], q_out[live[take]] = step[take], q[take]
+    return s_out, q_out
 
 
 class Mxfp8(InplaceMethod):

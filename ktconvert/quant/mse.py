@@ -64,11 +64,12 @@ def _fixed_point(x: np.ndarray, amax: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return np.rint(np.ldexp(x.astype(np.float64), (24 - e)[:, None])), e
 
 
-def _candidate(x: np.ndarray, X: np.ndarray, isc: np.ndarray, qmax: int):
-    """Codes float32 [r, k], P float64 [r], Q float64 [r] of one candidate (inverse steps isc float32 [r])."""
+def _candidate(x: np.ndarray, X: np.ndarray, isc: np.ndarray, qmax: int, qmin: int | None = None):
+    """Codes float32 [r, k] in qmin..qmax (qmin None: -qmax), P float64 [r], Q float64 [r] of one candidate
+    (inverse steps isc float32 [r])."""
     q = np.multiply(x, isc[:, None])            # fp32 product, round to nearest even
     np.rint(q, out=q)
-    np.clip(q, -qmax, qmax, out=q)
+    np.clip(q, -qmax if qmin is None else qmin, qmax, out=q)
     q64 = q.astype(np.float64)
     return q, np.sum(X * q64, axis=1), np.sum(q64 * q64, axis=1)
 
@@ -108,19 +109,26 @@ def _search_chunk(w_bf16: np.ndarray, x: np.ndarray, bits: int) -> tuple[np.ndar
 
 def _search_live(x: np.ndarray, amax: np.ndarray, bits: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:
     """Rows with amax >= 2**-118: (codes int8, d float32; d may be subnormal, the caller replaces those rows)."""
+    codes, ratio, e = least_squares_search(x, amax, grid(bits), qmax)
+    d = np.ldexp(ratio, e - 24 - (4 if bits == 4 else 0)).astype(np.float32)
+    return codes.astype(np.int8), d
+
+
+def least_squares_search(x: np.ndarray, amax: np.ndarray, levels: np.ndarray, qmax: int, qmin: int | None = None):
+    """The coarse-then-fine search of the module docstring over rows x float32 [r, k] with amax float32 [r]
+    (>= 2**-118), candidate level counts ``levels`` and codes qmin..qmax (None: -qmax). Returns (codes float32
+    [r, k], P / Q float64 [r], e int64 [r]): the least-squares step of each row is ldexp(P / Q, e - 24)."""
     X, e = _fixed_point(x, amax)
-    levels = grid(bits)
     best = _Best(len(amax), x.shape)
     for j in range(0, len(levels), 2):                      # 1. coarse: even grid points
-        best.offer(np.full(len(amax), j), _candidate(x, X, (levels[j] / amax).astype(np.float32), qmax))
+        best.offer(np.full(len(amax), j), _candidate(x, X, (levels[j] / amax).astype(np.float32), qmax, qmin))
     coarse = best.index.copy()
     for delta in (-1, 1):                                   # 2. fine: the two neighbours of the coarse best
         j = coarse + delta
         valid = (j >= 0) & (j < len(levels))
         a = levels[np.clip(j, 0, len(levels) - 1)]
-        best.offer(j, _candidate(x, X, (a / amax).astype(np.float32), qmax), valid)
-    d = np.ldexp(best.p / best.qq, e - 24 - (4 if bits == 4 else 0)).astype(np.float32)
-    return best.q.astype(np.int8), d
+        best.offer(j, _candidate(x, X, (a / amax).astype(np.float32), qmax, qmin), valid)
+    return best.q, best.p / best.qq, e
 
 
 def search_rows(w_bf16: np.ndarray, bits: int, where: str = "") -> tuple[np.ndarray, np.ndarray]:

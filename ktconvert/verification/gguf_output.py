@@ -24,7 +24,7 @@ from ktconvert.formats.fileio import HASH_CHUNK
 from ktconvert.formats.gguf_sink import GgufSink
 from ktconvert.quant import ggml_quant
 from ktconvert.quant.bf16 import bf16_bits_to_f32
-from ktconvert.verification.numeric_amx import (PROBE, choose_experts, choose_layers, numeric_options,
+from ktconvert.verification.numeric_amx import (PROBE, check_layers, choose_experts, choose_layers, numeric_options,
                                                 open_checked_source, rel_l2, silu_mul)
 
 PROJS = ("gate", "up", "down")
@@ -140,14 +140,9 @@ def check_numerics(manifest: dict, open_reader, source=None, tokens: int = 8, la
         return report
     limit = method.thresholds["moe_rel_l2"] if threshold is None else float(threshold)
     rng = np.random.default_rng(seed)
-    for layer in chosen:
-        row = _check_layer(read, src, layer, choose_experts(rng, n_experts, experts),
-                           rng.standard_normal((tokens, hidden)))
-        if src is not None and row["moe_rel_l2"] > limit:
-            row["problems"].append(f"MoE output rel L2 {row['moe_rel_l2']:.4g} above the limit {limit:g} "
-                                   f"({method.ggml_type})")
-        report["layers"].append(row)
-        report["problems"].extend(f"layer {layer}: {p}" for p in row.pop("problems"))
+    check_layers(report, chosen, src, limit, lambda layer: _check_layer(
+        read, src, layer, choose_experts(rng, n_experts, experts), rng.standard_normal((tokens, hidden))),
+        f" ({method.ggml_type})")
     report["ok"] = not report["problems"]
     worst = max((r.get("moe_rel_l2", 0.0) for r in report["layers"]), default=0.0)
     report["summary"] = (f"{len(report['layers'])} layer(s) of {method.ggml_type}, decoded by gguf-py and hashed"

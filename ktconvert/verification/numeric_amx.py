@@ -107,6 +107,18 @@ def open_checked_source(source, manifest: dict, layers, dims: tuple[int, int, in
     return src, source_mismatch(src, *dims, layers)
 
 
+def check_layers(report: dict, chosen, src, limit: float, check_layer, what: str = "") -> None:
+    """Each chosen layer's row (``check_layer(layer)``, holding its "problems" and, with a source, "moe_rel_l2")
+    into report["layers"]; its problems, and the MoE output's relative L2 above `limit` against the source, into
+    report["problems"] prefixed by the layer (`what` names the variant in that line)."""
+    for layer in chosen:
+        row = check_layer(layer)
+        if src is not None and row["moe_rel_l2"] > limit:
+            row["problems"].append(f"MoE output rel L2 {row['moe_rel_l2']:.4g} above the limit {limit:g}{what}")
+        report["layers"].append(row)
+        report["problems"].extend(f"layer {layer}: {p}" for p in row.pop("problems"))
+
+
 def source_mismatch(src, hidden: int, intermediate: int, experts: int, layers) -> str | None:
     """Why `src` is not the model the output was converted from (dims, experts, layers), or None."""
     if src is None:

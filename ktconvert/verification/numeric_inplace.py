@@ -23,8 +23,8 @@ from ktconvert.formats.decoders import decode_matrix, detect_scheme, validate_ma
 from ktconvert.quant.bf16 import bf16_bits_to_f32
 from ktconvert.verification import numeric_rawint4
 from ktconvert.verification.folder import OutputFolder
-from ktconvert.verification.numeric_amx import (PROBE, choose_experts, choose_layers, kernel_problems,
-                                                numeric_options, open_checked_source, rel_l2, silu_mul)
+from ktconvert.verification.numeric_amx import (PROBE, check_layers, choose_experts, choose_layers,
+                                                kernel_problems, numeric_options, open_checked_source, rel_l2, silu_mul)
 
 
 
@@ -65,13 +65,8 @@ def check_inplace_numerics(out, manifest: dict, source=None, tokens: int = 8, la
         return report
     limit = method.thresholds["moe_rel_l2"] if threshold is None else float(threshold)
     rng = np.random.default_rng(seed)
-    for layer in chosen:
-        sample = choose_experts(rng, dims[2], experts)
-        row = _check_layer(ck, scheme, src, manifest, layer, sample, tokens, rng, runtime, method)
-        if src is not None and row["moe_rel_l2"] > limit:
-            row["problems"].append(f"MoE output rel L2 {row['moe_rel_l2']:.4g} above the limit {limit:g}")
-        report["layers"].append(row)
-        report["problems"].extend(f"layer {layer}: {p}" for p in row.pop("problems"))
+    check_layers(report, chosen, src, limit, lambda layer: _check_layer(
+        ck, scheme, src, manifest, layer, choose_experts(rng, dims[2], experts), tokens, rng, runtime, method))
     if runtime is not None:
         report["problems"] = list(runtime.problems) + report["problems"]
         report.update(runtime.report_fields(limit))
