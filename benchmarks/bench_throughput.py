@@ -101,7 +101,9 @@ def cat_seconds(files: list[Path]) -> float:
 def run_ktconvert(code: str, profile: bool, pythonpath: str | None = None) -> dict:
     """Run python `code` (which binds `results`, a list of ConvertResults) in a fresh process; wall, peak RSS and,
     with profile, the --profile report. pythonpath: a source tree of another ktconvert version to run instead."""
-    prologue = "import json\nfrom ktconvert import profile as _p\n" + ("_p.enable()\n" if profile else "")
+    prologue = ("import json\ntry:\n    from ktconvert.util import profile as _p\n"
+                "except ImportError:\n    from ktconvert import profile as _p   # a tree from before util/\n"
+                + ("_p.enable()\n" if profile else ""))
     epilogue = ("\nrep = _p.disable()\n"
                 "if rep:\n    import sys; print('PROFILE_JSON', json.dumps(rep), file=sys.stderr)\n"
                 "    print(_p.render(rep), file=sys.stderr)\n")
