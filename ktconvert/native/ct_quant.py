@@ -46,7 +46,7 @@ def rtn_quantize(w_bf16: np.ndarray, bits: int, group_size: int | None, threads:
     group = k if group_size is None else int(group_size)
     if bits not in (4, 8) or n == 0 or k == 0 or group <= 0 or k % group or (k * bits) % 32 or (group * bits) % 8:
         raise ShapeError("cannot pack this matrix with compressed-tensors' int packing", tensor=name,
-                         expected=f"bits 4 or 8, k % group == 0, k * bits % 32 == 0", found=f"[{n}, {k}], "
+                         expected="bits 4 or 8, k % group == 0, k * bits % 32 == 0", found=f"[{n}, {k}], "
                          f"bits {bits}, group {group_size}")
     handle = native.bound_or_raise(_signatures, "kt_ct_rtn_quantize", name)
     impl_id = native.resolve_impl(impl)
