@@ -87,24 +87,17 @@ class AmxQuantizer:
     def quantize(self, expert, gate_up, down, options: GptqOptions, where: str) -> dict | None:
         """GPTQ payloads of one expert on the data-free quantizer's scales; None when a damped Hessian is not
         positive definite (the caller writes the data-free payloads)."""
-        import torch
-
         weights = {p: getattr(expert, p + "_proj").weight.detach().to("cpu") for p in PROJS}
         if weights["down"].shape[1] % self.numa:
             raise ShapeError("expert intermediate size does not split into NUMA parts", tensor=f"{where} down",
                              expected=f"I % {self.numa} == 0", found=f"I = {weights['down'].shape[1]}")
         scales = {p: part_scales(parts, p) for p, parts in self.fallback(expert, where).items()}
         with deterministic_cpu("cpu"):
-            gate_up_factor = grid.inverse_factor(gate_up[0].to("cpu"), options.dampening)
-            down_factor = grid.inverse_factor(down[0].to("cpu"), options.dampening)
-            if gate_up_factor is None or down_factor is None:
-                return None
-            stacked = grid.solve(torch.cat([weights["gate"], weights["up"]]), gate_up_factor,
-                                 self._steps(np.concatenate([scales["gate"], scales["up"]])), self.limit,
-                                 options.block_size)
-            codes = dict(zip(("gate", "up"), np.split(stacked.numpy(), 2)))
-            codes["down"] = grid.solve(weights["down"], down_factor, self._steps(scales["down"]), self.limit,
-                                       options.block_size).numpy()
+            codes = grid.solve_expert(weights, gate_up[0].to("cpu"), down[0].to("cpu"),
+                                      {p: self._steps(s) for p, s in scales.items()}, options.dampening,
+                                      self.limit, options.block_size)
+        if codes is None:
+            return None
         return {p: split_parts(codes[p], scales[p], self.numa, p) for p in PROJS}
 
     def _steps(self, d: np.ndarray):

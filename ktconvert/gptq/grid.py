@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Grid:
@@ -90,3 +92,22 @@ def solve(weight, factor, step, qmax: int, block_size: int = 128, qmin: int | No
     codes = torch.empty_like(Q)
     codes[:, perm] = Q
     return codes.to(torch.int8)
+
+
+def solve_expert(weights: dict, gate_up_hessian, down_hessian, steps: dict, dampening: float, qmax: int,
+                 block_size: int = 128, qmin: int | None = None) -> dict | None:
+    """GPTQ codes {proj: int8 numpy [n, k]} of one expert: gate and up (one Hessian) solved as one [2I, H] matrix,
+    down on its own, each on its `steps` (float32 torch, per proj) and the grid qmin..qmax; None when a damped
+    Hessian is not positive definite (the caller keeps its data-free codes). The caller runs it under
+    ``determinism.deterministic_cpu``."""
+    import torch
+
+    gate_up_factor = inverse_factor(gate_up_hessian, dampening)
+    down_factor = inverse_factor(down_hessian, dampening)
+    if gate_up_factor is None or down_factor is None:
+        return None
+    stacked = solve(torch.cat([weights["gate"], weights["up"]]), gate_up_factor,
+                    torch.cat([steps["gate"], steps["up"]]), qmax, block_size, qmin=qmin)
+    codes = dict(zip(("gate", "up"), np.split(stacked.numpy(), 2)))
+    codes["down"] = solve(weights["down"], down_factor, steps["down"], qmax, block_size, qmin=qmin).numpy()
+    return codes

@@ -46,18 +46,12 @@ class GroupQuantizer:
 
         weights = {p: getattr(expert, p + "_proj").weight.detach().to("cpu") for p in PROJS}
         steps = {p: s for p, (_, s) in self.fallback(expert, where).items()}
-        g = self.grid
         with deterministic_cpu("cpu"):
-            gate_up_factor = grid.inverse_factor(gate_up[0].to("cpu"), options.dampening)
-            down_factor = grid.inverse_factor(down[0].to("cpu"), options.dampening)
-            if gate_up_factor is None or down_factor is None:
-                return None
-            stacked = grid.solve(torch.cat([weights["gate"], weights["up"]]), gate_up_factor,
-                                 torch.from_numpy(np.concatenate([steps["gate"], steps["up"]])), g.qmax,
-                                 options.block_size, qmin=g.qmin)
-            codes = dict(zip(("gate", "up"), np.split(stacked.numpy(), 2)))
-            codes["down"] = grid.solve(weights["down"], down_factor, torch.from_numpy(steps["down"]), g.qmax,
-                                       options.block_size, qmin=g.qmin).numpy()
+            codes = grid.solve_expert(weights, gate_up[0].to("cpu"), down[0].to("cpu"),
+                                      {p: torch.from_numpy(s) for p, s in steps.items()}, options.dampening,
+                                      self.grid.qmax, options.block_size, qmin=self.grid.qmin)
+        if codes is None:
+            return None
         return {p: (np.ascontiguousarray(codes[p]), steps[p]) for p in PROJS}
 
     def fallback(self, expert, where: str) -> dict:
