@@ -350,12 +350,12 @@ def test_llama_cpp_fixture_decodes_like_gguf_py(name, monkeypatch):
     src.validate()
     types = {t.name: t for t in GGUFReader(path).tensors}
     for job in src.matrix_jobs(src.all_layers()):
-        t = types[job.key[0]]
+        t = types[job.tensor]
         raw = np.ascontiguousarray(t.data[job.expert]).reshape(-1).view(np.uint8)
         want = f32_to_bf16_bits(gguf_py_f32(raw, t.tensor_type.name)).reshape(t.data.shape[1], -1)
         for impl in IMPLS + ["numpy"]:
             got = ggml.dequantize_bf16(raw, int(t.tensor_type), impl=impl).reshape(want.shape)
-            assert np.array_equal(got, want), (name, job.key, impl)
+            assert np.array_equal(got, want), (name, job.tensor, impl)
         assert np.array_equal(src.decode(job, raw)[job.projs[0]], want)
     assert set(src.ggml_types()) == set(SOURCES_JSON[name]["expert_tensor_types"].values())
 

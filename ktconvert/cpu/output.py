@@ -75,8 +75,8 @@ class CpuOutput(Output):
         if self.options.include_dense:
             dense = self.sink.write_dense(*self.source.dense_tensors())
             files, tensors = list(dense.files), dict(dense.tensors)
-        files += self.sink.finalize(copy_from=self.source.side_files(), fallback_config=self.source.info.minimal_config(),
-                                    check_layers=not self.part)
+        files += self.sink.finalize(copy_from=self.source.side_files(),
+                                    fallback_config=self.source.info.minimal_config(), check_layers=not self.part)
         return LayerResult(files, tensors)
 
     def manifest_fields(self) -> dict:

@@ -379,13 +379,12 @@ class GGUFSource(Source):
                 self._check_tensor(name, projs)
                 for e in range(self.info.n_experts):
                     ref, offset, nbytes = self.slice_range(name, e)
-                    jobs.append(MatrixJob(ref.file, offset, nbytes, layer, e, projs, name, e, key=(name, e, projs)))
+                    jobs.append(MatrixJob(ref.file, offset, nbytes, layer, e, projs, name, e))
         return jobs
 
     def decode(self, job, raw: np.ndarray) -> dict[str, np.ndarray]:
         """Bytes of one MatrixJob -> {proj: uint16 BF16 bits in HF orientation}."""
-        name, _expert, projs = job.key
-        return self._decode(name, projs, raw)
+        return self._decode(job.tensor, job.projs, raw)
 
 
 def describe(source: GGUFSource) -> dict:

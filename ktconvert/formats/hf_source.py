@@ -380,8 +380,8 @@ class HFSource(Source):
     def matrix_jobs(self, layers) -> list[MatrixJob]:
         """One MatrixJob per stored expert matrix (a fused gate_up slice yields gate and up together).
 
-        job.key = (weight name, slice index or None, MatrixRefs, fused role or None); the job's byte range is the
-        decoder's primary tensor (or its expert slice)."""
+        job.tensor / job.index0: the weight name and its slice (None: a per-expert tensor); job.key = (MatrixRefs,
+        fused role or None); the job's byte range is the decoder's primary tensor (or its expert slice)."""
         jobs = []
         for layer in layers:
             for e in range(self.info.n_experts):
@@ -390,8 +390,7 @@ class HFSource(Source):
                     ref = self.checkpoint.ref(refs.primary)
                     step = ref.nbytes // ref.shape[0] if index0 is not None else ref.nbytes
                     offset = ref.offset + (index0 or 0) * step
-                    jobs.append(MatrixJob(ref.file, offset, step, layer, e, projs, name, index0,
-                                          key=(name, index0, refs, role)))
+                    jobs.append(MatrixJob(ref.file, offset, step, layer, e, projs, name, index0, key=(refs, role)))
         return jobs
 
     def _job_keys(self, layer: int, e: int) -> list[tuple[str, int | None, tuple[str, ...], str | None]]:
@@ -413,19 +412,19 @@ class HFSource(Source):
         return out
 
     def stored_arrays(self, job, raw) -> dict:
-        name, index0, refs, role = job.key
-        if index0 is not None or role is not None:
-            raise InputError("a fused expert tensor is not stored per expert", tensor=name)
-        return decoders.stored_arrays(self.checkpoint, _base_of(name), refs, raw)
+        refs, role = job.key
+        if job.index0 is not None or role is not None:
+            raise InputError("a fused expert tensor is not stored per expert", tensor=job.tensor)
+        return decoders.stored_arrays(self.checkpoint, _base_of(job.tensor), refs, raw)
 
     def decode(self, job, raw: np.ndarray) -> dict[str, np.ndarray]:
         """Bytes of one MatrixJob -> {proj: uint16 BF16 bits in HF orientation}."""
-        name, index0, refs, role = job.key
+        refs, role = job.key
         if role is None:
-            return {job.projs[0]: decoders.decode_matrix(self.checkpoint, _base_of(name), self.scheme, refs=refs,
-                                                         raw=raw)}
+            return {job.projs[0]: decoders.decode_matrix(self.checkpoint, _base_of(job.tensor), self.scheme,
+                                                         refs=refs, raw=raw)}
         t = next(t for t in self.required_layout(job.layer).tensors if t.role == role)
-        return self._decode_fused(t, index0, raw, refs)
+        return self._decode_fused(t, job.index0, raw, refs)
 
 
 def _base_of(name: str) -> str:
