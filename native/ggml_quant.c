@@ -1,6 +1,8 @@
 /* ggml quantizers Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, byte-identical to llama.cpp's reference quantizer (ggml-quants.c
  * quantize_row_<type>_ref: what llama_model_quantize runs without an importance matrix) and to
- * ktconvert/quant/ggml_quant.py (numpy for the K-quants, gguf-py for Q8_0 / Q4_0), which documents the arithmetic.
+ * ktconvert/quant/ggml_quant.py (numpy for the K-quants, gguf-py for Q8_0 / Q4_0), which documents the arithmetic;
+ * and, given an importance matrix, to quantize_row_<type>_impl (kt_ggml_quantize_imatrix: Q4_K, Q5_K, Q6_K, Q4_0;
+ * ggml's Q8_0 ignores the matrix; checked against ggml_quantize_chunk's bytes by tests/test_imatrix.py).
  *
  * Bit-exactness: every value llama.cpp keeps in a float is a float here, each product / sum rounded in its order
  * (w*l*x is (w*l)*x; sums over a block are sequential loops, which compilers do not reorder without -ffast-math);
@@ -147,42 +149,44 @@ KT_INLINE vf qkx2(const vf *x, const vf *w, vf *L, vf *the_min, int nmax, float 
     return sel(flat, splat(0), scale);
 }
 
-/* make_qx_quants with rmse_type 1 (weights x^2), nmax 32, no importance, on 8 sub-blocks of 16: codes
- * L[i] = l + 32, returns the scales. */
-KT_INLINE vf qx_sq(const vf *x, vf *L) {
-    vf max = splat(0), amax = splat(0), laux[16];
-    for (int i = 0; i < 16; ++i) {
+/* make_qx_quants with rmse_type 1 on 8 groups of n values (n <= 32), codes l in [-nmax, nmax-1]: weights qw[i]
+ * (lane j: the importance of value i of group j) or, qw NULL, x^2. Codes L[i] = l + nmax (0 for an all-zero group),
+ * returns the scales. */
+KT_INLINE vf qx_w(const vf *x, const vf *qw, vf *L, int n, int nmax) {
+    vf max = splat(0), amax = splat(0), laux[32];
+    for (int i = 0; i < n; ++i) {
         const vf ax = vabs(x[i]);
         const vi m = ax > amax;
         amax = sel(m, ax, amax);
         max = sel(m, x[i], max);
     }
     const vi zero = amax < splat(GROUP_MAX_EPS);
-    vf iscale = splat(-32.f) / max, sumlx = splat(0), suml2 = splat(0);
-    for (int i = 0; i < 16; ++i) {
-        const vf l = nearest_clamp(iscale * x[i], -32, 31), w = x[i] * x[i];
-        L[i] = l + splat(32);
+    const float lo = (float)-nmax, hi = (float)(nmax - 1);
+    vf iscale = splat((float)-nmax) / max, sumlx = splat(0), suml2 = splat(0);
+    for (int i = 0; i < n; ++i) {
+        const vf l = nearest_clamp(iscale * x[i], lo, hi), w = qw ? qw[i] : x[i] * x[i];
+        L[i] = l + splat((float)nmax);
         sumlx += w * x[i] * l;
         suml2 += w * l * l;
     }
     vf scale = sel(suml2 != splat(0), sumlx / suml2, splat(0)), best = scale * sumlx;
     for (int is = -9; is <= 9; ++is) {
         if (is == 0) continue;
-        iscale = splat(-(32 + 0.1f * is)) / max;
+        iscale = splat(-(nmax + 0.1f * is)) / max;
         sumlx = suml2 = splat(0);
-        for (int i = 0; i < 16; ++i) {
-            const vf l = nearest_clamp(iscale * x[i], -32, 31), w = x[i] * x[i];
+        for (int i = 0; i < n; ++i) {
+            const vf l = nearest_clamp(iscale * x[i], lo, hi), w = qw ? qw[i] : x[i] * x[i];
             laux[i] = l;
             sumlx += w * x[i] * l;
             suml2 += w * l * l;
         }
         const vi better = (suml2 > splat(0)) & (sumlx * sumlx > best * suml2);
         if (!any(better)) continue;
-        for (int i = 0; i < 16; ++i) L[i] = sel(better, laux[i] + splat(32), L[i]);
+        for (int i = 0; i < n; ++i) L[i] = sel(better, laux[i] + splat((float)nmax), L[i]);
         scale = sel(better, sumlx / suml2, scale);
         best = sel(better, scale * sumlx, best);
     }
-    for (int i = 0; i < 16; ++i) L[i] = sel(zero, splat(0), L[i]);
+    for (int i = 0; i < n; ++i) L[i] = sel(zero, splat(0), L[i]);
     return sel(zero, splat(0), scale);
 }
 
@@ -242,16 +246,20 @@ KT_INLINE void block_qkx(const float *x, uint8_t *y, int nmax, float rmin, int n
     }
 }
 
-/* Q6_K: ql 128, qh 64, 16 int8 scales, d. */
-KT_INLINE void block_q6k(const float *x, uint8_t *y) {
+/* Q6_K: ql 128, qh 64, 16 int8 scales, d. qw: the 256 importances of this super-block's columns (quantize_row_q6_K_impl
+ * passes them to make_qx_quants unchanged) or NULL (weights x^2, quantize_row_q6_K_ref). */
+KT_INLINE void block_q6k(const float *x, const float *qw, uint8_t *y) {
     uint8_t L[QK_K];
     int8_t sc[16];
     float scales[16], max_scale = 0, max_abs = 0;
     for (int half = 0; half < 2; ++half) {  /* sub-blocks 8*half .. 8*half+7 in the lanes */
-        vf xt[16], Lv[16];
+        vf xt[16], wt[16], Lv[16];
         for (int i = 0; i < 16; ++i)
-            for (int j = 0; j < 8; ++j) xt[i][j] = x[16 * (8 * half + j) + i];
-        const vf s = qx_sq(xt, Lv);
+            for (int j = 0; j < 8; ++j) {
+                xt[i][j] = x[16 * (8 * half + j) + i];
+                wt[i][j] = qw ? qw[16 * (8 * half + j) + i] : 0.f;
+            }
+        const vf s = qx_w(xt, qw ? wt : NULL, Lv, 16, 32);
         for (int j = 0; j < 8; ++j) {
             scales[8 * half + j] = s[j];
             for (int i = 0; i < 16; ++i) L[16 * (8 * half + j) + i] = (uint8_t)Lv[i][j];
@@ -323,6 +331,170 @@ KT_INLINE void block_q4_0(const float *x, uint8_t *y) {
     }
 }
 
+/* ---------------------------------------------------------------- with an importance matrix
+ *
+ * What llama_model_quantize runs when given one (ggml-quants.c quantize_<type> -> quantize_row_<type>_impl, row by
+ * row; qw: the n_per_row importances of the row's columns, the same for every row of one expert). Q8_0 has no such
+ * path (quantize_q8_0 ignores the matrix). uint8_t stores keep C's wrap-around where the reference stores an int
+ * into a uint8_t, so even out-of-range codes match. */
+
+/* make_qp_quants: n (<= 8) non-negative values x, weights w, codes 0..nmax in L; returns the scale. */
+KT_INLINE float qp(int n, int nmax, const float *x, uint8_t *L, const float *w) {
+    float max = 0;
+    for (int i = 0; i < n; ++i) max = max > x[i] ? max : x[i];
+    if (max < GROUP_MAX_EPS) {
+        memset(L, 0, (size_t)n);
+        return 0.f;
+    }
+    float iscale = nmax / max;
+    for (int i = 0; i < n; ++i) L[i] = (uint8_t)nearest_int(iscale * x[i]);
+    const float scale = 1 / iscale;
+    float best_mse = 0;
+    for (int i = 0; i < n; ++i) {
+        const float diff = x[i] - scale * L[i];
+        best_mse += w[i] * diff * diff;
+    }
+    for (int is = -4; is <= 4; ++is) {
+        if (is == 0) continue;
+        const float iscale_is = (0.1f * is + nmax) / max, scale_is = 1 / iscale_is;
+        float mse = 0;
+        for (int i = 0; i < n; ++i) {
+            int l = nearest_int(iscale_is * x[i]);
+            l = l < nmax ? l : nmax;
+            const float diff = x[i] - scale_is * l;
+            mse += w[i] * diff * diff;
+        }
+        if (mse < best_mse) {
+            best_mse = mse;
+            iscale = iscale_is;
+        }
+    }
+    float sumlx = 0, suml2 = 0;
+    for (int i = 0; i < n; ++i) {
+        int l = nearest_int(iscale * x[i]);
+        l = l < nmax ? l : nmax;
+        L[i] = (uint8_t)l;
+        sumlx += w[i] * x[i] * l;
+        suml2 += w[i] * l * l;
+    }
+    for (int itry = 0; itry < 5; ++itry) {
+        int changed = 0;
+        for (int i = 0; i < n; ++i) {
+            float slx = sumlx - w[i] * x[i] * L[i], sl2 = suml2 - w[i] * L[i] * L[i];
+            if (!(slx > 0 && sl2 > 0)) continue;
+            int new_l = nearest_int(x[i] * sl2 / slx);
+            new_l = new_l < nmax ? new_l : nmax;
+            if (new_l == L[i]) continue;
+            slx += w[i] * x[i] * new_l;
+            sl2 += w[i] * new_l * new_l;
+            if (slx * slx * suml2 > sumlx * sumlx * sl2) {
+                L[i] = (uint8_t)new_l;
+                sumlx = slx;
+                suml2 = sl2;
+                ++changed;
+            }
+        }
+        if (!changed) break;
+    }
+    return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
+}
+
+/* Q4_K / Q5_K (quantize_row_q{4,5}_K_impl): weights qw * sqrt(sigma2 + x^2) (sigma2 = 2 * mean x^2 of the
+ * super-block), make_qkx3_quants (the make_qkx2 search with 37 steps from nmax - 0.9 by 0.05) per sub-block, the 8
+ * scales and mins quantized to 6 bits by make_qp_quants weighted by each sub-block's weight sum. */
+KT_INLINE void block_qkx_w(const float *x, const float *qw, uint8_t *y, int nmax, int five) {
+    uint8_t L[QK_K], Ls[8], Lm[8];
+    vf xt[32], w[32], Lv[32], mins_v;
+    float sum_x2 = 0, sw[8], scales[8], mins[8];
+    for (int l = 0; l < QK_K; ++l) sum_x2 += x[l] * x[l];
+    const float sigma2 = 2 * sum_x2 / QK_K;
+    for (int j = 0; j < 8; ++j) {
+        float sumw = 0;
+        for (int i = 0; i < 32; ++i) {
+            const float v = x[32 * j + i], wi = qw[32 * j + i] * sqrtf(sigma2 + v * v);
+            xt[i][j] = v;
+            w[i][j] = wi;
+            sumw += wi;
+        }
+        sw[j] = sumw;
+    }
+    const vf scales_v = qkx2(xt, w, Lv, &mins_v, nmax, -0.9f, 0.05f, 36);
+    for (int j = 0; j < 8; ++j) {
+        scales[j] = scales_v[j];
+        mins[j] = mins_v[j];
+        for (int i = 0; i < 32; ++i) L[32 * j + i] = (uint8_t)Lv[i][j];
+    }
+    const float d_block = qp(8, 63, scales, Ls, sw), m_block = qp(8, 63, mins, Lm, sw);
+    uint8_t *sc = y + 4;
+    for (int j = 0; j < 8; ++j) {
+        uint8_t ls = Ls[j], lm = Lm[j];
+        if (five) {
+            ls = ls < 63 ? ls : 63;
+            lm = lm < 63 ? lm : 63;
+        }
+        if (j < 4) {
+            sc[j] = ls;
+            sc[j + 4] = lm;
+        } else {
+            sc[j + 4] = (uint8_t)((ls & 0xF) | ((lm & 0xF) << 4));
+            sc[j - 4] |= (uint8_t)((ls >> 4) << 6);
+            sc[j] |= (uint8_t)((lm >> 4) << 6);
+        }
+    }
+    const uint16_t d16 = f32_to_f16(d_block), m16 = f32_to_f16(m_block);
+    put16(y, d16);
+    put16(y + 2, m16);
+    const float dd = f16_to_f32(d16), dm = f16_to_f32(m16);
+    for (int j = 0; j < 8; ++j) {   /* get_scale_min_k4 of the packed bytes */
+        const uint8_t s6 = j < 4 ? sc[j] & 63 : (uint8_t)((sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4));
+        const uint8_t m6 = j < 4 ? sc[j + 4] & 63 : (uint8_t)((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4));
+        const float d = dd * s6;
+        if (!d) continue;
+        const float m = dm * m6;
+        for (int i = 0; i < 32; ++i) {
+            const int l = nearest_int((x[32 * j + i] + m) / d);
+            L[32 * j + i] = (uint8_t)(l < 0 ? 0 : l > nmax ? nmax : l);
+        }
+    }
+    uint8_t *qh = y + 16, *qs = y + (five ? 48 : 16);
+    if (five) memset(qh, 0, 32);
+    for (int p = 0; p < 4; ++p) {
+        for (int l = 0; l < 32; ++l) {
+            const uint8_t a = L[64 * p + l], b = L[64 * p + 32 + l];
+            qs[32 * p + l] = (uint8_t)((a & 0xF) | ((b & 0xF) << 4));
+            if (five) qh[l] |= (uint8_t)(((a >> 4) << (2 * p)) | ((b >> 4) << (2 * p + 1)));
+        }
+    }
+}
+
+/* Q4_0 of one row (quantize_row_q4_0_impl): weights qw * sqrt(sigma2 + x^2), sigma2 = mean x^2 of the whole row,
+ * make_qx_quants (nmax 8) per block of 32, 8 blocks at a time in the lanes. */
+KT_INLINE void row_q4_0_w(const float *x, const float *qw, int64_t k, uint8_t *y) {
+    float sum_x2 = 0;
+    for (int64_t j = 0; j < k; ++j) sum_x2 += x[j] * x[j];
+    const float sigma2 = sum_x2 / k;
+    for (int64_t b0 = 0; b0 < k / 32; b0 += 8) {
+        const int nb = k / 32 - b0 < 8 ? (int)(k / 32 - b0) : 8;
+        vf xt[32], wt[32], Lv[32];
+        for (int i = 0; i < 32; ++i) {
+            xt[i] = splat(0);
+            wt[i] = splat(0);
+            for (int j = 0; j < nb; ++j) {
+                const float v = x[32 * (b0 + j) + i];
+                xt[i][j] = v;
+                wt[i][j] = qw[32 * (b0 + j) + i] * sqrtf(sigma2 + v * v);
+            }
+        }
+        const vf d = qx_w(xt, wt, Lv, 32, 8);
+        for (int j = 0; j < nb; ++j) {
+            uint8_t *yb = y + 18 * (b0 + j);
+            put16(yb, f32_to_f16(d[j]));
+            for (int i = 0; i < 16; ++i)
+                yb[2 + i] = (uint8_t)((uint8_t)Lv[i][j] | ((uint8_t)Lv[i + 16][j] << 4));
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- instantiation and entry point */
 
 #define KT_QUANT_VARIANTS(SUFFIX, ATTR)                                                    \
@@ -333,16 +505,29 @@ KT_INLINE void block_q4_0(const float *x, uint8_t *y) {
         for (int64_t i = 0; i < nb; i++) block_qkx(x + QK_K * i, y + 176 * i, 31, -0.5f, 15, 1); \
     }                                                                                      \
     ATTR static void q6k_##SUFFIX(const float *x, int64_t nb, uint8_t *y) {              \
-        for (int64_t i = 0; i < nb; i++) block_q6k(x + QK_K * i, y + 210 * i);            \
+        for (int64_t i = 0; i < nb; i++) block_q6k(x + QK_K * i, NULL, y + 210 * i);            \
     }                                                                                      \
     ATTR static void q80_##SUFFIX(const float *x, int64_t nb, uint8_t *y) {              \
         for (int64_t i = 0; i < nb; i++) block_q8_0(x + 32 * i, y + 34 * i);              \
     }                                                                                      \
     ATTR static void q40_##SUFFIX(const float *x, int64_t nb, uint8_t *y) {              \
         for (int64_t i = 0; i < nb; i++) block_q4_0(x + 32 * i, y + 18 * i);              \
+    }                                                                                      \
+    ATTR static void q4kw_##SUFFIX(const float *x, const float *qw, int64_t k, uint8_t *y) { \
+        for (int64_t i = 0; i < k / QK_K; i++) block_qkx_w(x + QK_K * i, qw + QK_K * i, y + 144 * i, 15, 0); \
+    }                                                                                      \
+    ATTR static void q5kw_##SUFFIX(const float *x, const float *qw, int64_t k, uint8_t *y) { \
+        for (int64_t i = 0; i < k / QK_K; i++) block_qkx_w(x + QK_K * i, qw + QK_K * i, y + 176 * i, 31, 1); \
+    }                                                                                      \
+    ATTR static void q6kw_##SUFFIX(const float *x, const float *qw, int64_t k, uint8_t *y) { \
+        for (int64_t i = 0; i < k / QK_K; i++) block_q6k(x + QK_K * i, qw + QK_K * i, y + 210 * i); \
+    }                                                                                      \
+    ATTR static void q40w_##SUFFIX(const float *x, const float *qw, int64_t k, uint8_t *y) { \
+        row_q4_0_w(x, qw, k, y);                                                           \
     }
 
 typedef void (*quant_fn)(const float *, int64_t, uint8_t *);
+typedef void (*row_fn)(const float *, const float *, int64_t, uint8_t *);   /* one row of k values, importances */
 
 KT_QUANT_VARIANTS(scalar, )
 #ifdef KT_X86
@@ -352,21 +537,22 @@ KT_QUANT_VARIANTS(avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))))
 
 static const struct {
     int type;
-    int64_t bytes;
+    int64_t elems, bytes; /* values and bytes per block */
     quant_fn fn[3]; /* scalar, avx2, avx512 */
+    row_fn wfn[3];  /* with an importance matrix; NULL: ggml ignores it (Q8_0) */
 } TYPES[] = {
 #ifdef KT_X86
-    {12, 144, {q4k_scalar, q4k_avx2, q4k_avx512}},
-    {13, 176, {q5k_scalar, q5k_avx2, q5k_avx512}},
-    {14, 210, {q6k_scalar, q6k_avx2, q6k_avx512}},
-    {8, 34, {q80_scalar, q80_avx2, q80_avx512}},
-    {2, 18, {q40_scalar, q40_avx2, q40_avx512}},
+    {12, 256, 144, {q4k_scalar, q4k_avx2, q4k_avx512}, {q4kw_scalar, q4kw_avx2, q4kw_avx512}},
+    {13, 256, 176, {q5k_scalar, q5k_avx2, q5k_avx512}, {q5kw_scalar, q5kw_avx2, q5kw_avx512}},
+    {14, 256, 210, {q6k_scalar, q6k_avx2, q6k_avx512}, {q6kw_scalar, q6kw_avx2, q6kw_avx512}},
+    {8, 32, 34, {q80_scalar, q80_avx2, q80_avx512}, {NULL, NULL, NULL}},
+    {2, 32, 18, {q40_scalar, q40_avx2, q40_avx512}, {q40w_scalar, q40w_avx2, q40w_avx512}},
 #else
-    {12, 144, {q4k_scalar, q4k_scalar, q4k_scalar}},
-    {13, 176, {q5k_scalar, q5k_scalar, q5k_scalar}},
-    {14, 210, {q6k_scalar, q6k_scalar, q6k_scalar}},
-    {8, 34, {q80_scalar, q80_scalar, q80_scalar}},
-    {2, 18, {q40_scalar, q40_scalar, q40_scalar}},
+    {12, 256, 144, {q4k_scalar, q4k_scalar, q4k_scalar}, {q4kw_scalar, q4kw_scalar, q4kw_scalar}},
+    {13, 256, 176, {q5k_scalar, q5k_scalar, q5k_scalar}, {q5kw_scalar, q5kw_scalar, q5kw_scalar}},
+    {14, 256, 210, {q6k_scalar, q6k_scalar, q6k_scalar}, {q6kw_scalar, q6kw_scalar, q6kw_scalar}},
+    {8, 32, 34, {q80_scalar, q80_scalar, q80_scalar}, {NULL, NULL, NULL}},
+    {2, 32, 18, {q40_scalar, q40_scalar, q40_scalar}, {q40w_scalar, q40w_scalar, q40w_scalar}},
 #endif
 };
 
@@ -386,6 +572,27 @@ KT_API int kt_ggml_quantize(int type, int impl, const float *src, int64_t nblock
     kt_fpenv env;
     kt_fpenv_enter_ieee(&env);
     TYPES[t].fn[id - KT_IMPL_SCALAR](src, nblocks, dst);
+    kt_fpenv_leave(&env);
+    return KT_OK;
+}
+
+/* rows [nrows, k] with the importances qw [k] of their columns (one expert's slice of the imatrix), as
+ * ggml_quantize_chunk(type, src, dst, 0, nrows, k, qw); k a whole number of blocks. A type whose quantizer ignores
+ * the matrix (Q8_0) gives kt_ggml_quantize's bytes. */
+KT_API int kt_ggml_quantize_imatrix(int type, int impl, const float *src, int64_t nrows, int64_t k, const float *qw,
+                                    uint8_t *dst) {
+    size_t t = 0;
+    while (t < sizeof TYPES / sizeof TYPES[0] && TYPES[t].type != type) t++;
+    if (t == sizeof TYPES / sizeof TYPES[0] || nrows < 0 || k <= 0 || k % TYPES[t].elems ||
+        (nrows > 0 && (src == NULL || dst == NULL || qw == NULL)))
+        return KT_E_ARG;
+    const int64_t row_bytes = k / TYPES[t].elems * TYPES[t].bytes;
+    if (TYPES[t].wfn[0] == NULL) return kt_ggml_quantize(type, impl, src, nrows * (k / TYPES[t].elems), dst);
+    const int id = kt_resolve_impl(impl);
+    if (id < KT_IMPL_SCALAR || id > KT_IMPL_AVX512) return id < 0 ? -id : KT_E_IMPL;
+    kt_fpenv env;
+    kt_fpenv_enter_ieee(&env);
+    for (int64_t r = 0; r < nrows; r++) TYPES[t].wfn[id - KT_IMPL_SCALAR](src + r * k, qw, k, dst + r * row_bytes);
     kt_fpenv_leave(&env);
     return KT_OK;
 }

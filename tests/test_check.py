@@ -420,3 +420,12 @@ def test_verify_identifies_a_folder_without_ktconvert_json(tiny_model, tmp_path)
     assert not result["ok"] and result["identified"]["method"] == "AMXINT4" and result["identified"]["numa"] == 2
     row = next(c for c in result["checks"] if c["name"] == "identified")
     assert row["status"] == "info" and "ktconvert check" in row["detail"]
+
+
+def test_fp8_perchannel_on_avx2_is_refused_and_runs_on_avx512(tmp_path):
+    # kt-native-formats.md: kt-kernel 0.7.2's avx2 build has no FP8_PERCHANNEL kernel (it raises)
+    out = build(tmp_path / "pc", "fp8-perchannel")
+    avx2 = ktconvert.check(out, flags("FP8_PERCHANNEL", 1, out), cpu_flags=AVX2)
+    assert avx2.exit_code == 4
+    assert any("AVX2" in f["holds"] or "avx2" in f["holds"] for f in avx2.findings if f["severity"] == "error")
+    assert ktconvert.check(out, flags("FP8_PERCHANNEL", 1, out), cpu_flags=AMX).exit_code == 0

@@ -141,11 +141,11 @@ def test_manifest_is_deterministic_and_records_the_run(tiny_model, tmp_path):
     assert (a / "ktconvert.json").read_bytes() == (b / "ktconvert.json").read_bytes()
     manifest = json.loads((a / "ktconvert.json").read_text())
     assert manifest["flags"]["kt-method"] == "AMXINT8" and manifest["flags"]["kt-threadpool-count"] == 2
-    import hashlib
+    import blake3
 
     for name, entry in manifest["source"]["files"].items():
         data = (model / name).read_bytes()
-        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"bytes": len(data), "blake3": blake3.blake3(data).hexdigest()}
     assert not (a / ".ktconvert-journal.json").exists()
 
 

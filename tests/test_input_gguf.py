@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 
@@ -423,4 +424,4 @@ def test_convert_cpu_end_to_end(tmp_path, numa):
     assert [k for k in want if got[k] != want[k]] == []
     manifest = json.loads((out / "ktconvert.json").read_text())
     assert list(manifest["source"]["files"]) == [path.name]
-    assert manifest["source"]["files"][path.name]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert manifest["source"]["files"][path.name]["blake3"] == blake3.blake3(path.read_bytes()).hexdigest()

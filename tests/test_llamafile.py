@@ -156,8 +156,8 @@ def test_kt_kernel_rules_are_checked_before_writing(model, tmp_path):
     with pytest.raises(ShapeError):
         Llamafile.open_sink(tmp_path / "o", [0], source.info, 3, "gguf", False)
     assert not (tmp_path / "o").exists()
-    with pytest.raises(UsageError, match="include-dense"):
-        Llamafile.open_sink(tmp_path / "o", [0], source.info, 1, "gguf", True)
+    assert Llamafile.open_sink(tmp_path / "o", [0], source.info, 1, "gguf", True).include_dense   # qwen3moe
+    assert not (tmp_path / "o").exists()
 
 
 def test_runtime_notes_say_what_kt_kernel_cannot_run():
@@ -384,6 +384,9 @@ def test_options_resolve_the_method_defaults():
     assert CpuOptions.make(method="llamafile", ggml_type="Q5_K_M").method_class().expert_type("down", 0, 8) == "Q6_K"
     amx = CpuOptions.make(method="amxint4")
     assert amx.layout == "safetensors" and "ggml_type" not in amx.journalled()
+    assert "split_max_size" not in amx.journalled() and "split_max_size" not in default.journalled()
+    split = CpuOptions.make(method="llamafile", split_max_size="2G")
+    assert split.journalled()["split_max_size"] == "2G" and split.method_class().split_bytes == 2 * 10 ** 9
     assert CpuOptions.make(method="bf16").layout == "safetensors"
     with pytest.raises(UsageError, match="--layout gguf does not exist for AMXINT4"):
         CpuOptions.make(method="amxint4", layout="gguf")

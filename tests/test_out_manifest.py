@@ -6,6 +6,7 @@ import json
 import shutil
 import socket
 
+import blake3
 import numpy as np
 import pytest
 from huggingface_hub.utils.sha import git_hash
@@ -106,7 +107,7 @@ def test_hash_safetensors_one_pass(tmp_path, monkeypatch, chunk):
     data = (tmp_path / "x.safetensors").read_bytes()
     size, sha, git, per_tensor = fileio.hash_safetensors(tmp_path / "x.safetensors")
     assert (size, sha, git) == (len(data), hashlib.sha256(data).hexdigest(), git_hash(data))
-    assert per_tensor == {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in tensors.items()}
+    assert per_tensor == {n: "blake3:" + blake3.blake3(a.tobytes()).hexdigest() for n, a in tensors.items()}
 
 
 def test_manifest_deterministic_and_clean(tmp_path):
@@ -127,7 +128,7 @@ def test_manifest_deterministic_and_clean(tmp_path):
     assert set(manifest["packages"]) == {"ktconvert", "numpy"}   # safetensors writes no byte of ours
     assert manifest["packages"]["numpy"] == np.__version__
     assert manifest["source"]["files"] == {"model.safetensors": {"bytes": 7,
-                                                                 "sha256": hashlib.sha256(b"weights").hexdigest()}}
+                                                                 "blake3": blake3.blake3(b"weights").hexdigest()}}
     assert manifest["source"]["config_sha256"] == hashlib.sha256(b'{"model_type": "tiny"}').hexdigest()
     out = tmp_path / "a" / "out"
     listed = set(manifest["files"])
@@ -136,7 +137,7 @@ def test_manifest_deterministic_and_clean(tmp_path):
     assert manifest["files"][shard]["git_sha1"] == git_hash((out / shard).read_bytes())
     loaded = load_file(str(out / shard))
     assert manifest["tensors"]["blk.1.ffn_up_exps.1.numa.1.weight"] == \
-        hashlib.sha256(loaded["blk.1.ffn_up_exps.1.numa.1.weight"].tobytes()).hexdigest()
+        "blake3:" + blake3.blake3(loaded["blk.1.ffn_up_exps.1.numa.1.weight"].tobytes()).hexdigest()
 
 
 def test_load_manifest_errors(tmp_path):

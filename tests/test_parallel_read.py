@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+import blake3
 import pytest
 from click.testing import CliRunner
 from huggingface_hub.utils.sha import git_hash
@@ -62,10 +63,10 @@ def test_recorded_hashes_equal_hashlib_over_finished_files(tiny_model, tmp_path)
                          "git_sha1": _lfs_git_blob(data)}, rel
         if rel.endswith(".safetensors") and rel.startswith("model-"):
             for name, array in load_file(str(out / rel)).items():
-                assert manifest["tensors"][name] == hashlib.sha256(array.tobytes()).hexdigest(), name
+                assert manifest["tensors"][name] == "blake3:" + blake3.blake3(array.tobytes()).hexdigest(), name
     for rel, entry in manifest["source"]["files"].items():
         data = (src / rel).read_bytes()
-        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"bytes": len(data), "blake3": blake3.blake3(data).hexdigest()}
 
 
 def _hf_cache(src: Path, cache: Path, wrong: str | None = None) -> Path:
@@ -90,14 +91,23 @@ def test_hf_cache_snapshot_shard_hash_from_blob_name(tiny_model, tmp_path, monke
     src = tiny_model("qwen3_moe", **MODEL_KW)
     snapshot = _hf_cache(src, tmp_path / "cache")
     hashed = []
-    real_update = stream._BackgroundSha256.update
-    monkeypatch.setattr(stream._BackgroundSha256, "update", lambda self, data: (hashed.append(len(data)),
-                                                                               real_update(self, data))[1])
+    real_update = stream._BackgroundHash.update
+    monkeypatch.setattr(stream._BackgroundHash, "update", lambda self, data: (hashed.append(len(data)),
+                                                                             real_update(self, data))[1])
     ktconvert.convert_cpu(snapshot, tmp_path / "cached", method="amxint4", numa=2, threads=2)
     assert hashed == []                          # no source byte hashed: every shard's sha256 is its blob name
     ktconvert.convert_cpu(src, tmp_path / "plain", method="amxint4", numa=2, threads=2)
     assert sum(hashed) == sum(p.stat().st_size for p in src.glob("*.safetensors"))
-    assert _tree(tmp_path / "cached") == _tree(tmp_path / "plain")   # same source sha256s in the manifest too
+    cached, plain = _tree(tmp_path / "cached"), _tree(tmp_path / "plain")
+    manifests = [json.loads(tree.pop("ktconvert.json")) for tree in (cached, plain)]
+    assert cached == plain                       # every output byte; the manifests differ in the source record only:
+    sources = [m.pop("source")["files"] for m in manifests]     # the cache's sha256s, the plain files' BLAKE3
+    for m in manifests:
+        m.pop("self_sha256")
+    assert manifests[0] == manifests[1]
+    for name, data in ((p.name, p.read_bytes()) for p in src.glob("*.safetensors")):
+        assert sources[0][name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert sources[1][name] == {"bytes": len(data), "blake3": blake3.blake3(data).hexdigest()}
 
 
 def test_hf_cache_wrong_blob_name_caught_with_verify_source_hash(tiny_model, tmp_path):

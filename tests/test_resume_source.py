@@ -87,8 +87,8 @@ def test_a_changed_byte_past_the_first_mib_is_found_by_the_full_hash(interrupted
         byte = fh.read(1)
         fh.seek(-100, os.SEEK_END)
         fh.write(bytes([byte[0] ^ 1]))
-    recorded = _journal(out)["sources"][name]["sha256"]
-    _refused(_run("cpu", src, out, *CPU, "--resume", "--quiet"), out, name, f"expected sha256 {recorded}, found sha256")
+    recorded = _journal(out)["sources"][name]["blake3"]
+    _refused(_run("cpu", src, out, *CPU, "--resume", "--quiet"), out, name, f"expected blake3 {recorded}, found blake3")
     shutil.copy(model / name, path)               # the right bytes again (another inode: hashed, then trusted)
     assert _run("cpu", src, out, *CPU, "--resume", "--quiet").exit_code == 0
     assert _tree(out) == reference

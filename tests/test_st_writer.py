@@ -5,6 +5,7 @@ import fnmatch
 import hashlib
 import random
 
+import blake3
 import numpy as np
 import pytest
 from huggingface_hub.utils.sha import git_hash
@@ -103,7 +104,7 @@ def test_hashes_after_close(tmp_path):
     assert writer.sha256 == hashlib.sha256(data).hexdigest()
     assert writer.git_sha1 == git_hash(data)
     loaded = load_file(str(tmp_path / "a.safetensors"))
-    assert writer.tensor_sha256 == {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in loaded.items()}
+    assert writer.tensor_sha256 == {n: "blake3:" + blake3.blake3(a.tobytes()).hexdigest() for n, a in loaded.items()}
 
 
 def test_scratch_mode_same_bytes_no_hashes(tmp_path, monkeypatch):

@@ -61,7 +61,7 @@ def test_written_manifest_records_its_self_hash_and_verifies(converted):
     assert result.exit_code == 0, result.output
     checks = {c["name"]: c for c in json.loads(result.output)["checks"]}
     assert checks["integrity"]["status"] == "ok" and checks["source"]["status"] == "ok"
-    assert checks["source"]["detail"] == "config.json and 2 files: 2 sha256 compared"
+    assert checks["source"]["detail"] == "config.json and 2 files: 2 blake3 compared"
 
 
 EDITS = [

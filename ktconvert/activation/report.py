@@ -1,7 +1,8 @@
 """``expert-stats --report FILE.html``: the counts as a picture (ktconvert.util.svg_report building blocks).
 
 * a summary table (model, tokens, top-k, calibration identity);
-* a layer × expert heat map of each MoE layer's share of routed (token, expert) pairs (dense layers: no data);
+* a layer × expert heat map of each MoE layer's share of routed (token, expert) pairs (dense layers: no data), on
+  a fixed scale: 0 to HOT times the share every expert would take under uniform routing;
 * the top-N coverage curve: the share of a layer's routed pairs its N most used experts take (mean, least and most
   concentrated layer, and the uniform N/E line) — what N GPU experts per layer could serve at best;
 * per layer, the share SGLang-KT's frequency placement puts on the GPU at a few --kt-gpu-experts-ratio values.
@@ -18,6 +19,7 @@ from ktconvert.activation.placement import SglangMoeLayers, gpu_expert_budget, p
 from ktconvert.formats.fileio import write_atomic
 
 RATIOS = (0.1, 0.2, 0.5)
+HOT = 3     # the heat map's brightest colour: this many times the uniform share (100 / E %) or more
 
 
 def layer_shares(counts: np.ndarray, moe_layers) -> np.ndarray:
@@ -65,8 +67,12 @@ def _summary(activation: ExpertActivation) -> str:
 
 def _heat_section(counts: np.ndarray, moe: list) -> str:
     shares = layer_shares(counts, moe)
+    uniform = 100 / max(counts.shape[1], 1)
     figure = html.heat_map(100 * shares, row_labels=list(range(counts.shape[0])), title="Routed share per expert",
-                           x_label="expert", y_label="layer", value_label="% of the layer's routed pairs")
+                           x_label="expert", y_label="layer", value_label="% of the layer's routed pairs",
+                           scale=(0.0, HOT * uniform),
+                           caption=f"Colour: 0% (dark) to {HOT}x the uniform share of {html.fmt(uniform)}% "
+                                   f"({html.count(counts.shape[1], 'expert')}) or more (bright).")
     return html.section("Layer × expert", figure, note="Each MoE layer's row sums to 100% (every token counts once "
                         "for each of its top-k experts). Hatched rows: dense layers. Hover a cell for its value.")
 
@@ -86,7 +92,7 @@ def _coverage_section(counts: np.ndarray, moe: list) -> str:
                              x_label="N (GPU experts in the layer)", y_label="% of routed pairs", y_min=0, y_max=100)
     picks = sorted({max(1, round(r * counts.shape[1])) for r in RATIOS})
     rows = [[L] + [float(curves[i, p - 1]) for p in picks] for i, L in enumerate(moe)]
-    table = html.table(["layer"] + [f"top {p} experts (%)" for p in picks], rows)
+    table = html.table(["layer"] + [f"top {html.count(p, 'expert')} (%)" for p in picks], rows)
     return html.section("Top-N coverage", figure, table, note="How much of each layer's routing its N most used "
                         "experts take: the best any N GPU experts per layer can do on these tokens.")
 
@@ -99,7 +105,7 @@ def _placement_section(counts: np.ndarray, layers) -> str:
         budget = gpu_expert_budget(layers, ratio=ratio)
         _, mask = placement(layers, budget, freq)
         shares = 100 * np.asarray(routed_share(freq, mask, moe))
-        series[f"ratio {ratio} ({budget} experts)"] = list(zip(moe, shares))
+        series[f"ratio {ratio} ({html.count(budget, 'expert')})"] = list(zip(moe, shares))
         rows.append([ratio, budget, float(shares.mean()) if moe else 0.0, float(shares.min()) if moe else 0.0])
     figure = html.line_chart(series, title="Routed share on the GPU per layer, frequency placement",
                              x_label="layer", y_label="% of the layer's routed pairs", y_min=0, y_max=100)

@@ -51,7 +51,7 @@ def mtp_count(names: list[str], manifest, fields: dict[str, Any], keys: dict[str
     mtp_prefix (Qwen3-Next), the number of such layers whose tensors are present."""
     if not manifest.mtp_prefix or not keys["mtp_layers"].endswith("(default)"):
         return fields["mtp_layers"]
-    regex = re.compile(re.escape(manifest.mtp_prefix) + r"layers\.(\d+)\.")
+    regex = re.compile(manifest.mtp_layer_regex())
     found = {int(m.group(1)) for m in map(regex.match, names) if m}
     return max(found) + 1 if found else fields["mtp_layers"]
 
@@ -62,9 +62,13 @@ def check_tensors(names: list[str], prefix: str, manifest, fields: dict[str, Any
     an expert >= n_experts, routed experts in a layer the config makes dense (any storage layout)."""
     n_layers = fields["n_layers"]
     layers = n_layers + fields["mtp_layers"]
-    scopes = [(prefix, 0)] + ([(manifest.mtp_prefix, n_layers)] if manifest.mtp_prefix else [])
-    scopes = [(re.compile(re.escape(p) + r"layers\.(\d+)\."), offset, manifest.experts.name_regexes(p))
-              for p, offset in scopes]
+    scopes = [(re.compile(re.escape(prefix) + r"layers\.(\d+)\."), 0, manifest.experts.name_regexes(prefix))]
+    if manifest.mtp_prefix:
+        experts = manifest.experts.name_regexes(manifest.mtp_prefix)
+        if "{k}" in manifest.mtp_prefix:          # the pattern's "layers.{L}." is the MTP layer's own prefix
+            head, own = r"layers\.(?P<L>\d+)\.", manifest.mtp_layer_regex().replace(r"(\d+)", r"(?P<L>\d+)", 1)
+            experts = [re.compile(own + r.pattern[len(head):]) for r in manifest.experts.name_regexes("")]
+        scopes.append((re.compile(manifest.mtp_layer_regex()), n_layers, experts))
     for name in names:
         match, offset, expert_res = next(((m, off, res) for m, off, res in
                                           ((r.match(name), off, res) for r, off, res in scopes) if m),

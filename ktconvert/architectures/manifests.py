@@ -70,8 +70,9 @@ class Manifest:
     name_prefixes: tuple[str, ...] = DEFAULT_PREFIXES
     notes: str = ""
     tiny: dict[str, dict] = field(default_factory=dict)
-    mtp_prefix: str = ""     # MTP layer k lives at "<mtp_prefix>layers.{k}." (Qwen3-Next: "mtp."), not at layer
-                             # n_layers + k under the name prefix
+    mtp_prefix: str = ""     # MTP layer k lives at "<mtp_prefix>layers.{k}." (Qwen3-Next: "mtp."), or at mtp_prefix
+                             # itself where it holds {k} (DeepSeek-V4: "mtp.{k}."), not at layer n_layers + k under
+                             # the name prefix
     gguf_architectures: dict[str, str] = field(default_factory=dict)    # GGUF general.architecture -> model_type
     transformers_aliases: dict[str, str] = field(default_factory=dict)  # model_type -> the one transformers runs
     linears: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_LINEARS))
@@ -79,6 +80,12 @@ class Manifest:
     def linear_kind(self, module: str) -> str | None:
         """The [linears] kind of HF module `module` (module-level linear_kind with this manifest's table)."""
         return linear_kind(module, self.linears)
+
+    def mtp_layer_regex(self) -> str:
+        """Regex of MTP layer k's name prefix (mtp_prefix set), k captured: "<mtp_prefix>layers.(\\d+)." or
+        mtp_prefix with (\\d+) for {k}."""
+        template = self.mtp_prefix if "{k}" in self.mtp_prefix else self.mtp_prefix + "layers.{k}."
+        return re.escape(template).replace(re.escape("{k}"), r"(\d+)")
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,8 @@ class ModelInfo:
         prefix, index = self.name_prefix, layer
         if self.manifest.mtp_prefix and layer >= self.n_layers:
             prefix, index = self.manifest.mtp_prefix, layer - self.n_layers
+            if "{k}" in prefix:                   # patterns start with "layers.{L}.": the MTP layer's own prefix
+                return prefix.format(k=index) + pattern.format(L=index, **fields)[len(f"layers.{index}."):]
         return prefix + pattern.format(L=index, **fields)
 
     def expert_names(self, layer: int, expert: int) -> dict[str, str]:
@@ -154,9 +163,9 @@ class ModelInfo:
         if match:
             return int(match.group(1))
         mtp = self.manifest.mtp_prefix
-        if not mtp or not name.startswith(mtp):
+        if not mtp or not name.startswith(mtp.split("{k}")[0]):
             return None
-        match = re.match(re.escape(mtp) + r"layers\.(\d+)\.", name)
+        match = re.match(self.manifest.mtp_layer_regex(), name)
         return self.n_layers + (int(match.group(1)) if match else 0)
 
 

@@ -148,17 +148,23 @@ def cpu(src, out, threads, resume, force, profile, verify_source_hash, dry_run, 
 @click.option("--calibration", type=InputPath(dir_okay=False), default=None,
               help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @sampling_options
+@click.option("--ignore", "ignore", multiple=True, metavar="PATTERN",
+              help="Add to config.json's ignore list, as llm-compressor's ignore (repeatable): re:REGEX matches "
+                   "module names from the start, a plain name exactly. A linear it matches stays unquantized; "
+                   "refused where it matches a routed expert, or an FP8 linear (use --linears bf16).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, bytes per component, VRAM per expert) only.")
 @conversion_options
 def gpu(src, out, experts, linears, group_size, quant, algo_deprecated, calibration, max_length, num_samples,
-        include_mtp, threads, resume, force, profile, verify_source_hash, dry_run, quiet, json_progress, as_json,
-        expert_orientation, **distribution) -> None:
+        ignore, include_mtp, threads, resume, force, profile, verify_source_hash, dry_run, quiet, json_progress,
+        as_json, expert_orientation, **distribution) -> None:
     """Write the SGLang-KT GPU checkpoint (--model) of SRC into OUT: compressed-tensors W4A16/W8A16 routed experts,
     FP8-block or BF16 linears, config.json with the minimal quantization_config (streaming, resumable)."""
     quant = prefer(quant, algo_deprecated, "--algo", "--quant")
     options = dict(experts=experts, group_size=group_size, quant=quant, linears=linears, include_mtp=include_mtp,
                    calibration=calibration)
     options.update({k: v for k, v in (("max_length", max_length), ("num_samples", num_samples)) if v is not None})
+    if ignore:
+        options["ignore"] = ignore
     api, src = load_api(), source_arg(src, expert_orientation)
     if dry_run:
         emit(api.plan(src, gpu=options), as_json)

@@ -5,6 +5,8 @@ options are made.
 """
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 
 from ktconvert.errors import UsageError
@@ -54,8 +56,15 @@ class CpuOptions(Options):
                                    choices="ggml-type",
                                    command_help="GGUF type of --method llamafile's experts: a ggml type or a "
                                                 "llama-quantize mix (default Q4_K)")
+    split_max_size: str | None = option(None, help="--method llamafile: GGUF shards of at most this size (2G)",
+                                        command_help="--method llamafile: GGUF shards of at most this size, as "
+                                                     "llama.cpp's gguf-split (e.g. 500M, 2G; default one per layer)")
+    imatrix: str | None = option(None, help="--method llamafile: llama.cpp importance matrix (GGUF or .dat)",
+                                 command_help="--method llamafile: quantize with this llama.cpp importance matrix "
+                                              "(llama-imatrix's GGUF or legacy .dat), as llama-quantize --imatrix")
     include_dense: bool = option(False, help="Also write the non-expert tensors (blk.-renamed)",
-                                 command_help="Also write non-expert tensors (blk.-renamed) into OUT")
+                                 command_help="Also write non-expert tensors (blk.-renamed) into OUT; --method "
+                                              "llamafile: with metadata and tokenizer, a GGUF llama.cpp loads")
     include_mtp: bool = option(False, help="Also the MTP (next-n) layers' experts",
                                command_help="Also convert MTP (next-n) layers' experts")
     allow_drop_bias: bool = option(False, help="Convert even though non-zero expert biases are dropped")
@@ -86,7 +95,9 @@ class CpuOptions(Options):
         """The registered method (methods.CpuMethod) with this group size and its own options (ggml_type: UsageError
         with a method that has no such option); UsageError for a layout it does not have. A layout left out becomes
         the method's first, a method option its canonical spelling (left out: the method's default)."""
-        method = _registries()[0].get(self.method).configured(self.group_size, ggml_type=self.ggml_type)
+        method = _registries()[0].get(self.method).configured(self.group_size, ggml_type=self.ggml_type,
+                                                                    split_max_size=self.split_max_size,
+                                                                    imatrix=self.imatrix)
         if self.layout is None:
             object.__setattr__(self, "layout", method.layouts[0])     # frozen: resolved once, before any use
         for name in method.method_options:      # as the method spells it, its default where not given
@@ -94,7 +105,8 @@ class CpuOptions(Options):
         if self.layout not in method.layouts:
             raise UsageError(f"--layout {self.layout} does not exist for {method.kt_method}",
                              expected=" or ".join(method.layouts))
-        if self.include_dense and (not method.needs_conversion or self.layout != "safetensors"):
+        if self.include_dense and self.layout != "gguf" and \
+                (not method.needs_conversion or self.layout != "safetensors"):
             raise UsageError("--include-dense needs the merged safetensors layout of a converted method",
                              found=f"--method {method.name} --layout {self.layout}")
         return method
@@ -117,13 +129,17 @@ class CpuOptions(Options):
             raise UsageError("--dampening and --min-tokens are only used with --quant gptq",
                              found=f"--quant {self.quant}")
 
-
     def journalled(self) -> dict:
         """As Options.journalled, without ggml_type where the method has none (the journals of other methods' runs
-        stay as they were)."""
+        stay as they were); --imatrix as its file's sha256, so a resume with other contents at the same path is
+        refused like any other option change."""
         data = super().journalled()
-        if data.get("ggml_type") is None:
-            data.pop("ggml_type", None)
+        for name in ("ggml_type", "split_max_size", "imatrix"):
+            if data.get(name) is None:
+                data.pop(name, None)
+        if "imatrix" in data:
+            with open(data["imatrix"], "rb") as f:
+                data["imatrix"] = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
         return data
 
 

@@ -56,6 +56,12 @@ class CpuOutput(Output):
             return False
         self.sink = self.method.open_sink(self.out_dir, self.all_layers, self.source.info, self.options.numa,
                                           self.options.layout, self.options.include_dense)
+        try:
+            if hasattr(self.sink, "start_run"):     # files holding several layers (GGUF shards): what this run writes
+                self.sink.start_run(self.layers, set(self.journal.layers), self.writes_rest, self.source)
+        except BaseException:
+            self.discard()
+            raise
         return True
 
     def journal_options(self) -> dict:

@@ -40,6 +40,7 @@ import stat
 from pathlib import Path
 
 from ktconvert.errors import InputError, KtConvertError, UsageError
+from ktconvert.formats.digests import is_digest
 from ktconvert.formats.fileio import open_lock, write_atomic
 from ktconvert.formats.out_manifest import JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, manifest_bytes, package_versions
 from ktconvert.run.journal import option_name
@@ -209,7 +210,7 @@ def load_part(folder) -> dict:
 def check_record(path, record: dict) -> None:
     """InputError (one line naming `path` and the field) unless the part manifest's fields that merge reads have
     their types: layer lists of distinct numbers; manifest.files {plain output name: {bytes, sha256, git_sha1}},
-    manifest.tensors {name: sha256}, manifest.source {config_sha256, files {name: {bytes, sha256}}}; the
+    manifest.tensors {name: digest}, manifest.source {config_sha256, files {name: {bytes, sha256 or blake3}}}; the
     source_sample {"files": {name: {bytes, sample_sha256}}} or {"listing": {name: hash}}."""
     def fail(field: str, what: str) -> InputError:
         return InputError(f"malformed part manifest: {field} {what}", file=str(path))
@@ -229,16 +230,17 @@ def check_record(path, record: dict) -> None:
                              tensor=repr(name)[1:-1])
         if not _entry(entry, sha256=64, git_sha1=40):
             raise fail(f"manifest.files[{name!r}]", "is not {bytes, sha256, git_sha1}")
-    bad = next((name for name, digest in manifest["tensors"].items() if not _hex(digest, 64)), None)
+    bad = next((name for name, digest in manifest["tensors"].items() if not is_digest(digest)), None)
     if bad is not None:
-        raise fail(f"manifest.tensors[{bad!r}]", "is not a sha256")
+        raise fail(f"manifest.tensors[{bad!r}]", "is not a digest (sha256 or blake3)")
     source = manifest["source"]
     config = source.get("config_sha256")
     if not isinstance(source.get("files"), dict) or not (config is None or _hex(config, 64)):
         raise fail("manifest.source", "is not {config_sha256, files}")
-    bad = next((name for name, entry in source["files"].items() if not _entry(entry, sha256=64)), None)
+    bad = next((name for name, entry in source["files"].items()
+                if not (_entry(entry, sha256=64) or _entry(entry, blake3=64))), None)
     if bad is not None:
-        raise fail(f"manifest.source.files[{bad!r}]", "is not {bytes, sha256}")
+        raise fail(f"manifest.source.files[{bad!r}]", "is not {bytes, sha256 or blake3}")
     identity = record["source_sample"]
     files, listing = identity.get("files"), identity.get("listing")
     if len(identity) != 1 or not (isinstance(files, dict) and all(_entry(e, sample_sha256=64) for e in files.values())

@@ -128,8 +128,8 @@ class Source:
         return None
 
     def fingerprint(self) -> dict:
-        """{"config_sha256", "files": {relative path: {"bytes", "sha256"}}} of the weight files (reads every byte:
-        minutes for a large model): formats.out_manifest.source_fingerprint of root and files()."""
+        """{"config_sha256", "files": {relative path: {"bytes", "blake3" or "sha256"}}} of the weight files (reads
+        every byte but a Hugging Face cache's: minutes for a large model): out_manifest.source_fingerprint."""
         raise NotImplementedError
 
     def header_digests(self) -> dict[str, dict]:

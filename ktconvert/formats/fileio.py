@@ -1,13 +1,14 @@
 """Files on disk, the leaf every writer and checker builds on: hashing, atomic writes, fsync, temporary names.
 
 * ``FileRecord``: one output file (relative posix path, size, sha256, git blob SHA-1). ``LayerResult``: what a
-  finished layer (or any shard) wrote: its FileRecords and {tensor key: sha256 of its bytes}.
+  finished layer (or any shard) wrote: its FileRecords and {tensor key: digest of its bytes}.
+* Integrity digests of tensors and source files (BLAKE3 or sha256, the form naming the algorithm): ``digests``.
 * Hashes: ``hash_bytes`` / ``hash_file`` / ``FileHasher`` give (size, sha256 hex, git blob id hex) in one pass.
   Hubs report sha256 for LFS files and a git blob SHA-1 for the others (publish.md §2), and an LFS file's git
   blob is its LFS pointer (``lfs_pointer``): so the git blob SHA-1 is computed over the content only for files
   below ``LFS_THRESHOLD`` and derived from size + sha256 for the others (``git_blob_id``; ``content_git=True``
   computes the content's for every size, as manifests of format_version 1 record it).
-  ``hash_safetensors`` adds the sha256 of every tensor of a .safetensors file in the same sequential read;
+  ``hash_safetensors`` adds the digest of every tensor of a .safetensors file in the same sequential read;
   ``copy_hashed`` copies a file and hashes the bytes it copies (one read; every write's count checked: ``write_all``).
 * ``write_atomic(path, data)``: written as ``.NAME.partial`` in the same folder, renamed when complete
   (``temp_path_for``), fsynced with its folder (``fsync_dir``) unless the caller fsyncs in bulk.
@@ -28,10 +29,11 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 from ktconvert.util import profile
 from ktconvert.errors import InputError, OutputError
+from ktconvert.formats.digests import DIGEST_ALGORITHM, TensorHasher, new_hash
 from ktconvert.formats.safetensors_reader import ShardHeader, parse_header
 from ktconvert.util.safe_read import check_regular, open_regular
 
@@ -141,6 +143,25 @@ def hash_file(path, content_git: bool = False, kind: str = "read.output") -> tup
     return (size, *hasher.hexdigests())
 
 
+def digest_file(path, algorithm: str = DIGEST_ALGORITHM, kind: str = "read") -> tuple[int, str]:
+    """(size, hex digest of `algorithm`) of a regular file (InputError otherwise), read once sequentially (kind: the
+    profile's name for the read; the hashing is profiled as "hash.source")."""
+    size, digests = digest_file_in(path, (algorithm,), kind)
+    return size, digests[algorithm]
+
+
+def digest_file_in(path, algorithms, kind: str = "read") -> tuple[int, dict[str, str]]:
+    """(size, {algorithm: hex digest}) of a regular file in one sequential read, as digest_file."""
+    path = Path(path)
+    size = check_regular(path, "file").st_size
+    hashes = {algorithm: new_hash(algorithm) for algorithm in algorithms}
+    for chunk in _read_chunks(path, size, kind):
+        with profile.span("hash.source", len(chunk) * len(hashes)):
+            for h in hashes.values():
+                h.update(chunk)
+    return size, {algorithm: h.hexdigest() for algorithm, h in hashes.items()}
+
+
 def copy_hashed(source, target, check=None, within=None, observe=None) -> tuple[int, str, str]:
     """Copy regular file `source` (InputError otherwise) to `target` by way of its temporary name (``NewFile``:
     never through a symlink; `within`: as NewFile's), fsynced, in one sequential read whose bytes are also hashed:
@@ -188,41 +209,18 @@ def write_all(fd: int, data) -> None:
         view = view[done:]
 
 
-class TensorHasher:
-    """sha256 of every tensor of a .safetensors file whose bytes are fed in order (``update``), from its parsed
-    header: ``digests()`` -> {tensor: sha256 hex} once the whole file was fed."""
-
-    def __init__(self, header: ShardHeader):
-        self.spans = sorted((ref.offset, ref.offset + ref.nbytes, name) for name, ref in header.tensors.items())
-        self.pos, self.i, self.current, self.hashes = 0, 0, hashlib.sha256(), {}
-
-    def update(self, chunk) -> None:
-        pos, end, spans = self.pos, self.pos + len(chunk), self.spans
-        while self.i < len(spans) and spans[self.i][0] <= end:
-            begin, stop, name = spans[self.i]
-            self.current.update(chunk[max(begin, pos) - pos:min(stop, end) - pos])
-            if stop > end:
-                break
-            self.hashes[name], self.current, self.i = self.current.hexdigest(), hashlib.sha256(), self.i + 1
-        self.pos = end
-
-    def digests(self) -> dict[str, str]:
-        for _begin, _stop, name in self.spans[self.i:]:     # only empty tensors at the very end can remain
-            self.hashes.setdefault(name, hashlib.sha256(b"").hexdigest())
-        return dict(self.hashes)
-
-
-def hash_safetensors(path, header: ShardHeader | None = None,
-                     content_git: bool = False) -> tuple[int, str, str, dict[str, str]]:
-    """(size, sha256, git blob id, {tensor: sha256 of its bytes}) of a .safetensors file in one sequential read.
+def hash_safetensors(path, header: ShardHeader | None = None, content_git: bool = False,
+                     algorithms: str | Mapping[str, str] = DIGEST_ALGORITHM) -> tuple[int, str, str, dict[str, str]]:
+    """(size, sha256, git blob id, {tensor: digest of its bytes}) of a .safetensors file in one sequential read.
 
     header: the file's already parsed header (else parsed here). InputError if the header does not parse (the
-    caller can still compare the file hash via ``hash_file``). content_git: as for hash_file.
+    caller can still compare the file hash via ``hash_file``). content_git: as for hash_file. algorithms: of the
+    tensor digests, as TensorHasher's.
     """
     path = Path(path)
     header = parse_header(path) if header is None else header
     size = check_regular(path, "file").st_size
-    hasher, tensors = FileHasher(size, content_git), TensorHasher(header)
+    hasher, tensors = FileHasher(size, content_git), TensorHasher(header, algorithms)
     for chunk in _read_chunks(path, size):
         hasher.update(chunk)
         tensors.update(chunk)

@@ -98,7 +98,7 @@ def _layout_of(source, layers: list[int]) -> dict:
     info, lay = source.info, source.info.manifest.experts
     layout = source.required_layout(layers[0])
     here = info.layer_name("layers.{L}.", layers[0])
-    pattern = (lambda name: name.replace(here, here.rsplit("layers.", 1)[0] + "layers.{L}.", 1))
+    pattern = (lambda name: name.replace(here, here[:here.rstrip(".").rfind(".") + 1] + "{L}.", 1))
     out = {"form": layout.kind, "family_usual": lay.form, "prefix": pattern(layout.prefix),
            "biases": source.has_expert_biases()}
     if layout.kind == "per_expert":

@@ -107,7 +107,7 @@ class InplaceSink:
 
 
 class InplaceLayerWriter:
-    """One layer's shard; experts may arrive in any order. finish() -> (files, tensor sha256s)."""
+    """One layer's shard; experts may arrive in any order. finish() -> (files, tensor digests)."""
 
     def __init__(self, sink: InplaceSink, layer: int):
         self.sink, self.layer = sink, layer

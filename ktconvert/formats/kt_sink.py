@@ -13,7 +13,9 @@ Layouts:
 
 Per NUMA part t of T: gate/up are [n=I/T, k=H] (rows t*I/T..), down is [n=H, k=I/T] (input columns t*I/T..).
 A layer becomes visible atomically: merged by the shard's rename, kt by renaming ``_layer_{L}.partial/``.
-Both layouts report tensor hashes under the merged key names, so the same conversion hashes the same either way.
+Both layouts report tensor digests under the merged key names: a merged shard's tensors by BLAKE3
+(``st_writer``), a ``.kt`` file, which holds one tensor's bytes and nothing else, by its file sha256 (the manifest's
+sha256 of that file, so those bytes are hashed once, not twice; ``digests``).
 ``planned_files()`` is the one plan of every file and its bytes: the writers' headers, the index, the plan report
 and verify all read it.
 """
@@ -299,7 +301,7 @@ class KtLayerWriter(LayerWriter):
         for suffix, data in (("weight", blob), ("scale", scale)):
             self._write_file(self.sink.kt_file(self.layer, t, proj, expert, suffix),
                              memoryview(data.reshape(-1).view(np.uint8)))
-            self.tensors[merged_key(self.layer, proj, expert, t, suffix)] = self.records[-1].sha256
+            self.tensors[merged_key(self.layer, proj, expert, t, suffix)] = self.records[-1].sha256   # the file's
 
     def _write_file(self, rel: str, data: memoryview) -> None:
         write_atomic(self.partial_dir / Path(rel).relative_to(f"_layer_{self.layer}"), data, durable=False,

@@ -3,8 +3,8 @@
 Schema (docs/architecture.md "Output manifest"): format, format_version, tool, tool_version, kind, method (kt-kernel
 name, e.g. "AMXINT4"), numa, layout, quant, include_dense, flags (the kt-kernel / SGLang options the folder needs) and
 sglang_args (the same as one string), model (family, model_type, layers, experts, hidden, intermediate), source
-(config_sha256; bytes + sha256 per source file), files (bytes, sha256, git_sha1 per output file, keyed by relative
-posix path), tensors (sha256 per expert/dense tensor, keyed by its merged-safetensors name in both layouts),
+(config_sha256; bytes + a digest per source file), files (bytes, sha256, git_sha1 per output file, keyed by relative
+posix path), tensors (a digest per expert/dense tensor, keyed by its merged-safetensors name in both layouts),
 packages (versions of the packages that affect output bytes) and self_sha256 (sha256 of the file written without
 that key: an edit that does not recompute it shows). Written with sorted keys, indent 2 and a trailing newline, no
 timestamps and no host names: the same conversion gives the same bytes.
@@ -12,7 +12,14 @@ timestamps and no host names: the same conversion gives the same bytes.
 Both hashes per file: hubs report sha256 for LFS files and a git blob SHA-1 for the others (publish.md §2).
 ``git_sha1`` is the git blob id a hub lists for the file: since format_version 2, for a file of at least
 ``fileio.LFS_THRESHOLD`` (10 MiB) bytes that is the blob of its LFS pointer (derived from size + sha256, no SHA-1 pass over
-the content); format_version 1 recorded the content's blob for every file. Both versions are read.
+the content); format_version 1 recorded the content's blob for every file.
+
+Digests (format_version 3): a tensor's is ``digests.digest``'s "blake3:<64 hex>", or the bare 64-hex sha256 of a
+tensor that is a whole file of its own (a ``.kt`` file: its file sha256, not hashed twice) or of a GGUF tensor; a
+source file's entry is {"bytes", "blake3": hex}, or {"bytes", "sha256": hex} where a Hugging Face cache blob name
+gave it (``stream.known_sha256``). Before version 3 every tensor and source digest was a sha256 (bare hex, key
+"sha256"): the form of each value names its algorithm, so ``verify`` reads versions 1, 2 and 3 (and a resumed
+output whose earlier layers recorded sha256s) by re-hashing each value in its own algorithm.
 """
 from __future__ import annotations
 
@@ -25,7 +32,9 @@ from typing import Iterable
 from ktconvert import __version__
 from ktconvert.architectures.config_checks import MAX_DIM, MAX_EXPERTS, MAX_LAYERS
 from ktconvert.errors import InputError, OutputError
-from ktconvert.formats.fileio import FileRecord, git_blob_id, hash_file, write_atomic
+from ktconvert.formats.digests import DIGEST_ALGORITHM, SHA256
+from ktconvert.formats.fileio import FileRecord, digest_file, git_blob_id, hash_file, write_atomic
+from ktconvert.formats.stream import known_sha256
 from ktconvert.util.safe_read import MAX_MANIFEST_BYTES, read_json
 
 MANIFEST_NAME = "ktconvert.json"
@@ -33,18 +42,20 @@ JOURNAL_NAME = ".ktconvert-journal.json"
 STREAM_STATE_NAME = ".ktconvert-journal.stream.pt"   # a calibrated run's stream state (gptq/resume.py)
 LOCK_NAME = ".ktconvert.lock"
 FORMAT = "ktconvert-manifest"
-FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)   # 1: git_sha1 of the content for every file; 2: of the LFS pointer from LFS_THRESHOLD on
+FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)   # 1: git_sha1 of the content for every file; 2: of the LFS pointer from LFS_THRESHOLD on;
+                            # 3: as 2, tensor and source digests BLAKE3 where not a file's sha256 (module doc)
 BYTE_PACKAGES = ("ktconvert", "numpy")  # the packages whose version can change output bytes (we write the files)
 MODEL_KEYS = ("layers", "experts", "hidden", "intermediate")
 SELF_KEY = "self_sha256"   # sha256 of the manifest without this key (``self_sha256``)
 
 
 def source_fingerprint(root, files: Iterable) -> dict:
-    """{"config_sha256": hex or None, "files": {relative posix path: {"bytes", "sha256"}}} of a source checkpoint.
+    """{"config_sha256": hex or None, "files": {relative posix path: {"bytes", "blake3" or "sha256"}}} of a source
+    checkpoint (``stream.FileDigest.entry``: sha256 where a Hugging Face cache blob name gives it).
 
-    root: the source folder (or single file); files: the weight files read. Reads every file once (sha256 of the
-    whole source: minutes for a large model).
+    root: the source folder (or single file); files: the weight files read. Reads every other file once (BLAKE3 of
+    the whole source: a minute or more for a large model).
     """
     root = Path(root)
     base = root if root.is_dir() else root.parent
@@ -55,9 +66,20 @@ def source_fingerprint(root, files: Iterable) -> dict:
             rel = path.resolve().relative_to(base.resolve()).as_posix()
         except ValueError:
             rel = path.name
-        size, sha256, _ = hash_file(path)
-        entries[rel] = {"bytes": size, "sha256": sha256}
+        entries[rel] = source_file_entry(path)
     return {"config_sha256": hash_file(config)[1] if config.is_file() else None, "files": entries}
+
+
+def source_file_entry(path) -> dict:
+    """The manifest's entry of one source file, as a conversion's read records it (``stream.FileDigest.entry``):
+    {"bytes", "sha256"} where a Hugging Face cache blob name gives it (``stream.known_sha256``), else
+    {"bytes", "blake3"} from one read."""
+    path = Path(path)
+    known = known_sha256(path)
+    if known is not None:
+        return {"bytes": path.stat().st_size, SHA256: known}
+    size, hexdigest = digest_file(path)
+    return {"bytes": size, DIGEST_ALGORITHM: hexdigest}
 
 
 def kt_flags(kt_method: str, numa: int) -> dict:
@@ -123,10 +145,10 @@ def build_manifest(*, method: str, numa: int, layout: str, model: dict, source: 
                    packages: dict | None = None, flags: dict | None = None,
                    expert_activation: str | None = None) -> dict:
     """The ktconvert.json dict. method: kt-kernel method name ("AMXINT4"); files: FileRecords or
-    {path: {"bytes", "sha256", "git_sha1"}}; tensors: {name: sha256}; model must hold layers, experts, hidden,
-    intermediate (family and model_type recommended); flags: the options the output needs (default: kt-kernel's
-    kt_flags(method, numa)); expert_activation: the output's expert activation counts file (relative path),
-    recorded and added to the SGLang flags."""
+    {path: {"bytes", "sha256", "git_sha1"}}; tensors: {name: digest (``digests.digest``)}; model must hold layers,
+    experts, hidden, intermediate (family and model_type recommended); flags: the options the output needs
+    (default: kt-kernel's kt_flags(method, numa)); expert_activation: the output's expert activation counts file
+    (relative path), recorded and added to the SGLang flags."""
     missing = [k for k in MODEL_KEYS if k not in model]
     if missing:
         raise OutputError("model summary incomplete", file=MANIFEST_NAME, expected=", ".join(MODEL_KEYS),

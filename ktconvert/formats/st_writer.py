@@ -15,13 +15,14 @@ confirmed by experiment against the installed wheel):
 * The library writes ``__metadata__`` from a Rust ``HashMap``, so its order for two or more keys is not
   deterministic; this writer sorts metadata keys (identical bytes whenever the library's output is deterministic).
 
-Memory: the writer holds the header, one tensor's hash state and at most ``ordered_hash.PARK_BYTES`` of tensors that
-arrived ahead of the file hash; tensors go to disk with ``pwrite`` as given.
+Each tensor's digest is BLAKE3 (``digests.digest``: the file's sha256 covers the same bytes for the hubs, the tensor
+digest only needs to be a cryptographic hash ``verify`` recomputes, and BLAKE3 costs about half of sha256's
+core-seconds). Memory: the writer holds the header, one tensor's hash state and at most ``ordered_hash.PARK_BYTES``
+of tensors that arrived ahead of the file hash; tensors go to disk with ``pwrite`` as given.
 """
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import math
 import os
@@ -32,6 +33,7 @@ import numpy as np
 
 from ktconvert.util import profile
 from ktconvert.errors import OutputError
+from ktconvert.formats.digests import digest
 from ktconvert.formats.fileio import FileRecord, LayerResult, NewFile, temp_path_for
 from ktconvert.formats.ordered_hash import OrderedFileHash
 
@@ -104,7 +106,8 @@ class StreamingSafetensorsWriter:
               file whose tensors are known to arrive far out of its order, where copies would only cost memory.
 
     After ``close()``: ``size``, ``sha256``, ``git_sha1`` (of the whole file, fed from the bytes as they were
-    written: ``ordered_hash.OrderedFileHash``; ``read_back`` bytes of it re-read) and ``tensor_sha256`` ({name: hex}).
+    written: ``ordered_hash.OrderedFileHash``; ``read_back`` bytes of it re-read) and ``tensor_sha256`` ({name:
+    digest}, the name kept from when it was a sha256: ``digests.digest``'s "blake3:<hex>").
     ``write`` may be called from several threads at once.
     """
 
@@ -148,7 +151,7 @@ class StreamingSafetensorsWriter:
                               expected=f"{self.size} bytes of space") from None
 
     def write(self, name: str, array: np.ndarray) -> str:
-        """Write tensor `name` at its offset; returns its sha256 (hex) of the bytes given."""
+        """Write tensor `name` at its offset; returns the digest (``digests.digest``) of the bytes given."""
         if self._fd is None:
             raise OutputError("writer is closed", file=self.path.name, tensor=name)
         if name not in self._spans:
@@ -163,11 +166,11 @@ class StreamingSafetensorsWriter:
         except OSError as exc:
             raise OutputError(f"write failed ({exc.strerror})", file=str(self.temp_path), tensor=name) from None
         with profile.span("hash.tensor", len(data)):
-            digest = hashlib.sha256(data).hexdigest() if self.fsync_and_hash else ""
+            tensor_digest = digest(data) if self.fsync_and_hash else ""
         if self._hash is not None:
             self._hash.wrote(begin, data)
-        self.tensor_sha256[name] = digest
-        return digest
+        self.tensor_sha256[name] = tensor_digest
+        return tensor_digest
 
     def _checked_bytes(self, name: str, array: np.ndarray) -> memoryview:
         dtype, shape = self._dtypes[name]
@@ -227,7 +230,7 @@ class StreamingSafetensorsWriter:
         return FileRecord(name or self.path.name, self.size, self.sha256, self.git_sha1)
 
     def layer_result(self, name: str | None = None) -> LayerResult:
-        """LayerResult of a layer written as this one closed file: its record and the sha256 of every tensor."""
+        """LayerResult of a layer written as this one closed file: its record and the digest of every tensor."""
         return LayerResult([self.record(name)], dict(self.tensor_sha256))
 
     def abort(self) -> None:

@@ -1,9 +1,13 @@
 """Reading a checkpoint once, front to back: every byte of every source file is hashed exactly once, and the
 expert matrices are handed out as the read reaches them.
 
-This is how the source fingerprint (sha256 per source file) costs no extra read: the conversion reads each file
-sequentially, in offset order, instead of layer by layer. The output does not depend on the order (every output
-tensor has a fixed place), so processing in file order is free; memory stays at one matrix plus a read chunk.
+This is how the source fingerprint (a digest per source file) costs no extra read: the conversion reads each file
+sequentially, in offset order, instead of layer by layer. The digest is BLAKE3 (``digests.DIGEST_ALGORITHM``, about
+half of sha256's core-seconds), or the sha256 a Hugging Face cache blob name gives without reading the file
+(``known_sha256``; trusted as the cache's owner's own record of what the hub served: ``--verify-source-hash``
+re-hashes it at conversion, ``verify --source --hashes`` at any time). The output does not depend on the order
+(every output tensor has a fixed place), so processing in file order is free; memory stays at one matrix plus a
+read chunk.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import hashlib
 import os
 import queue
 import re
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +24,12 @@ import numpy as np
 
 from ktconvert.util import profile
 from ktconvert.errors import InputError
+from ktconvert.formats.digests import DIGEST_ALGORITHM, SHA256, new_hash
 from ktconvert.util.safe_read import open_regular
 
 CHUNK = 8 << 20   # bytes read at a time for data no job needs (non-expert tensors, headers)
-HASH_QUEUE_DEPTH = 4   # buffers a file's reader may queue for its sha256 thread
-HASH_BUDGET = 32 << 20   # bytes queued for all sha256 threads of the process together
+HASH_QUEUE_DEPTH = 4   # buffers a file's reader may queue for its hashing thread
+HASH_BUDGET = 32 << 20   # bytes queued for all hashing threads of the process together
 _SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 
 
@@ -50,13 +56,33 @@ class MatrixJob:
 
 @dataclass(frozen=True)
 class FileDigest:
-    """A source file read to its end: size and sha256, and what tells a resumed run cheaply whether the file is
-    still that one (``source_identity``): the sha256 of its first HEAD_BYTES and its stat identity."""
+    """A source file read to its end: size and digest (hex of `algorithm`: "blake3", or "sha256" when a Hugging Face
+    cache blob name gave it), and what tells a resumed run cheaply whether the file is still that one
+    (``source_identity``): the sha256 of its first HEAD_BYTES and its stat identity."""
 
     bytes: int
-    sha256: str
+    hexdigest: str
+    algorithm: str = DIGEST_ALGORITHM
     head_sha256: str = ""
     identity: tuple = ()
+
+    def entry(self) -> dict:
+        """The manifest's (and the journal's) source file entry: {"bytes": size, algorithm: hex}."""
+        return {"bytes": self.bytes, self.algorithm: self.hexdigest}
+
+
+ENTRY_ALGORITHMS = (DIGEST_ALGORITHM, SHA256)   # the digest keys a source file entry may hold
+
+
+def entry_algorithms(entry) -> list[str]:
+    """The algorithms of the digests a source file entry {"bytes", "blake3" and/or "sha256": hex} records
+    (``FileDigest.entry`` writes one; manifests before format_version 3 record "sha256"); every one is checked."""
+    return [a for a in ENTRY_ALGORITHMS if isinstance(entry, dict) and a in entry]
+
+
+def entry_algorithm(entry) -> str | None:
+    """The first of ``entry_algorithms`` (BLAKE3 before sha256), None when the entry records no digest."""
+    return next(iter(entry_algorithms(entry)), None)
 
 
 HEAD_BYTES = 1 << 20   # the start of a file hashed apart: a safetensors header and the first tensor bytes
@@ -97,21 +123,21 @@ class ByteBudget:
 _QUEUED_FOR_HASHING = ByteBudget(HASH_BUDGET)
 
 
-class _BackgroundSha256:
-    """sha256 fed from a bounded queue on its own thread (hashlib releases the GIL), so hashing the source
-    overlaps reading and converting it: at most `depth` buffers queued, and at most HASH_BUDGET bytes queued by all
-    files together. Buffers handed to update() must not be modified afterwards."""
+class _BackgroundHash:
+    """A hash of `algorithm` fed from a bounded queue on its own thread (hashlib and blake3 release the GIL), so
+    hashing the source overlaps reading and converting it: at most `depth` buffers queued, and at most HASH_BUDGET
+    bytes queued by all files together. Buffers handed to update() must not be modified afterwards."""
 
-    def __init__(self, depth: int = HASH_QUEUE_DEPTH):
-        self._sha = hashlib.sha256()
+    def __init__(self, algorithm: str, depth: int = HASH_QUEUE_DEPTH):
+        self._hash = new_hash(algorithm)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._thread = threading.Thread(target=self._run, name="ktconvert-sha256", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"ktconvert-{algorithm}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while (data := self._queue.get()) is not None:
             with profile.span("hash.source", len(data)):
-                self._sha.update(data)
+                self._hash.update(data)
             _QUEUED_FOR_HASHING.release(len(data))
 
     def update(self, data) -> None:
@@ -122,7 +148,7 @@ class _BackgroundSha256:
     def hexdigest(self) -> str:
         self._queue.put(None)
         self._thread.join()
-        return self._sha.hexdigest()
+        return self._hash.hexdigest()
 
     def stop(self) -> None:
         if self._thread.is_alive():
@@ -130,25 +156,43 @@ class _BackgroundSha256:
             self._thread.join()
 
 
-def known_sha256(path) -> str | None:
-    """The sha256 of `path` that its place tells without reading it: a file of a Hugging Face cache snapshot
-    (``snapshots/REV/NAME`` a symlink to ``../../blobs/BLOB``) is stored under its sha256 when it is an LFS file
-    (BLOB 64 hex digits; other files are stored under their 40-digit git blob id). None otherwise."""
+def known_sha256(path, size: int | None = None) -> str | None:
+    """The sha256 of `path` that its place tells without reading it, None unless every check holds: `path` is a
+    symlink in a Hugging Face cache snapshot (``REPO/snapshots/REV/NAME``, folders below REV allowed) to a regular
+    file ``REPO/blobs/BLOB`` of the same REPO whose name is 64 lowercase hex digits (huggingface_hub stores an LFS
+    file under its sha256, the hub's ETag for it; other files under their 40-digit git blob id, never taken) and,
+    when `size` is given (the hub's recorded size), of that size.
+
+    Trust: the cache is the user's own, and the name is what the hub said the content is; a blob damaged on disk
+    keeps its name, so ``--verify-source-hash`` (re-hash at conversion) and ``verify --source --hashes`` (re-hash
+    later) are the checks of the content itself. A symlink planted elsewhere than a cache's own snapshot, into
+    another repo's blobs, to a non-regular file or to a name that is no sha256 is not taken (the file is hashed)."""
     path = Path(path)
     if not path.is_symlink():
         return None
-    target = path.resolve()
+    target = Path(os.path.realpath(path))
     if target.parent.name != "blobs" or not _SHA256_NAME.fullmatch(target.name):
+        return None
+    folder = Path(os.path.realpath(path.parent))
+    snapshots = next((p for p in (folder, *folder.parents) if p.name == "snapshots"), None)
+    if snapshots is None or folder == snapshots or target.parent != snapshots.parent / "blobs":
+        return None
+    try:
+        st = os.stat(target)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or (size is not None and st.st_size != size):
         return None
     return target.name
 
 
 class HashingFileReader:
     """Reads one file strictly front to back. `read_range` returns the requested bytes and hashes everything up
-    to their end (gaps included); `finish` hashes the tail and returns the file's size and sha256.
+    to their end (gaps included); `finish` hashes the tail and returns the file's size and digest (BLAKE3).
 
-    known: the file's sha256 when known without reading it (``known_sha256``): nothing is hashed and gaps are
-    skipped, unless verify, which hashes as usual and raises InputError at finish when the two differ."""
+    known: the file's sha256 when known without reading it (``known_sha256``): the digest is that sha256, nothing is
+    hashed and gaps are skipped, unless verify, which hashes sha256 as usual and raises InputError at finish when the
+    two differ."""
 
     def __init__(self, path: Path, known: str | None = None, verify: bool = False):
         self.path = Path(path)
@@ -157,7 +201,8 @@ class HashingFileReader:
         self._size = self._opened[2]
         self._pos = 0
         self._known = known
-        self._sha = _BackgroundSha256() if known is None or verify else None
+        self.algorithm = DIGEST_ALGORITHM if known is None else SHA256
+        self._hash = _BackgroundHash(self.algorithm) if known is None or verify else None
 
     def __enter__(self) -> "HashingFileReader":
         return self
@@ -170,12 +215,12 @@ class HashingFileReader:
         self._advance_to(offset)
 
     def _advance_to(self, offset: int) -> None:
-        if self._sha is None:
+        if self._hash is None:
             self._pos = max(self._pos, offset)
             return
         while self._pos < offset:
             n = min(CHUNK, offset - self._pos)
-            self._sha.update(self._pread(self._pos, n))
+            self._hash.update(self._pread(self._pos, n))
             self._pos += n
 
     def _pread(self, offset: int, nbytes: int) -> bytes:
@@ -201,20 +246,21 @@ class HashingFileReader:
                     raise InputError("file changed or truncated while reading", file=self.path,
                                      expected=f"{nbytes} bytes at offset {offset}", found=f"{done} bytes")
                 done += got
-        if self._sha is not None:
-            self._sha.update(buf)
+        if self._hash is not None:
+            self._hash.update(buf)
         self._pos = offset + nbytes
         return buf
 
     def finish(self) -> FileDigest:
         self._advance_to(self._size)
-        sha256 = self._known
-        if self._sha is not None:
+        hexdigest = self._known
+        if self._hash is not None:
             with profile.span("wait.hash.source"):
-                sha256 = self._sha.hexdigest()
-        if self._known is not None and sha256 != self._known:
+                hexdigest = self._hash.hexdigest()
+        if self._known is not None and hexdigest != self._known:
             raise InputError("source file does not match its Hugging Face cache blob name (sha256)", file=self.path,
-                             expected=self._known, found=sha256, hint="the cache is damaged: download the file again")
+                             expected=self._known, found=hexdigest,
+                             hint="the cache is damaged: download the file again")
         st = os.fstat(self._fd)
         if st.st_size != self._size:
             raise InputError("file size changed while converting", file=self.path, expected=self._size,
@@ -223,11 +269,11 @@ class HashingFileReader:
         os.close(self._fd)
         self._fd = -1
         same = stat_identity(st) == self._opened        # else written while read: no identity to trust later
-        return FileDigest(self._size, sha256, head, self._opened if same else ())
+        return FileDigest(self._size, hexdigest, self.algorithm, head, self._opened if same else ())
 
     def close(self) -> None:
-        if self._sha is not None:
-            self._sha.stop()
+        if self._hash is not None:
+            self._hash.stop()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -27,8 +27,8 @@ import numpy as np
 
 from ktconvert.activation.stats import write_gptq_activation
 from ktconvert.errors import InputError, ShapeError
-from ktconvert.formats.fileio import hash_file
 from ktconvert.formats.hf_source import HFSource
+from ktconvert.formats.out_manifest import source_file_entry
 from ktconvert.gptq import grid
 from ktconvert.gptq.calibration import load_samples
 from ktconvert.gptq.determinism import deterministic_cpu, pin_process
@@ -234,8 +234,7 @@ def write_gptq_layers(output, samples: list, progress=None, *, options: GptqOpti
         saved.save(stream, layers)
         progress.advance(sizes.get(result.layer, 0), items=1, detail=f"layer {result.layer}")
     for path in source.files():
-        size, sha256, _ = hash_file(path)
-        output.journal.finish_source(source.relative_name(path), {"bytes": size, "sha256": sha256})
+        output.journal.finish_source(source.relative_name(path), source_file_entry(path))
     summary = {key: {L: layers[L][key] for L in sorted(layers)} for key in ("tokens", "fallback", "selection")}
     return {**summary, "fallback_quant": stream.quantizer.fallback_quant}
 

@@ -4,6 +4,7 @@ Light: the scheme, group size and linears tables its checks read are imported wh
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ktconvert.errors import UsageError
@@ -17,7 +18,10 @@ class GpuOptions(Options):
     """What the GPU checkpoint is: experts (compressed-tensors scheme of the routed experts: w4a16 | w8a16),
     group_size (32 | 64 | 128, SGLang's Marlin MoE kernels), quant ("rtn": bytes equal llmcompressor's
     model_free_ptq; "gptq": calibrated, needs calibration), linears ("fp8": 128x128 block FP8 + linear_fp8_config,
-    "bf16", "keep"), include_mtp (also the MTP layers), calibration (JSON lines of texts or token ids)."""
+    "bf16", "keep"), include_mtp (also the MTP layers), calibration (JSON lines of texts or token ids), ignore
+    (llm-compressor's ignore entries, appended to config.json's ``ignore``: ``re:`` + a regex matched from the
+    start of the module name, else the exact name; gpu.plan refuses one that would leave a routed expert or an
+    FP8 linear unquantized)."""
 
     experts: str = option("w4a16", help="compressed-tensors scheme of the routed experts", choices="experts",
                           command_help="compressed-tensors scheme of the GPU checkpoint's routed experts")
@@ -34,8 +38,13 @@ class GpuOptions(Options):
     calibration: str | None = option(None, target=False)
     max_length: int = option(SAMPLING_DEFAULTS["max_length"], target=False)
     num_samples: int | None = option(SAMPLING_DEFAULTS["num_samples"], target=False)
+    ignore: tuple[str, ...] = option((), target=False)
 
     kind, lowercase = "GPU", ("experts", "quant", "linears")
+
+    def __post_init__(self):
+        ignore = (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore or ())
+        object.__setattr__(self, "ignore", ignore)
 
     @property
     def bits(self) -> int:
@@ -56,6 +65,27 @@ class GpuOptions(Options):
         if self.quant != "gptq" and self.calibration is not None:
             raise UsageError("--calibration is only used with --quant gptq", found=f"--quant {self.quant}")
         self.check_sampling()
+        for pattern in self.ignore:
+            check_ignore_pattern(pattern)
+
+    def journalled(self) -> dict:
+        """As Options.journalled, ignore only when given (the journals of runs without it stay as they were)."""
+        data = super().journalled()
+        if data.pop("ignore", ()):
+            data["ignore"] = list(self.ignore)
+        return data
+
+
+def check_ignore_pattern(pattern) -> None:
+    """UsageError for an --ignore entry that is not a module name or ``re:`` + a regular expression."""
+    if not isinstance(pattern, str) or not pattern.strip() or pattern == "re:":
+        raise UsageError("--ignore needs a module name or re:REGEX", found=repr(pattern))
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as exc:
+            raise UsageError(f"--ignore pattern is not a regular expression ({exc})", found=pattern,
+                             expected="re: followed by a Python regular expression") from None
 
 
 def _tables():

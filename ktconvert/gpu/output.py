@@ -126,6 +126,7 @@ class GpuOutput(Output):
     def _config_bytes(self) -> bytes:
         hf, sgl = self.layout.ignore_modules()
         ignore = gpu_config.build_ignore(hf, sgl, self.layout.expert_check_names())
+        ignore += self.options.ignore       # --ignore: appended as given, as llm-compressor's model_free_ptq does
         gptq = self.options.quant == "gptq"
         qc = gpu_config.quantization_config(self.options.bits, self.options.group_size, ignore,
                                             "static" if gptq else None, linear_fp8=self.layout.linear_fp8,
@@ -141,6 +142,8 @@ class GpuOutput(Output):
         opts = self.options
         gpu = {"experts": opts.experts, "bits": opts.bits, "group_size": opts.group_size, "linears": opts.linears,
                "linear_fp8": self.layout.linear_fp8, "algo": opts.quant, "include_mtp": opts.include_mtp}
+        if opts.ignore:
+            gpu["ignore"] = list(opts.ignore)       # only when given: other manifests stay as they were
         return {"method": opts.experts.upper(), "numa": 1, "layout": "compressed-tensors", "quant": opts.quant,
                 "kind": "gpu", "flags": dict(self.flags),
                 "packages": package_versions(BYTE_PACKAGES + ("torch", "compressed-tensors")), "extra": {"gpu": gpu}}

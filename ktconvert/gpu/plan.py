@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from ktconvert.errors import InputError, ShapeError
+from ktconvert.errors import InputError, ShapeError, UsageError
 from ktconvert.formats.hf_source import HFSource
 from ktconvert.formats.st_writer import build_header, tensor_nbytes
 from ktconvert.gpu.experts import GROUP_SIZES, expert_bytes
 from ktconvert.gpu.layout import GpuLayout
-from ktconvert.gpu.linears import module_of
+from ktconvert.gpu.config import ct_ignored, sglang_ignored
+from ktconvert.gpu.linears import module_of, sglang_names
 from ktconvert.gpu.options import QUANTS, GpuOptions  # noqa: F401  (QUANTS: vocabulary's)
 from ktconvert.run.inputs import Input, open_input
 from ktconvert.run.options import Plan
@@ -26,8 +27,10 @@ class GpuPlan(Plan):
     """A validated GPU conversion: input (inputs.Input), options, layers, layout (gpu.layout.GpuLayout: which
     tensor goes where); report (JSON-ready sizes, computed on first use); plan[key] reads the report."""
 
-    def __init__(self, input: Input, options: GpuOptions, layers: list[int], layout: GpuLayout, checks: list[dict]):
+    def __init__(self, input: Input, options: GpuOptions, layers: list[int], layout: GpuLayout, checks: list[dict],
+                 ignored: dict | None = None):
         self.input, self.options, self.layers, self.layout, self.checks = input, options, layers, layout, checks
+        self.ignored = ignored or {}
 
     def journal_options(self) -> dict:
         return {"kind": "gpu", **self.options.journalled(), "layers": self.layers,
@@ -47,11 +50,14 @@ class GpuPlan(Plan):
         H, I = info.hidden, info.intermediate
         per_expert = expert_bytes(I, H, opts.bits, opts.group_size) * 2 + expert_bytes(H, I, opts.bits,
                                                                                          opts.group_size)
-        return {"source": self.input.spec, "family": info.family, "experts": opts.experts, "bits": opts.bits,
-                "group_size": opts.group_size, "linears": opts.linears, "linear_fp8": layout.linear_fp8,
-                "layers": self.layers, "n_experts": info.n_experts, "files": files, "components": components,
-                "total_bytes": sum(f["bytes"] for f in files), "vram_per_expert_bytes": per_expert,
-                "vram_per_layer_all_experts_bytes": per_expert * info.n_experts, "checks": self.checks}
+        report = {"source": self.input.spec, "family": info.family, "experts": opts.experts, "bits": opts.bits,
+                  "group_size": opts.group_size, "linears": opts.linears, "linear_fp8": layout.linear_fp8,
+                  "layers": self.layers, "n_experts": info.n_experts, "files": files, "components": components,
+                  "total_bytes": sum(f["bytes"] for f in files), "vram_per_expert_bytes": per_expert,
+                  "vram_per_layer_all_experts_bytes": per_expert * info.n_experts, "checks": self.checks}
+        if opts.ignore:
+            report["ignore"] = dict(self.ignored)
+        return report
 
 
 def plan_gpu(src, options: GpuOptions) -> GpuPlan:
@@ -74,7 +80,36 @@ def plan_gpu(src, options: GpuOptions) -> GpuPlan:
                          found=failed[0]["detail"],
                          hint=f"choose --group-size among {list(GROUP_SIZES)} dividing H and I" if "H %" in
                          failed[0]["check"] or "I %" in failed[0]["check"] else None)
-    return GpuPlan(input, options, layers, layout, checks)
+    return GpuPlan(input, options, layers, layout, checks, ignore_matches(layout, options.ignore))
+
+
+def ignore_matches(layout: GpuLayout, patterns) -> dict[str, int]:
+    """{--ignore entry: how many linears of the checkpoint it matches} (compressed-tensors' rule on HF names, SGLang's
+    on its fused names). UsageError for an entry that would leave something unquantized that the checkpoint must
+    quantize: a routed expert (the GPU experts are what the checkpoint's scheme is for, and SGLang loads a MoE layer
+    under one scheme), or, with linear_fp8_config, a LinearBase linear (SGLang-KT then makes every linear FP8, with
+    no per-layer opt-out: gpu-format.md §1.3)."""
+    hf, sgl = layout.ignore_modules()
+    fused = sglang_names(layout.linear_modules)
+    experts = sorted(layout.expert_check_names())
+    out = {}
+    for pattern in patterns:
+        hit = [m for m in experts if ct_ignored(m, [pattern]) or sglang_ignored(m, [pattern])]
+        if hit:
+            raise UsageError("--ignore would leave a routed expert unquantized; the GPU checkpoint quantizes every "
+                             "routed expert (SGLang loads a MoE layer under one scheme)", found=f"{pattern} matches "
+                             f"{hit[0]}", hint="plain names match exactly in compressed-tensors but as a substring "
+                                               "in SGLang; use re: with an anchored regex")
+        if layout.linear_fp8:
+            hit = sorted(m for m in layout.linear_modules if ct_ignored(m, [pattern])
+                         or sglang_ignored(fused[m], [pattern]))
+            if hit:
+                raise UsageError("--ignore matches an FP8 linear, which SGLang-KT quantizes whatever the ignore list "
+                                 "says (linear_fp8_config applies to every linear)", found=f"{pattern} matches "
+                                 f"{hit[0]}", hint="--linears bf16 leaves every linear unquantized")
+        out[pattern] = len({m for m in hf if ct_ignored(m, [pattern])}
+                           | {m for m in sgl if sglang_ignored(m, [pattern])})
+    return out
 
 
 def _component(name: str, layout) -> str:
@@ -114,5 +149,7 @@ def render_gpu(result: dict) -> str:
     lines += [f"  {f['path']:<40} {f['bytes']}" for f in result["files"]]
     lines += [f"  {k}: {v} bytes" for k, v in result["components"].items()]
     lines.append(f"total: {result['total_bytes']} bytes")
+    lines += [f"  ignore {p} (added to config.json): {n} linear{'' if n == 1 else 's'}"
+              for p, n in result.get("ignore", {}).items()]
     lines += [f"  [{'ok' if c['ok'] else 'FAIL'}] {c['check']}: {c['detail']}" for c in result["checks"]]
     return "\n".join(lines)

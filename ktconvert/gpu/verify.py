@@ -5,7 +5,9 @@ Checks: ``config`` (``linear_fp8_config`` a dict with the fields SGLang reads; t
 tensor mapped), ``experts`` (every routed expert of every MoE layer has weight_packed / weight_scale / weight_shape
 with the right dtypes and shapes; the first `experts` per layer decompressed by compressed-tensors, finite, and
 with `source` compared with the source weights), ``linears`` (FP8 weights carry an F32 ``weight_scale_inv`` of
-[ceil(N/bn), ceil(K/bk)], finite and > 0; without linear_fp8_config every linear is float) and ``ignore`` (every
+[ceil(N/bn), ceil(K/bk)], finite and > 0; with `source`, the FP8 linears of the first, middle and last layers
+dequantized by torch's own float8_e4m3fn and compared with the source's; without linear_fp8_config every linear is
+float) and ``ignore`` (every
 non-expert linear ignored and no expert ignored, under compressed-tensors' matcher on HF names and SGLang's on
 SGLang names). transformers is no validator for this layout (it drops weight_scale_inv silently).
 """
@@ -32,6 +34,7 @@ from ktconvert.verification.folder import OutputFolder
 
 ACTORDERS = (None, "static", "weight")
 REL_ERR_LIMIT = {4: 0.35, 8: 0.03}     # relative L2 error per matrix, generous for heavy-tailed weights
+FP8_LINEAR_LIMIT = 0.08     # relative L2 of one block-FP8 linear (E4M3, 3 mantissa bits: ~0.02-0.04 on real weights)
 
 
 class _Check:
@@ -63,8 +66,9 @@ def check_gpu_checkpoint(out, source=None, experts="all", folder: OutputFolder |
         tensors = _check_index(folder or OutputFolder.scan(out), checks)
         info = _model_info(state["config"], tensors)
         layers = _moe_layers(info, tensors)
-        checks.append(_check_experts(out, state, info, layers, tensors, experts, source))
-        checks.append(_check_linears(out, state, info, layers, tensors))
+        src = _open_source(source, out)
+        checks.append(_check_experts(out, state, info, layers, tensors, experts, src))
+        checks.append(_check_linears(out, state, info, layers, tensors, src))
         checks.append(_check_ignore(state, info, layers, tensors))
     entries = [c.entry() for c in checks]
     problems = [p for e in entries for p in e["problems"]]
@@ -200,13 +204,13 @@ def _module(name: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- experts
 
-def _check_experts(out: Path, state: dict, info, layers, tensors: dict, experts, source) -> _Check:
+def _check_experts(out: Path, state: dict, info, layers, tensors: dict, experts, src) -> _Check:
+    """src: the opened source (_open_source), or None."""
     check = _Check("experts")
     bits, gs = state["bits"], state["group_size"]
     shapes = {"gate": (info.intermediate, info.hidden), "up": (info.intermediate, info.hidden),
               "down": (info.hidden, info.intermediate)}
     limit = info.n_experts if experts in (None, "all") else min(int(experts), info.n_experts)
-    src = _open_source(source, out)
     errors, decoded = [], 0
     for layer in layers:
         for e in range(info.n_experts):
@@ -328,7 +332,7 @@ def _linear_modules(info, layers, tensors: dict) -> tuple[set[str], set[str]]:
     return base, other
 
 
-def _check_linears(out: Path, state: dict, info, layers, tensors: dict) -> _Check:
+def _check_linears(out: Path, state: dict, info, layers, tensors: dict, src=None) -> _Check:
     check = _Check("linears")
     fp8 = state["fp8"]
     block = tuple(fp8["weight_block_size"]) if fp8 else (128, 128)
@@ -342,15 +346,62 @@ def _check_linears(out: Path, state: dict, info, layers, tensors: dict) -> _Chec
         elif fp8 is not None and ref.dtype != "F8_E4M3":
             check.add(f"{shard}: {module}.weight is {ref.dtype}, expected F8_E4M3: linear_fp8_config makes every "
                       "linear block FP8 (a BF16 tensor is cast without scaling: garbage, no error)")
+    scaled = []
     for name, (shard, ref) in sorted(tensors.items()):
         if name.endswith(".weight") and ref.dtype == "F8_E4M3":
             n_fp8 += 1
-            _check_fp8_scale(out, tensors, _module(name), ref, block, check)
+            if _check_fp8_scale(out, tensors, _module(name), ref, block, check):
+                scaled.append(_module(name))
     check.detail = f"{len(base)} SGLang linears, {n_fp8} FP8 weights"
+    if src is not None and scaled:
+        errors = _fp8_linear_errors(out, tensors, src, scaled, block, check)
+        if errors:
+            state.setdefault("errors", {})["linears"] = errors
+            check.detail += (f"; {len(errors['modules'])} of the first, middle and last layers vs source: rel L2 "
+                             f"max {errors['max_rel_l2']:.4f}")
     return check
 
 
-def _check_fp8_scale(out: Path, tensors: dict, module: str, ref, block, check: _Check) -> None:
+def _layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    return next((int(b) for a, b in zip(parts, parts[1:]) if a == "layers" and b.isdigit()), None)
+
+
+def _fp8_linear_errors(out: Path, tensors: dict, src, modules: list[str], block, check: _Check) -> dict:
+    """{"limit", "max_rel_l2", "modules": [{"module", "layer", "rel_l2"}]} of the FP8 `modules` of the first,
+    middle and last decoder layers holding any (and those outside layers): W = e4m3 codes (torch's float8_e4m3fn
+    cast) x the block's weight_scale_inv, against the source's weights."""
+    import torch
+
+    held = sorted({_layer_of(m) for m in modules} - {None})
+    picked = {held[0], held[len(held) // 2], held[-1]} if held else set()
+    rows = []
+    for module in modules:
+        layer = _layer_of(module)
+        if layer is not None and layer not in picked:
+            continue
+        codes = torch.from_numpy(np.ascontiguousarray(_read(out, tensors, module + ".weight")).view(np.uint8))
+        w = codes.view(torch.float8_e4m3fn).to(torch.float32)
+        scale = torch.from_numpy(np.asarray(_read(out, tensors, module + ".weight_scale_inv"), np.float32))
+        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: w.shape[0], : w.shape[1]]
+        w = (w * full).numpy()
+        try:
+            ref = bf16_bits_to_f32(src.read_linear(module))
+        except KtConvertError:
+            continue        # a linear the source stores otherwise (the conversion decoded it): not compared here
+        err = float(np.linalg.norm(w - ref) / max(float(np.linalg.norm(ref)), 1e-30))
+        if err > FP8_LINEAR_LIMIT:
+            check.add(f"{module}: FP8 weights' relative L2 error {err:.4f} against the source exceeds "
+                      f"{FP8_LINEAR_LIMIT}")
+        rows.append({"module": module, "layer": layer, "rel_l2": err})
+    if not rows:
+        return {}
+    return {"limit": FP8_LINEAR_LIMIT, "max_rel_l2": max(r["rel_l2"] for r in rows), "modules": rows}
+
+
+def _check_fp8_scale(out: Path, tensors: dict, module: str, ref, block, check: _Check) -> bool:
+    """Whether `module`'s weight_scale_inv is there, of the right dtype and shape, finite and > 0 (else a problem
+    line)."""
     n, k = ref.shape
     want = (math.ceil(n / block[0]), math.ceil(k / block[1]))
     entry = tensors.get(module + ".weight_scale_inv")
@@ -358,14 +409,16 @@ def _check_fp8_scale(out: Path, tensors: dict, module: str, ref, block, check: _
         hint = (" (found weight_scale: SGLang's block FP8 path reads only weight_scale_inv and skips it, leaving "
                 "garbage scales)") if module + ".weight_scale" in tensors else ""
         check.add(f"{tensors[module + '.weight'][0]}: {module}.weight_scale_inv missing{hint}")
-        return
+        return False
     shard, sref = entry
     if sref.dtype != "F32" or tuple(sref.shape) != want:
         check.add(f"{shard}: {module}.weight_scale_inv is {sref.dtype} {list(sref.shape)}, expected F32 {list(want)}")
-        return
+        return False
     scale = _read(out, tensors, module + ".weight_scale_inv")
     if not (np.isfinite(scale).all() and (scale > 0).all()):
         check.add(f"{shard}: {module}.weight_scale_inv has non-finite or non-positive values")
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- ignore

@@ -43,12 +43,13 @@ def registered_with(suffix: str, dtype: str) -> type | None:
 
 def _names() -> dict[str, tuple[str, type | None]]:
     """{format label: (kt-kernel method name, registered class or None)}."""
+    by_kt = {m.kt_method: m for m in all_methods() if m.writable and not m.needs_conversion}
     bf16, fp8, raw = (registered_with(*spec) for spec in (("weight", "BF16"), ("weight_scale_inv", "F32"),
                                                          ("weight_packed", "I32")))
     return {"BF16": (bf16.kt_method if bf16 else "BF16", bf16), "FP8": (fp8.kt_method if fp8 else "FP8", fp8),
-            "RAW": (raw.kt_method if raw else "", raw), "FP8_PERCHANNEL": ("FP8_PERCHANNEL", None),
-            "GPTQ_INT4": ("GPTQ_INT4", None), "MXFP4": ("MXFP4", None), "NVFP4": ("NVFP4", None),
-            "MXFP8": ("MXFP8", None)}
+            "RAW": (raw.kt_method if raw else "", raw),
+            **{label: (label, by_kt.get(label))
+               for label in ("FP8_PERCHANNEL", "GPTQ_INT4", "MXFP4", "NVFP4", "MXFP8")}}
 
 
 def hf_entries(headers) -> tuple[dict, dict]:

@@ -22,7 +22,7 @@ from ktconvert.launchcheck.findings import Finding, option_fix
 from ktconvert.methods import all_methods
 
 # kt-kernel 0.7.2 experts.py INFERENCE_METHODS: those ktconvert registers (kt_methods()) and these
-UNREGISTERED = ("FP8_PERCHANNEL", "GPTQ_INT4", "SYCL_GPTQ_INT4", "MXFP4", "NVFP4", "MXFP8", "MOE_INT4", "MOE_INT8")
+UNREGISTERED = ("SYCL_GPTQ_INT4", "MOE_INT4", "MOE_INT8")
 GARBAGE_PAIRS = {("FP8_PERCHANNEL", "FP8"), ("MXFP8", "FP8")}      # (files, flag): loads, computes garbage
 QK_K = 256
 

@@ -49,11 +49,11 @@ def check_runtime(identity, host: Host, env: dict, weight_quant: dict | None = N
         out.append(Finding("--kt-method", method, f"{method} runs on kt-kernel's AOCL-BLIS / KML source builds only; "
                            f"no build of the kt-kernel wheel has it (this host loads {host.build})", "refusal"))
         return "", out
-    if registered is not None and not host.avx512 and registered.needs_conversion:
+    if registered is not None and not host.avx512 and (registered.needs_conversion or registered.needs_avx512):
         out.append(Finding("host", host.build, f"kt-kernel's avx2 build has no {method} backend (the AVX-512 "
                            "builds do)", "refusal", "an AVX-512 host for these files"))
         return "", out
-    if registered is not None:
+    if registered is not None and method not in _SELECT:      # a _SELECT rule knows kt's backends and env for these
         for note in registered.runtime_notes(sorted(host.flags)):
             out.append(Finding("host", host.build, note, "garbage"))
         limits = getattr(registered, "group_sizes", ())
@@ -68,10 +68,6 @@ def check_runtime(identity, host: Host, env: dict, weight_quant: dict | None = N
 
 
 def _default(identity, host, env, gs, out, weight_quant) -> str:
-    if identity.method == "FP8_PERCHANNEL" and not host.avx512:
-        out.append(Finding("host", host.build, "kt-kernel's avx2 build has no FP8_PERCHANNEL backend "
-                           "(AMXFP8PerChannel_MOE is in the AVX-512 builds)", "refusal", "an AVX-512 host"))
-        return ""
     block = identity.facts.get("block")
     if identity.method == "FP8" and block and list(block) != [128, 128]:
         out.append(Finding("files", f"{block[0]}x{block[1]} blocks", "kt-kernel's FP8 method hard-codes 128x128 "

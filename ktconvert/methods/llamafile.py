@@ -1,9 +1,14 @@
 """kt-kernel's LLAMAFILE method written by ktconvert: the routed experts as GGUF tensors, one GGUF file per MoE
-layer (``formats/gguf_sink.py``), quantized exactly as llama.cpp's reference quantizer (``quant/ggml_quant.py``).
+layer or shards of at most ``--split-max-size`` (llama.cpp's split set, ``formats/gguf_sink.py``), quantized exactly
+as llama.cpp's reference quantizer (``quant/ggml_quant.py``); with ``--include-dense`` also the non-expert tensors,
+model metadata and tokenizer, a complete GGUF llama.cpp loads (``formats/gguf_model.py``).
 
 ``--ggml-type``: a type (Q4_K by default; Q5_K, Q6_K, Q8_0, Q4_0, BF16, F16: every expert tensor of that type, as
 ``llama-quantize --pure``) or a llama-quantize mix (Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S: the type llama.cpp's
-``llama_tensor_get_type`` picks for each expert tensor without an importance matrix, ``expert_type``).
+``llama_tensor_get_type`` picks for each expert tensor without an importance matrix, ``expert_type``; the K mixes'
+expert choices do not depend on one). ``--imatrix FILE``: llama-imatrix's GGUF or legacy .dat (``quant/imatrix.py``),
+each expert quantized with its slice as llama-quantize does (Q4_K, Q5_K, Q6_K, Q4_0; Q8_0 / BF16 / F16 ignore it);
+read when the options are, its entries checked against the model in open_sink (the plan), its sha256 in the manifest.
 
 kt-kernel's rules, as data: its LLAMAFILE backend needs the expert intermediate size I to be a multiple of 256
 (QK_K; a ValueError otherwise, whatever the type), splits I into NUMA parts of whole 256-row blocks (T <= I/256),
@@ -29,6 +34,7 @@ from ktconvert.formats.gguf_sink import PROJ_TENSORS, GgufSink
 from ktconvert.methods.base import CpuMethod, check
 from ktconvert.quant import ggml, ggml_quant
 from ktconvert.quant.bf16 import bf16_bits_to_f32
+from ktconvert.quant.imatrix import Imatrix, load as load_imatrix
 from ktconvert.verification import gguf_output
 
 QK_K = 256
@@ -53,15 +59,30 @@ class Llamafile(CpuMethod):
     layouts: ClassVar[tuple[str, ...]] = ("gguf",)
     ggml_types: ClassVar[tuple[str, ...]] = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "BF16", "F16", *MIXES)
     ggml_type: ClassVar[str] = "Q4_K"
-    method_options = {"ggml_type": ggml_types}
+    split_max_size: ClassVar[str | None] = None     # --split-max-size as given (None: one GGUF per MoE layer)
+    split_bytes: ClassVar[int | None] = None        # ... in bytes
+    imatrix: ClassVar[str | None] = None            # --imatrix FILE as given (None: quantized without one)
+    importance: ClassVar[Imatrix | None] = None     # ... as read (quant.imatrix)
+    method_options = {"ggml_type": ggml_types, "split_max_size": (), "imatrix": ()}     # () : any size / file
     thresholds = {"moe_rel_l2": MOE_REL_L2["Q4_K"]}
 
     # ---------------------------------------------------------------- options
 
     @classmethod
-    def with_options(cls, ggml_type: str | None = None) -> type["Llamafile"]:
+    def with_options(cls, ggml_type: str | None = None, split_max_size: str | None = None,
+                     imatrix: str | None = None) -> type["Llamafile"]:
         """This method writing `ggml_type` (llama.cpp's spelling, case-insensitive; None: Q4_K), verified with that
-        type's limit. UsageError for a type it does not write."""
+        type's limit, in shards of at most `split_max_size` (split_bytes_of). UsageError for a type it does not
+        write or a size it cannot read."""
+        if imatrix is not None:        # llama-quantize --imatrix: read (and refused, UsageError) here, before OUT
+            method = cls.with_options(ggml_type, split_max_size)
+            return type(f"{method.__name__}Imatrix", (method,), {"imatrix": str(imatrix),
+                                                                  "importance": load_imatrix(imatrix)})
+        if split_max_size is not None:
+            size = split_bytes_of(split_max_size)
+            method = cls.with_options(ggml_type)
+            return type(f"{method.__name__}Split", (method,), {"split_max_size": str(split_max_size).strip(),
+                                                                "split_bytes": size})
         if ggml_type is None:
             return cls
         name = ggml_type.upper() if isinstance(ggml_type, str) else repr(ggml_type)
@@ -75,7 +96,9 @@ class Llamafile(CpuMethod):
 
     @classmethod
     def manifest_fields(cls) -> dict:
-        return {"ggml_type": cls.ggml_type}
+        return {"ggml_type": cls.ggml_type, **({"split_max_size": cls.split_max_size} if cls.split_bytes else {}),
+                **({"imatrix_file": Path(cls.imatrix).name, "imatrix_sha256": cls.importance.sha256}
+                   if cls.importance else {})}
 
     # ---------------------------------------------------------------- shapes and sizes
 
@@ -148,7 +171,8 @@ class Llamafile(CpuMethod):
     # ---------------------------------------------------------------- encoding and writing
 
     @classmethod
-    def encode(cls, w_bf16: np.ndarray, where: str = "", ggml_type: str | None = None) -> dict[str, np.ndarray]:
+    def encode(cls, w_bf16: np.ndarray, where: str = "", ggml_type: str | None = None,
+               imatrix: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """uint16 [n, k] BF16 bits -> {"weight": uint8 [n, row bytes]} of `ggml_type` (default: base_type): BF16 as
         given, the other types through ggml_quant (llama.cpp's reference quantizer of the BF16 values)."""
         ggml_type = ggml_type or cls.base_type()
@@ -159,7 +183,7 @@ class Llamafile(CpuMethod):
             if not np.isfinite(w).all():
                 raise NumericError("NaN or Inf in weights", tensor=where or None)
             return {"weight": np.ascontiguousarray(w_bf16, dtype=np.uint16).view(np.uint8)}
-        return {"weight": ggml_quant.quantize(w, ggml_type, where=where)}
+        return {"weight": ggml_quant.quantize(w, ggml_type, where=where, imatrix=imatrix)}
 
     @classmethod
     def decode(cls, raw: np.ndarray, n: int, k: int, ggml_type: str | None = None) -> np.ndarray:
@@ -168,15 +192,24 @@ class Llamafile(CpuMethod):
 
     @classmethod
     def open_sink(cls, out_dir, layers, info, numa: int, layout: str, include_dense: bool) -> GgufSink:
-        if include_dense:
-            raise UsageError("--include-dense is not available for LLAMAFILE yet: the output holds the routed "
-                             "experts only", found="--include-dense")
-        return GgufSink(out_dir, cls, layers, info, numa=numa)
+        """The GGUF shards; include_dense: also the non-expert tensors, metadata and tokenizer (their specs come
+        with planned_files, or start_run's source)."""
+        if cls.importance is not None:     # every expert tensor has its entry (the plan runs this before OUT)
+            cls.importance.check({f"blk.{L}.{PROJ_TENSORS[p]}.weight": (info.n_experts, info.intermediate if p ==
+                                  "down" else info.hidden) for L in layers for p in PROJ_TENSORS})
+        return GgufSink(out_dir, cls, layers, info, numa=numa, dense=bool(include_dense))
 
     @classmethod
     def write_matrix(cls, writer, proj: str, expert: int, w_bf16, *, numa: int, quant: str, where: str) -> None:
-        """Encoded whole: kt-kernel slices the NUMA parts in memory."""
-        writer.put_matrix(proj, expert, w_bf16)
+        """Encoded whole: kt-kernel slices the NUMA parts in memory; with --imatrix, quantized with the expert's
+        slice of the importance matrix."""
+        if cls.importance is None:
+            writer.put_matrix(proj, expert, w_bf16)
+            return
+        name = writer.names[proj]
+        qw = cls.importance.expert(name, expert, np.shape(w_bf16)[-1])
+        writer.put_stored(proj, expert, cls.encode(w_bf16, where=f"{name}[{expert}]", imatrix=qw,
+                                                   ggml_type=writer.sink.tensor_type(writer.layer, proj)))
 
     @classmethod
     def expert_reader(cls, out, manifest: dict, folder=None):
@@ -231,6 +264,18 @@ class Llamafile(CpuMethod):
         if source.input_format == "gguf" and source.info.intermediate % QK_K == 0:
             return "kt-kernel reads the GGUF"
         return None
+
+
+def split_bytes_of(text) -> int:
+    """A --split-max-size as convert_hf_to_gguf.py reads it: a whole number of bytes, or with K / M / G (10^3, 10^6,
+    10^9 bytes; llama.cpp's gguf-split takes M and G alike). UsageError otherwise."""
+    spelled = str(text).strip()
+    units = {"K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9}
+    number, unit = (spelled[:-1], units[spelled[-1].upper()]) if spelled[-1:].upper() in units else (spelled, 1)
+    if not number.isdigit() or int(number) <= 0:
+        raise UsageError("--split-max-size is not a size", expected="a positive whole number of bytes, or with K, "
+                         "M or G (e.g. 500M, 2G)", found=spelled)
+    return int(number) * unit
 
 
 def gguf_reader(out, manifest: dict, decode):

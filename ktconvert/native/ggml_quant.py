@@ -1,4 +1,5 @@
-"""ctypes bindings of the native ggml quantizers (native/ggml_quant.c): Q4_K, Q5_K, Q6_K, Q8_0, Q4_0.
+"""ctypes bindings of the native ggml quantizers (native/ggml_quant.c): Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, without and
+with an importance matrix (``quantize_imatrix``).
 
 Bytes equal ``ktconvert.quant.ggml_quant``'s numpy / gguf-py paths and llama.cpp's reference quantizer. ``impl``: None
 (automatic, KTCONVERT_FORCE_IMPL honoured) or "scalar" | "avx2" | "avx512". ``threads``: super-block ranges run on
@@ -49,4 +50,27 @@ def quantize(x: np.ndarray, ggml_type: str, block_bytes: int, threads: int = 1, 
                                                                   out[b:e]),
                       nblocks, max(1, min(int(threads), nblocks // per_thread)),
                       what="kt_ggml_quantize", name=name, found=ggml_type)
+    return out
+
+
+def _imatrix_signatures() -> dict:
+    return {"kt_ggml_quantize_imatrix": (_INT, [_INT, _INT, native.array(np.float32), _I64, _I64,
+                                                native.array(np.float32), native.out_array(np.uint8)])}
+
+
+def quantize_imatrix(x: np.ndarray, ggml_type: str, qw: np.ndarray, block_bytes: int, threads: int = 1,
+                     impl: str | None = None, name: str | None = None) -> np.ndarray:
+    """float32 rows [n, k] (finite; k whole blocks: the caller checks) and importances qw float32 [k] ->
+    uint8 [n, k / block * block_bytes]: llama.cpp's quantize_row_<type>_impl row by row."""
+    handle = native.bound_or_raise(_imatrix_signatures, "the native ggml quantizer with an importance matrix", name)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    qw = np.ascontiguousarray(qw, dtype=np.float32)
+    n, k = x.shape
+    out = np.empty((n, k // BLOCK_ELEMS[ggml_type] * block_bytes), dtype=np.uint8)
+    impl_id = native.resolve_impl(impl)
+    per_thread = max(1, MIN_BLOCKS_PER_THREAD * 256 // k)
+    native.run_ranges(lambda b, e, _err: handle.kt_ggml_quantize_imatrix(TYPE_IDS[ggml_type], impl_id, x[b:e], e - b,
+                                                                          k, qw, out[b:e]),
+                      n, max(1, min(int(threads), n // per_thread)), what="kt_ggml_quantize_imatrix", name=name,
+                      found=ggml_type)
     return out

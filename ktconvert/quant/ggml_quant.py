@@ -19,13 +19,15 @@ fp16 (round to nearest even) and read back before the final codes are chosen; a 
 is 0 keeps the codes its search produced. The numpy K-quant searches run vectorised over sub-blocks, in chunks of
 ``CHUNK`` super-blocks so the working set stays a few MB whatever the matrix size; native/ggml_quant.c is the
 same arithmetic in C (used when the native library has it, for Q8_0 / Q4_0 too), checked against these and
-against llama.cpp's bytes.
+against llama.cpp's bytes. With an importance matrix (``imatrix``) only the native code runs: llama.cpp's
+quantize_row_<type>_impl (make_qkx3_quants + make_qp_quants for Q4_K / Q5_K, make_qx_quants weighted by the matrix
+for Q6_K and Q4_0), checked by tests/test_imatrix.py against ggml_quantize_chunk's bytes.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ktconvert.errors import NumericError, ShapeError
+from ktconvert.errors import NativeError, NumericError, ShapeError
 from ktconvert.native import ggml_quant as native_ggml
 
 QK_K = 256
@@ -38,6 +40,7 @@ BLOCKS: dict[str, tuple[int, int]] = {"F16": (1, 2), "BF16": (1, 2), "Q8_0": (32
                                       "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 TYPES = tuple(BLOCKS)
 GGUF_PY_TYPES = ("F16", "BF16", "Q8_0", "Q4_0")     # quantized by gguf-py
+IMATRIX_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q4_0")    # ggml's quantizer uses an importance matrix (the others ignore it)
 
 
 def row_bytes(ggml_type: str, k: int) -> int:
@@ -49,8 +52,13 @@ def row_bytes(ggml_type: str, k: int) -> int:
     return k // elems * nbytes
 
 
-def quantize(x: np.ndarray, ggml_type: str, where: str = "", threads: int = 1, impl: str | None = None) -> np.ndarray:
+def quantize(x: np.ndarray, ggml_type: str, where: str = "", threads: int = 1, impl: str | None = None,
+             imatrix: np.ndarray | None = None) -> np.ndarray:
     """float32 [..., k] -> uint8 [..., row_bytes(ggml_type, k)]: the bytes llama.cpp's reference quantizer writes.
+
+    ``imatrix``: float32 [k], the importance of each column (one expert's slice of an importance matrix,
+    ``quant.imatrix``): the bytes ``ggml_quantize_chunk`` writes given it (quantize_row_<type>_impl, native only;
+    Q4_K, Q5_K, Q6_K, Q4_0; ggml's Q8_0, F16 and BF16 ignore it, ``IMATRIX_TYPES``).
 
     Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 run in C (native/ggml_quant.c: same bytes; K-quants measured 30-70 MB/s of
     BF16 input per AVX2 thread against 3-15 in numpy) when the native library has them, else in numpy / gguf-py;
@@ -70,6 +78,8 @@ def quantize(x: np.ndarray, ggml_type: str, where: str = "", threads: int = 1, i
         raise ShapeError(e.args[0], tensor=where or None, expected=e.expected, found=e.found) from None
     if not np.isfinite(x).all():
         raise NumericError("NaN or Inf in weights", tensor=where or None)
+    if imatrix is not None and ggml_type in IMATRIX_TYPES:
+        return _quantize_imatrix(x, ggml_type, imatrix, where, threads, impl).reshape(*x.shape[:-1], out_row)
     native = impl != "numpy" and ggml_type in native_ggml.TYPE_IDS
     if native and (impl is not None or native_ggml.supports(ggml_type)):
         out = native_ggml.quantize(x, ggml_type, BLOCKS[ggml_type][1], threads=threads, impl=impl, name=where)
@@ -88,6 +98,21 @@ def quantize(x: np.ndarray, ggml_type: str, where: str = "", threads: int = 1, i
         with np.errstate(all="ignore"):     # lanes a search discards may divide by zero; they are masked out
             out[start:start + CHUNK] = encode(flat[start:start + CHUNK])
     return out.reshape(*x.shape[:-1], out_row)
+
+
+def _quantize_imatrix(x: np.ndarray, ggml_type: str, imatrix: np.ndarray, where: str, threads: int,
+                      impl: str | None) -> np.ndarray:
+    qw = np.ascontiguousarray(imatrix, dtype=np.float32)
+    k = x.shape[-1]
+    if qw.shape != (k,):
+        raise ShapeError("importance matrix slice does not match the rows", tensor=where or None,
+                         expected=f"{k} values", found=str(list(qw.shape)))
+    if not np.isfinite(qw).all():
+        raise NumericError("NaN or Inf in the importance matrix", tensor=where or None)
+    if impl == "numpy":
+        raise NativeError("quantizing with an importance matrix needs the native library", tensor=where or None)
+    return native_ggml.quantize_imatrix(x.reshape(-1, k), ggml_type, qw, BLOCKS[ggml_type][1], threads=threads,
+                                        impl=impl, name=where or None)
 
 
 def dequantize(raw: np.ndarray, ggml_type: str, k: int) -> np.ndarray:

@@ -73,8 +73,8 @@ def source_mismatch(out_dir, name: str, expected: str, found: str) -> ResumeMism
 
 
 def digest_mismatch(out_dir, name: str, recorded: dict, found: dict) -> ResumeMismatchError:
-    """source_mismatch for two digests {"bytes", "sha256"}: the size where it differs, else the sha256."""
-    key = "bytes" if recorded.get("bytes") != found.get("bytes") else "sha256"
+    """source_mismatch for two digests {"bytes", "blake3" or "sha256"}: the size where it differs, else the digest."""
+    key = "bytes" if recorded.get("bytes") != found.get("bytes") else "blake3" if "blake3" in recorded else "sha256"
     return source_mismatch(out_dir, name, f"{key} {recorded.get(key)}", f"{key} {found.get(key)}")
 
 

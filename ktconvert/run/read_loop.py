@@ -161,7 +161,7 @@ class _Pass:
         digest = reader.finish()
         with self.lock:
             self.journal.finish_source(self.source.relative_name(path),
-                                       {"bytes": digest.bytes, "sha256": digest.sha256},
+                                       digest.entry(),
                                        {"head_sha256": digest.head_sha256, "stat": list(digest.identity)})
 
     def _read_job(self, reader: HashingFileReader, job: MatrixJob) -> None:

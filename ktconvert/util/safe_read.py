@@ -24,8 +24,9 @@ from ktconvert.errors import InputError
 
 MAX_DEPTH = 64                  # real configs, headers and manifests nest 2-6 levels
 MAX_JSON_BYTES = 64 << 20       # config.json / index / hub answers; manifests pass their own limit
-# ktconvert.json / resume journal / a bundle's manifest, checked before a byte is read: a sha256 per tensor is ~16 MB
-# per NUMA node for Kimi-K2 (~127 MB at NUMA 8); parsing holds ~5x the file (127 MB: 0.6 GB), so 256 MiB at most
+# ktconvert.json / resume journal / a bundle's manifest, checked before a byte is read: a digest per tensor is ~16 MB
+# per NUMA node for Kimi-K2 (~127 MB at NUMA 8; "blake3:" digests add ~10%: ~140 MB); parsing holds ~5x the file
+# (140 MB: 0.7 GB), so 256 MiB at most
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_NAME_BYTES = 255            # one path component (Linux NAME_MAX)
 MAX_PATH_BYTES = 4096           # a whole relative path (Linux PATH_MAX)

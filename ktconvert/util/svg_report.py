@@ -4,9 +4,12 @@ external resources, no plotting library).
     page(title, [section(heading, table(...), heat_map(...), line_chart(...)), ...])  -> the whole document
 
 * ``heat_map(values [rows, cols], ...)``: one coloured cell per value (NaN: "no data", hatched grey), a colour
-  bar, a tooltip (``<title>``) per cell; large maps keep a readable size by shrinking cells.
-* ``line_chart({name: [(x, y), ...]}, ...)``: polylines with axes, ticks and a legend; ``limits`` adds dashed
+  bar, a tooltip (``<title>``) per cell; large maps keep a readable size by shrinking cells; ``scale=(lo, hi)``
+  fixes the colours' range (values beyond it take the end colours, the bar says so).
+* ``line_chart({name: [(x, y), ...]}, ...)``: polylines with axes, ticks and a legend; each series has its own
+  colour, dash pattern and marker size, so curves that coincide stay visible; ``limits`` adds dashed
   horizontal lines (thresholds).
+* ``count(n, noun)``: "1 expert", "3 experts".
 * ``table(header, rows)``: numbers right-aligned; ``bullets(items)``: a list; ``status(ok, text)``: a verdict line.
 
 Every plot is a ``<figure class="plot" data-kind="heatmap|line">`` holding one ``<svg>`` that is well-formed XML,
@@ -23,6 +26,7 @@ import numpy as np
 
 # sequential palette (dark blue -> teal -> yellow), interpolated linearly in RGB
 _PALETTE = ((0.0, (38, 24, 95)), (0.35, (33, 110, 140)), (0.7, (94, 187, 111)), (1.0, (246, 230, 68)))
+_SERIES_DASHES = ("", "7 4", "2 3", "10 3 2 3")        # cycled with the colours: coinciding curves stay visible
 _SERIES_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                    "#bcbd22", "#17becf")
 MAX_MARKERS = 64
@@ -38,6 +42,11 @@ p.status.ok{background:#e3f4e1;color:#1d5e1a}p.status.failed{background:#fbe3e1;
 def esc(value) -> str:
     """Text or attribute value escaped for HTML and XML."""
     return html.escape(str(value), quote=True)
+
+
+def count(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless n is 1 ("1 expert", "8 experts")."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def fmt(value) -> str:
@@ -123,11 +132,12 @@ def colour(t: float) -> str:
 
 def heat_map(values, *, row_labels: list | None = None, col_labels: list | None = None, title: str = "",
              x_label: str = "", y_label: str = "", value_label: str = "value", caption: str = "",
-             max_width: int = 1100, max_cell: int = 18, group: str = "") -> str:
+             max_width: int = 1100, max_cell: int = 32, group: str = "", scale: tuple | None = None) -> str:
     """A heat map figure of `values` (2-D array-like [rows, cols], NaN = no data). Rows top to bottom, columns
-    left to right; colour linear from the smallest to the largest finite value. Each cell's tooltip names its
-    row label, column label and value. group: the figure's data-group, also the suffix of its "no data"
-    pattern id (give each heat map of a page its own)."""
+    left to right; colour linear from the smallest to the largest finite value, or over `scale` (lo, hi) when
+    given (values outside take the end colours; the bar's end label reads "≥ hi" when some value is above).
+    Each cell's tooltip names its row label, column label and value. group: the figure's data-group, also the
+    suffix of its "no data" pattern id (give each heat map of a page its own)."""
     v = np.asarray(values, dtype=np.float64)
     if v.ndim != 2:
         raise ValueError(f"heat map needs a 2-D array, got shape {v.shape}")
@@ -139,6 +149,10 @@ def heat_map(values, *, row_labels: list | None = None, col_labels: list | None 
     left, top = 70.0, 30.0 if title else 12.0
     finite = v[np.isfinite(v)]
     lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    above = False
+    if scale is not None:
+        above = bool(finite.size) and hi > float(scale[1])
+        lo, hi = float(scale[0]), float(scale[1])
     span = hi - lo if hi > lo else 1.0
     nodata = f"nodata-{group}" if group else "nodata"
     body = [f'<defs><pattern id="{esc(nodata)}" width="4" height="4" patternUnits="userSpaceOnUse">'
@@ -162,7 +176,7 @@ def heat_map(values, *, row_labels: list | None = None, col_labels: list | None 
     if y_label:
         body.append(_text(14, top + grid_h / 2, y_label, 11, "middle", rotate=True))
     bar_top = top + grid_h + (48 if x_label else 30)
-    body += _colour_bar(left, bar_top, min(max(grid_w, 160.0), 320.0), lo, hi, value_label)
+    body += _colour_bar(left, bar_top, min(max(grid_w, 160.0), 320.0), lo, hi, value_label, above)
     width = max(left + grid_w + 20, left + 340 + 7 * len(value_label))
     return _figure("heatmap", _svg(width, bar_top + 30, body, title or "heat map"), caption, group)
 
@@ -180,13 +194,14 @@ def _heat_labels(row_labels, col_labels, left, top, cell_w, cell_h) -> list[str]
     return out
 
 
-def _colour_bar(x, top, width, lo, hi, label) -> list[str]:
-    """A horizontal colour bar from lo (left) to hi (right) with its label after it."""
+def _colour_bar(x, top, width, lo, hi, label, above: bool = False) -> list[str]:
+    """A horizontal colour bar from lo (left) to hi (right, "≥ hi" when values beyond it share its colour) with
+    its label after it."""
     steps = 32
     out = [f'<rect x="{x + i * width / steps:.2f}" y="{top:.1f}" width="{width / steps + 0.5:.2f}" height="10" '
            f'fill="{colour(i / (steps - 1))}"/>' for i in range(steps)]
     out.append(_text(x, top + 22, fmt(lo), 10))
-    out.append(_text(x + width, top + 22, fmt(hi), 10, "end"))
+    out.append(_text(x + width, top + 22, ("≥ " if above else "") + fmt(hi), 10, "end"))
     out.append(_text(x + width + 10, top + 9, label, 10))
     return out
 
@@ -249,14 +264,19 @@ def line_chart(series: dict, *, title: str = "", x_label: str = "", y_label: str
     legend = []
     for i, (name, pts) in enumerate(points.items()):
         c = _SERIES_COLOURS[i % len(_SERIES_COLOURS)]
+        dash = _SERIES_DASHES[i % len(_SERIES_DASHES)]
+        style = f' stroke-dasharray="{dash}"' if dash else ""
         if len(pts) > 1:
             path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
-            body.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.6" points="{path}">'
+            body.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.6"{style} points="{path}">'
                         f"<title>{esc(name)}</title></polyline>")
         if len(pts) <= MAX_MARKERS:
-            body += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.2" fill="{c}"><title>{esc(name)}: '
+            # later series: larger hollow rings around the earlier dots, so equal points show every series
+            ring = f'r="{2.2 + 1.6 * (i % 4):.1f}" fill="{c}"' if i % 4 == 0 else \
+                f'r="{2.2 + 1.6 * (i % 4):.1f}" fill="none" stroke="{c}" stroke-width="1.2"'
+            body += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" {ring}><title>{esc(name)}: '
                      f"{esc(fmt(x))}, {esc(fmt(y))}</title></circle>" for x, y in pts]
-        legend.append((name, c, ""))
+        legend.append((name, c, style))
     for name, y in levels.items():
         if y_lo <= y <= y_hi:
             body.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" stroke="#555" '

@@ -17,7 +17,7 @@ import hashlib
 from types import SimpleNamespace
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, quants
+from gguf import GGMLQuantizationType, GGUFReader, Keys, quants
 
 from ktconvert.errors import InputError, KtConvertError
 from ktconvert.formats.fileio import HASH_CHUNK
@@ -59,7 +59,8 @@ def gguf_tensor_hashes(path) -> dict[str, str]:
 
 
 def planned_sink(manifest: dict, method) -> GgufSink:
-    """The sink that wrote the manifest's output, as a plan only."""
+    """The sink that wrote the manifest's output, as a plan only (without the non-expert tensors' specs: an
+    --include-dense output's shards are then taken from the manifest's files)."""
     model = manifest["model"]
     layers = [int(x) for x in model["layers"]]
     info = SimpleNamespace(n_experts=int(model["experts"]), hidden=int(model["hidden"]),
@@ -74,45 +75,71 @@ def _allowed_types(method, proj: str, layer: int) -> set[str]:
 
 
 def check_structure(root, manifest: dict, method) -> tuple[list[str], str]:
-    """(problem lines, detail) of the folder's GGUF files against the plan of the manifest's output."""
+    """(problem lines, detail) of the folder's GGUF files against the plan of the manifest's output: the shard
+    names and sizes of the sink's plan (an --include-dense output: the manifest's GGUF files), every expert tensor
+    once with its type, shape and bytes, split.no / split.count / split.tensors.count as llama.cpp checks them, and
+    no tensor the manifest does not record."""
     sink = planned_sink(manifest, method)
-    planned = sink.planned_files()
+    dense = bool(manifest.get("include_dense"))
+    if dense:
+        planned = {name: None for name in sorted(manifest.get("files", {})) if name.endswith(".gguf")}
+    else:
+        planned = {name: f.nbytes for name, f in sink.planned_files().items()}
     found = {p.name: p for p in sorted(root.glob("*.gguf"))}
     problems = [f"{name}: missing" for name in planned if name not in found]
     problems += [f"{name}: not a file of this output's plan" for name in found if name not in planned]
     mixed = method.ggml_type != method.base_type()
-    checked = 0
-    for layer in sink.layers:
-        name = sink.file_of(layer)
+    expected = {name: (layer, proj, kind, shape) for layer in sink.layers
+                for (name, kind, shape), proj in zip(sink.layer_tensors(layer), PROJS)}
+    recorded = set(manifest.get("tensors", {}))
+    seen: dict[str, str] = {}
+    total = 0
+    for index, name in enumerate(planned):
         if name not in found:
             continue
         try:
-            tensors = {t.name: t for t in GGUFReader(found[name]).tensors}
+            reader = GGUFReader(found[name])
         except (ValueError, KeyError, IndexError, OSError) as exc:
             problems.append(f"{name}: unreadable GGUF ({exc})")
             continue
-        if not mixed and found[name].stat().st_size != planned[name].nbytes:
-            problems.append(f"{name}: {found[name].stat().st_size} bytes, expected {planned[name].nbytes}")
-        expected = sink.layer_tensors(layer)
-        for (key, kind, (e, n, k)), proj in zip(expected, PROJS):
-            t = tensors.get(key)
-            if t is None:
-                problems.append(f"{name}: {key}: missing")
+        if not mixed and planned[name] is not None and found[name].stat().st_size != planned[name]:
+            problems.append(f"{name}: {found[name].stat().st_size} bytes, expected {planned[name]}")
+        split = {key: _field(reader, key) for key in (Keys.Split.LLM_KV_SPLIT_NO, Keys.Split.LLM_KV_SPLIT_COUNT,
+                                                      Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)}
+        if [split[Keys.Split.LLM_KV_SPLIT_NO], split[Keys.Split.LLM_KV_SPLIT_COUNT]] != [index, len(planned)]:
+            problems.append(f"{name}: split.no / split.count {split[Keys.Split.LLM_KV_SPLIT_NO]} / "
+                            f"{split[Keys.Split.LLM_KV_SPLIT_COUNT]}, expected {index} / {len(planned)}")
+        total = split[Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT] if index == 0 else total
+        for t in reader.tensors:
+            if t.name in seen:
+                problems.append(f"{name}: {t.name}: also in {seen[t.name]}")
+            seen[t.name] = name
+            if t.name not in expected:
+                if not (dense and t.name in recorded):
+                    problems.append(f"{name}: {t.name}: not an expected expert tensor")
                 continue
-            checked += 1
+            layer, proj, kind, (e, n, k) = expected[t.name]
             got = t.tensor_type.name
             allowed = _allowed_types(method, proj, layer) if mixed else {kind}
             if got not in allowed:
-                problems.append(f"{name}: {key}: ggml type {got}, expected {' or '.join(sorted(allowed))}")
-                continue
-            if [int(x) for x in t.shape] != [k, n, e]:
-                problems.append(f"{name}: {key}: shape {[int(x) for x in t.shape]}, expected {[k, n, e]}")
+                problems.append(f"{name}: {t.name}: ggml type {got}, expected {' or '.join(sorted(allowed))}")
+            elif [int(x) for x in t.shape] != [k, n, e]:
+                problems.append(f"{name}: {t.name}: shape {[int(x) for x in t.shape]}, expected {[k, n, e]}")
             elif int(t.n_bytes) != e * n * ggml_quant.row_bytes(got, k):
                 want = e * n * ggml_quant.row_bytes(got, k)
-                problems.append(f"{name}: {key}: {int(t.n_bytes)} bytes, expected {want}")
-        problems += [f"{name}: {key}: not an expected expert tensor" for key in sorted(set(tensors) -
-                                                                                         {x[0] for x in expected})]
-    return problems, f"{len(planned)} GGUF files, {3 * len(planned)} expert tensors expected, {checked} found"
+                problems.append(f"{name}: {t.name}: {int(t.n_bytes)} bytes, expected {want}")
+    problems += [f"{sink.file_of(layer)}: {key}: missing" for key, (layer, *_) in expected.items()
+                 if key not in seen and sink.file_of(layer) in found and not dense]
+    problems += [f"{key}: missing from every GGUF file" for key in expected if key not in seen and dense]
+    if found and planned and total != len(seen) and not [p for p in problems if p.endswith("missing")]:
+        problems.append(f"split.tensors.count {total}, the files hold {len(seen)}")
+    return problems, (f"{len(planned)} GGUF files, {len(expected)} expert tensors expected, "
+                      f"{sum(1 for k in expected if k in seen)} found")
+
+
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
 
 
 def check_numerics(manifest: dict, open_reader, source=None, tokens: int = 8, layers=None, experts="4",

@@ -1,11 +1,15 @@
 """``verify --hashes`` (and ``publish``'s local check): every file and tensor of an output re-hashed against the
 sha256 / git blob SHA-1 its ``ktconvert.json`` records (the git blob id as its format_version defines it: of the
-content for every file in version 1, of the LFS pointer for files from ``fileio.LFS_THRESHOLD`` on in version 2)."""
+content for every file in version 1, of the LFS pointer for files from ``fileio.LFS_THRESHOLD`` on in version 2 and
+3), and every tensor against its recorded digest in the algorithm that digest names (``digests.digest_algorithm``:
+BLAKE3 for "blake3:<hex>", written for safetensors tensors since format_version 3; sha256 for bare hex, as every
+older manifest and a tensor that is a whole file of its own record it)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from ktconvert.errors import InputError
+from ktconvert.formats.digests import DIGEST_ALGORITHM, digest_algorithm
 from ktconvert.formats.fileio import hash_file, hash_safetensors
 from ktconvert.formats.out_manifest import load_manifest, output_files
 from ktconvert.layouts.naming import key_for_kt_path
@@ -28,11 +32,12 @@ def verify_hashes(out_dir, manifest: dict | None = None, folder=None) -> dict:
               "tensor_extra": [], "unreadable": [], "files_checked": 0, "tensors_checked": 0, "problems": []}
     seen_tensors: dict[str, str] = {}
     content_git = manifest.get("format_version") == 1
+    algorithms = {name: digest_algorithm(value) for name, value in manifest["tensors"].items()}
     for rel in sorted(listed):
         if rel not in on_disk:
             report["missing"].append(rel)
             continue
-        _check_file(root, rel, listed[rel], headers.get(rel), report, seen_tensors, content_git)
+        _check_file(root, rel, listed[rel], headers.get(rel), report, seen_tensors, content_git, algorithms)
     _compare_tensors(manifest["tensors"], seen_tensors, report)
     report["problems"] = _hash_problems(report)
     report["ok"] = not report["problems"]
@@ -40,9 +45,9 @@ def verify_hashes(out_dir, manifest: dict | None = None, folder=None) -> dict:
 
 
 def _check_file(root: Path, rel: str, entry: dict, header, report: dict, seen_tensors: dict,
-                content_git: bool) -> None:
+                content_git: bool, algorithms: dict) -> None:
     try:
-        size, sha256, git_sha1, tensor_hashes = file_hashes(root, rel, header, content_git)
+        size, sha256, git_sha1, tensor_hashes = file_hashes(root, rel, header, content_git, algorithms)
     except InputError as exc:           # not a regular file, or changed while hashing
         report["unreadable"].append(f"{rel}: {exc.detail}")
         return
@@ -52,14 +57,15 @@ def _check_file(root: Path, rel: str, entry: dict, header, report: dict, seen_te
     seen_tensors.update(tensor_hashes)
 
 
-def file_hashes(root: Path, rel: str, header=None,
-                content_git: bool = False) -> tuple[int, str, str, dict[str, str]]:
-    """(size, sha256, git_sha1, {tensor: sha256}) of one output file: a shard's tensors from its header, a GGUF's
-    from its tensor infos, a .kt file is one tensor; InputError when it is not a regular file. content_git: see
-    fileio.hash_file."""
+def file_hashes(root: Path, rel: str, header=None, content_git: bool = False,
+                algorithms=DIGEST_ALGORITHM) -> tuple[int, str, str, dict[str, str]]:
+    """(size, sha256, git_sha1, {tensor: digest}) of one output file: a shard's tensors from its header (each in
+    `algorithms`: one name or {tensor: name}, as digests.TensorHasher takes), a GGUF's from its tensor infos (sha256),
+    a .kt file is one tensor (the file's sha256 is its digest); InputError when it is not a regular file.
+    content_git: see fileio.hash_file."""
     if rel.endswith(".safetensors"):
         try:
-            return hash_safetensors(root / rel, header, content_git)
+            return hash_safetensors(root / rel, header, content_git, algorithms)
         except InputError:
             return (*hash_file(root / rel, content_git), {})
     size, sha256, git_sha1 = hash_file(root / rel, content_git)

@@ -3,10 +3,13 @@
 * integrity (always): the manifest's self hash (``out_manifest.self_sha256``: an edit of any field, ``tool_version``
   and ``source`` included, that does not recompute it), ``tool`` / ``tool_version`` against the ``packages`` table
   written beside them, and the shape of the ``source`` record (config sha256, plain relative file names, sizes,
-  sha256s). What cannot be told: an edit that recomputes ``self_sha256`` too (the hash says edited or not, not who
-  wrote the file), or one of a manifest written before ktconvert recorded it (such a manifest is read as before).
+  digests: "blake3" and/or "sha256", 64 hex digits). What cannot be told: an edit that recomputes ``self_sha256``
+  too (the hash says edited or not, not who wrote the file), or one of a manifest written before ktconvert recorded
+  it (such a manifest is read as before).
 * source (``--source SRC``): SRC's config.json sha256, its weight files' names and sizes against the recorded
-  fingerprint; with ``--hashes`` also every weight file's sha256 (reads the whole source once).
+  fingerprint; with ``--hashes`` also every digest recorded per weight file, re-hashed in its algorithm (BLAKE3, or
+  sha256: manifests before format_version 3, and files whose sha256 a Hugging Face cache blob name gave, which is
+  thus checked against the bytes here), reading the whole source once.
 
     check_integrity(manifest) -> (problems, detail)
     check_source(manifest, source, hashes) -> (problems, detail)     # InputError: SRC unreadable (exit 3)
@@ -15,8 +18,9 @@ from __future__ import annotations
 
 import re
 
-from ktconvert.formats.fileio import hash_file
+from ktconvert.formats.fileio import digest_file_in, hash_file
 from ktconvert.formats.out_manifest import MANIFEST_NAME, SELF_KEY, self_hash_problem
+from ktconvert.formats.stream import entry_algorithms
 from ktconvert.util.safe_read import unsafe_name
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -57,11 +61,13 @@ def _source_record_problems(source) -> list[str]:
         return problems + [f"{where}.files is not a table (found {files!r:.60})"]
     for name, entry in sorted(files.items()):
         reason = unsafe_name(name)
-        ok = (isinstance(entry, dict) and type(entry.get("bytes")) is int and entry["bytes"] >= 0
-              and isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"]))
+        algorithms = entry_algorithms(entry)
+        ok = (algorithms and type(entry.get("bytes")) is int and entry["bytes"] >= 0
+              and all(isinstance(entry[a], str) and _SHA256.fullmatch(entry[a]) for a in algorithms))
         if reason or not ok:
             problems.append(f"{where}.files: {name!r:.80}: " + (f"not a plain relative name ({reason})" if reason
-                            else f'not {{"bytes": int >= 0, "sha256": 64 hex digits}} (found {entry!r:.100})'))
+                            else f'not {{"bytes": int >= 0, "blake3" or "sha256": 64 hex digits}} '
+                                 f'(found {entry!r:.100})'))
     return problems
 
 
@@ -83,7 +89,7 @@ def check_source(manifest: dict, source, hashes: bool) -> tuple[list[str], str]:
     present = {src.relative_name(path): path for path in src.files()}
     for name in sorted(set(present) - set(recorded)):
         problems.append(f"--source: {name}: a weight file {MANIFEST_NAME}'s source.files does not record")
-    checked = 0
+    checked: dict[str, int] = {}          # algorithm -> files compared
     for name, entry in sorted(recorded.items()):
         if name not in present:
             problems.append(f"--source: {name}: recorded in {MANIFEST_NAME}'s source.files, not a weight file of SRC")
@@ -93,10 +99,13 @@ def check_source(manifest: dict, source, hashes: bool) -> tuple[list[str], str]:
             problems.append(f"--source: {name}: size differs from {MANIFEST_NAME}; expected "
                             f"{entry.get('bytes') if isinstance(entry, dict) else None!r} bytes, found {size} bytes")
         elif hashes:
-            sha256 = hash_file(present[name], kind="read")[1]
-            checked += 1
-            if sha256 != entry.get("sha256"):
-                problems.append(f"--source: {name}: content differs from {MANIFEST_NAME}; expected sha256 "
-                                f"{entry.get('sha256')!r:.80}, found {sha256!r}")
-    how = f"{checked} sha256 compared" if hashes else "sizes (sha256 with --hashes)"
+            algorithms = entry_algorithms(entry) or ["sha256"]
+            found = digest_file_in(present[name], algorithms, kind="read")[1]
+            for algorithm in algorithms:
+                checked[algorithm] = checked.get(algorithm, 0) + 1
+                if found[algorithm] != entry.get(algorithm):
+                    problems.append(f"--source: {name}: content differs from {MANIFEST_NAME}; expected {algorithm} "
+                                    f"{entry.get(algorithm)!r:.80}, found {found[algorithm]!r}")
+    compared = " and ".join(f"{n} {algorithm}" for algorithm, n in sorted(checked.items())) or "0 digests"
+    how = f"{compared} compared" if hashes else "sizes (digests with --hashes)"
     return problems, f"config.json and {len(recorded)} files: {how}"

@@ -2,13 +2,14 @@
 
 Every part file reaches OUT through ``merge._place``: hard-linked (the part's inode itself) or copied across
 filesystems. Either way its bytes are hashed once and compared with its part manifest: the file's size, sha256
-and git blob id, and the sha256 of every tensor it holds (a .safetensors file's tensors from its header, a .kt
-file is one tensor: ``verification.hashes.file_hashes``, what ``verify --hashes`` runs); per part, the tensors
-found in its files are exactly those its manifest lists. A copy is hashed while it is copied
-(``fileio.copy_hashed``) and renamed to its name only once it matched. A hard link is hashed through its name in
-OUT right after it was made (the inode is the part's: one read), by a pool of threads while the next files are
-linked; one that differs is removed again. Any difference is a VerifyError (exit 4) naming the part file (and
-tensor); a file that changes while it is hashed, or is no regular file, an InputError (exit 3).
+and git blob id, and the digest of every tensor it holds, in the algorithm the part manifest names (a .safetensors
+file's tensors from its header, a .kt file is one tensor: ``verification.hashes.file_hashes``, what
+``verify --hashes`` runs); per part, the tensors found in its files are exactly those its manifest lists. A copy is
+hashed while it is copied (``fileio.copy_hashed``) and renamed to its name only once it matched. A hard link is
+hashed through its name in OUT right after it was made (the inode is the part's: one read), by a pool of threads
+while the next files are linked; one that differs is removed again. Any difference is a VerifyError (exit 4)
+naming the part file (and tensor); a file that changes while it is hashed, or is no regular file, an InputError
+(exit 3).
 
 ``Proofs`` is the record, kept in the merge journal: {part manifest sha256: {OUT name: the stat key (device,
 inode, size, mtime_ns, ctime_ns) of OUT's file once proven}}. A file still carrying its key is not hashed again
@@ -26,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ktconvert.errors import InputError, VerifyError
-from ktconvert.formats.fileio import TensorHasher, copy_hashed, remove_name, write_atomic
+from ktconvert.formats.digests import TensorHasher, digest_algorithm
+from ktconvert.formats.fileio import copy_hashed, remove_name, write_atomic
 from ktconvert.formats.out_manifest import manifest_bytes
 from ktconvert.formats.safetensors_reader import parse_header
 from ktconvert.layouts.naming import key_for_kt_path
@@ -93,6 +95,8 @@ class PartProof:
         self.folder, self.pool, self.proofs = Path(folder), pool, proofs
         self.id = hashlib.sha256(manifest_bytes(record)).hexdigest()
         self.entries, self.tensors = record["manifest"]["files"], record["manifest"]["tensors"]
+        # each tensor hashed in the algorithm its part manifest names (parts of an older release: sha256)
+        self.algorithms = {name: digest_algorithm(d) for name, d in self.tensors.items()}
         self.found: dict[str, str] = {}          # tensor -> the part file (relative name) holding it
         self.pending: list = []                  # (rel, path, future of _hash_in_place)
 
@@ -109,13 +113,13 @@ class PartProof:
     def hash_in_place(self, root: Path, rel: str) -> None:
         """Prove the file `rel` below `root` (OUT's hard link of the part file, or the part file itself) in the
         pool."""
-        self.pending.append((rel, Path(root) / rel, self.pool.submit(_hash_in_place, Path(root), rel)))
+        self.pending.append((rel, Path(root) / rel, self.pool.submit(_hash_in_place, Path(root), rel, self.algorithms)))
 
     def prove_copy(self, root: Path, rel: str) -> bool:
         """Prove OUT's file `rel` below `root`, a copy an earlier run left, now: True when it holds the recorded
         bytes."""
         try:
-            st, digests, tensors = _hash_in_place(Path(root), rel)
+            st, digests, tensors = _hash_in_place(Path(root), rel, self.algorithms)
             self._compare(rel, *digests, tensors)
         except (InputError, VerifyError):
             return False
@@ -129,7 +133,7 @@ class PartProof:
         hasher, key = None, None
         if rel.endswith(".safetensors"):
             try:
-                hasher = TensorHasher(parse_header(source))
+                hasher = TensorHasher(parse_header(source), self.algorithms)
             except InputError:          # not a shard after all: its manifest then lists no tensor of it
                 hasher = None
         else:
@@ -190,7 +194,7 @@ class PartProof:
                                   tensor=name, hint=HINT)
             if want != digest:
                 raise VerifyError("tensor differs from its part manifest", file=path, tensor=name,
-                                  expected=f"sha256 {want}", found=f"sha256 {digest}", hint=HINT)
+                                  expected=f"digest {want}", found=f"digest {digest}", hint=HINT)
             if self.found.get(name, rel) != rel:
                 raise VerifyError(f"two part files hold the tensor ({self.found[name]} and {rel})",
                                   file=str(self.folder), tensor=name, hint=HINT)
@@ -205,16 +209,16 @@ class PartProof:
             self.found[name] = rel
 
 
-def _hash_in_place(root: Path, rel: str) -> tuple[os.stat_result, tuple[int, str, str], dict[str, str]]:
-    """(stat, (size, sha256, git blob id), {tensor: sha256}) of the regular file `rel` below `root`; InputError
-    when it is a symlink or anything but a regular file, cannot be read, or changes while it is hashed."""
+def _hash_in_place(root: Path, rel: str, algorithms) -> tuple[os.stat_result, tuple[int, str, str], dict[str, str]]:
+    """(stat, (size, sha256, git blob id), {tensor: digest in `algorithms`}) of the regular file `rel` below `root`;
+    InputError when it is a symlink or anything but a regular file, cannot be read, or changes while it is hashed."""
     path = root / rel
     try:
         before = os.lstat(path)
         if not stat.S_ISREG(before.st_mode):
             raise InputError("part file is not a regular file (a symlink?); a part holds only regular files",
                              file=str(path), hint=HINT)
-        size, sha256, git_sha1, tensors = file_hashes(root, rel)
+        size, sha256, git_sha1, tensors = file_hashes(root, rel, algorithms=algorithms)
         after = os.lstat(path)
     except OSError as exc:
         raise InputError(f"cannot read part file ({exc.strerror})", file=str(path)) from None

@@ -13,11 +13,10 @@ them, against numpy's exact dequantization (to fp32 summation accuracy) and, wit
 """
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 
 from ktconvert.errors import InputError, KtConvertError, VerifyError
+from ktconvert.formats.digests import digest_like
 from ktconvert.formats.inplace_sink import PROJ_NAMES, expert_module
 from ktconvert.formats.decoders import decode_matrix, detect_scheme, validate_matrix
 from ktconvert.quant.bf16 import bf16_bits_to_f32
@@ -160,7 +159,7 @@ def _check_hashes(ck, base: str, manifest: dict, problems: list) -> None:
         want = manifest.get("tensors", {}).get(name)
         ref = ck.tensors[name]
         data = ck.read(name).tobytes()
-        if want is not None and hashlib.sha256(data).hexdigest() != want:
+        if want is not None and digest_like(want, data) != want:
             problems.append(f"{ref.file.name}: {name}: sha256 differs from ktconvert.json")
 
 

@@ -15,7 +15,6 @@ anything computes with it, and each failure is one VerifyError naming the tensor
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ktconvert.errors import InputError, UnknownNameError, VerifyError
+from ktconvert.formats.digests import digest_like
 from ktconvert.formats.kt_sink import KT_LOADS, KT_PARTS, KtSink
 from ktconvert.formats.out_manifest import load_manifest
 from ktconvert.formats.st_writer import NUMPY_DTYPES
@@ -37,8 +37,9 @@ _NUMA_DIR = re.compile(r"^_numa_(\d+)$")
 @dataclass
 class ExpertBlobs:
     """One expert as stored: ``parts[t] = ((gate_w, gate_s), (up_w, up_s), (down_w, down_s))`` (uint8 blobs,
-    1-D scales of the planned dtype, float32 for AMX) for NUMA part t, and ``sha256[key]`` of each tensor's bytes
-    under its merged key name."""
+    1-D scales of the planned dtype, float32 for AMX) for NUMA part t, and ``sha256[key]`` the digest of each
+    tensor's bytes under its merged key name, in the algorithm ktconvert.json's recorded one names
+    (``digests.digest_like``: BLAKE3 or sha256; the field keeps its older name)."""
 
     layer: int
     expert: int
@@ -209,7 +210,7 @@ class KtOutput:
                     key = merged_key(layer, proj, expert, t, kind)
                     data = self._read_merged(key, kind, proj) if self.mode == "safetensors" \
                         else self._read_kt(layer, t, proj, expert, kind)
-                    blobs.sha256[key] = hashlib.sha256(data).hexdigest()
+                    blobs.sha256[key] = digest_like(self.manifest.get("tensors", {}).get(key), data)
                     pair.append(data if kind == "weight" else
                                 data.view(NUMPY_DTYPES[self.plan.specs[proj]["scale"][0]]))
                 part.append(tuple(pair))

@@ -6,7 +6,8 @@ The page, in order:
   method, NUMA count, layout, quantizer, model) and the table of checks as ``verify`` printed it;
 * one part per **error group**: the per-layer numbers one numeric check produced (``error_groups``). Today: the CPU
   experts' numerics (``result["numerics"]``; random probe vectors, or calibration tokens where that check ran:
-  its ``probe`` names the kind) and a GPU checkpoint's decompressed experts (``result["gpu"]["errors"]``). Each
+  its ``probe`` names the kind), a GPU checkpoint's decompressed experts (``result["gpu"]["errors"]``) and its
+  dequantized FP8 linears (``result["gpu"]["errors"]["linears"]``). Each
   part says what the numbers were measured on, draws the per-layer error curve (gate / up / down / MoE relative
   L2, the limit dashed), lists the layers, draws a layer x expert heat map of the sampled experts' error and names
   the worst experts;
@@ -40,6 +41,7 @@ THRESHOLD_MEANING = {
     "moe_cosine": "smallest cosine of a layer's MoE output with the source weights' output",
     "kernel_rel": "largest relative L2 of the native kernels against numpy's dequantization of the same bytes",
     "limit": "largest relative L2 of one decompressed expert matrix against the source",
+    "fp8_linear_rel_l2": "largest relative L2 of one dequantized FP8 linear against the source",
 }
 PROBES = {
     "random": "random probe vectors: seeded Gaussian activations, each token routed to top-k of the layer's "
@@ -54,7 +56,8 @@ class ErrorGroup:
     """The per-layer numbers of one numeric check.
 
     key: the data-group of its plots ("cpu", "gpu"); probe: what the numbers were measured on; rows: per checked
-    layer {"layer", "ok", "errors": {legend name: relative L2}, "cosine": float | None, "sampled": int};
+    layer {"layer", "ok", "errors": {legend name: relative L2}, "cosine": float | None, "sampled": int | None
+    (experts run one by one), "tokens": int | None (a calibrated check: every expert the router picks)};
     experts: (layer, expert, relative L2) of every sampled expert; expert_measure: what an expert's number is;
     limits: {legend name: y} of the curve's dashed lines; thresholds: {name: value} the check used."""
 
@@ -67,6 +70,9 @@ class ErrorGroup:
     limits: dict = field(default_factory=dict)
     thresholds: dict = field(default_factory=dict)
     facts: list[tuple[str, object]] = field(default_factory=list)
+    no_experts: str = "No per-expert error (no source weights to compare with)."
+    tables: list[str] = field(default_factory=list)     # further HTML tables, after the layer table
+    curve: bool = True                                  # draw the per-layer curve (False: the tables say it all)
 
 
 # ---------------------------------------------------------------------------------------------- the groups
@@ -79,6 +85,8 @@ def error_groups(result: dict, manifest: dict | None) -> list[ErrorGroup]:
     gpu_errors = (result.get("gpu") or {}).get("errors") or {}
     if gpu_errors.get("layers"):
         groups.append(_gpu_group(gpu_errors, manifest))
+    if (gpu_errors.get("linears") or {}).get("modules"):
+        groups.append(_linears_group(gpu_errors["linears"]))
     return groups
 
 
@@ -88,12 +96,15 @@ def _numerics_group(numerics: dict, manifest: dict | None) -> ErrorGroup:
     group = ErrorGroup("cpu", f"CPU experts ({method})" if method else "CPU experts", _probe_text(probe, numerics),
                        thresholds=dict(numerics.get("thresholds") or {}))
     failed = _failed_layers(numerics.get("problems", []))
+    names = _output_names(numerics)
     for row in numerics.get("layers", []):
-        errors = _row_errors(row)
+        errors = _row_errors(row, names)
         if not errors:
             errors = {label: float(row[key]) for key, label in KERNEL_SERIES if _is_number(row.get(key))}
         group.rows.append({"layer": int(row["layer"]), "ok": row["layer"] not in failed, "errors": errors,
-                           "cosine": row.get("moe_cosine"), "sampled": len(row.get("experts", []))})
+                           "cosine": row.get("moe_cosine"),
+                           "sampled": len(row["experts"]) if "experts" in row else None,
+                           "tokens": row.get("tokens") if "experts" not in row else None})
         group.experts += [(int(row["layer"]), int(x["expert"]), float(x["rel_l2"]))
                           for x in row.get("expert_errors", [])]
     group.expert_measure = "relative L2 of the expert's output against the source weights' output on the probes"
@@ -105,7 +116,29 @@ def _numerics_group(numerics: dict, manifest: dict | None) -> ErrorGroup:
     group.facts = [(name, numerics[key]) for name, key in (("native implementation", "variant"),
                                                            ("probe tokens per layer", "tokens"), ("seed", "seed"))
                    if key in numerics]
+    calibration = numerics.get("calibration") or {}
+    if calibration:
+        facts = [("calibration file", Path(calibration["file"]).name if calibration.get("file") else None),
+                 ("samples", calibration.get("samples")), ("tokens", calibration.get("tokens")),
+                 ("routing", "the model's own router, every expert it picks")]
+        group.facts += [(name, value) for name, value in facts if value is not None]
+    for key, path in (numerics.get("outputs") or {}).items():
+        group.facts.append((f"output {names.get(key, key)}", path))
+    if any(r["errors"] for r in group.rows) and probe == "calibration":
+        group.no_experts = "No per-expert error: this check measures each layer's whole MoE output on the " \
+                           "calibration tokens (every expert the router picks), not experts one by one."
     return group
+
+
+def _output_names(numerics: dict) -> dict:
+    """{key of a compared output: its legend name}: "out" and "compare" with their folders' names where the
+    result names them (verify --compare), else the keys."""
+    outputs = numerics.get("outputs") or {}
+    names = {}
+    for key, path in outputs.items():
+        folder = Path(str(path)).name
+        names[key] = f"{key}: {folder}" if folder and folder != key else key
+    return names
 
 
 def _gpu_group(errors: dict, manifest: dict | None) -> ErrorGroup:
@@ -123,7 +156,7 @@ def _gpu_group(errors: dict, manifest: dict | None) -> ErrorGroup:
         layer = row["layer"]
         errs = {p: float(row[p]) for p in ("gate", "up", "down") if _is_number(row.get(p))}
         group.rows.append({"layer": layer, "ok": limit is None or worst_layer.get(layer, 0.0) <= limit,
-                           "errors": errs, "cosine": None,
+                           "errors": errs, "cosine": None, "tokens": None,
                            "sampled": sum(1 for x in errors.get("experts", []) if x["layer"] == layer)})
     group.expert_measure = "relative L2 of the expert's worst matrix against the source"
     if limit is not None:
@@ -133,12 +166,39 @@ def _gpu_group(errors: dict, manifest: dict | None) -> ErrorGroup:
     return group
 
 
-def _row_errors(row: dict) -> dict:
-    """{legend name: relative L2} of one layer row: the SERIES keys, then one MoE error per compared output."""
+def _linears_group(linears: dict) -> ErrorGroup:
+    """The GPU checkpoint's FP8 linears: per checked layer the worst and the mean linear, and every linear's
+    number in a table."""
+    limit = linears.get("limit")
+    group = ErrorGroup("linears", "FP8 linears", "weights only: each block-FP8 linear of the first, middle and "
+                       "last layers dequantized (E4M3 codes x their 128x128 block's weight_scale_inv) and compared "
+                       "with the source weights (no activations)", thresholds={"fp8_linear_rel_l2": limit})
+    modules = linears["modules"]
+    by_layer: dict = {}
+    for m in modules:
+        if m.get("layer") is not None:
+            by_layer.setdefault(int(m["layer"]), []).append(float(m["rel_l2"]))
+    for layer, errs in sorted(by_layer.items()):
+        group.rows.append({"layer": layer, "ok": limit is None or max(errs) <= limit, "cosine": None, "tokens": None,
+                           "sampled": None, "errors": {"worst linear": max(errs), "mean": float(np.mean(errs))}})
+    if limit is not None:
+        group.limits["FP8 linear limit"] = limit
+    group.no_experts = "Linears are not experts: one number per linear, listed below."
+    group.curve = False         # a few layers only: the tables show them
+    group.tables.append(html.table(["linear", "layer", "relative L2"],
+                                   [[m["module"], "" if m.get("layer") is None else m["layer"], float(m["rel_l2"])]
+                                    for m in modules], caption="every FP8 linear compared"))
+    group.facts = [("linears compared", len(modules)), ("max relative L2", linears.get("max_rel_l2"))]
+    return group
+
+
+def _row_errors(row: dict, names: dict | None = None) -> dict:
+    """{legend name: relative L2} of one layer row: the SERIES keys, then one MoE error per compared output
+    (named by `names`, {key: legend name}, else its key)."""
     errors = {label: float(row[key]) for key, label in SERIES if _is_number(row.get(key))}
-    for name, output in (row.get("outputs") or {}).items():
+    for key, output in (row.get("outputs") or {}).items():
         if _is_number(output.get("moe_rel_l2")):
-            errors[f"MoE ({name})"] = float(output["moe_rel_l2"])
+            errors[f"MoE ({(names or {}).get(key, key)})"] = float(output["moe_rel_l2"])
     return errors
 
 
@@ -193,7 +253,7 @@ def read_manifest(out) -> dict | None:
 def _verdict(result: dict, manifest: dict | None) -> str:
     problems = result.get("problems", [])
     verdict = html.status(bool(result.get("ok")), "verification OK" if result.get("ok") else
-                          f"verification FAILED: {len(problems)} problem line(s)")
+                          f"verification FAILED: {html.count(len(problems), 'problem line')}")
     parts = [verdict]
     if problems:
         parts.append(html.bullets(problems))
@@ -206,8 +266,9 @@ def _verdict(result: dict, manifest: dict | None) -> str:
 
 def _output_rows(manifest: dict) -> list[list]:
     model = manifest.get("model") or {}
-    rows = [[key, manifest[key]] for key in ("kind", "method", "numa", "layout", "quant", "group_size")
-            if manifest.get(key) is not None]
+    keys = ("kind", "method", "layout", "quant", "group_size") if manifest.get("kind") == "gpu" else \
+        ("kind", "method", "numa", "layout", "quant", "group_size")          # a GPU checkpoint has no NUMA count
+    rows = [[key, manifest[key]] for key in keys if manifest.get(key) is not None]
     rows += [["family", f"{model.get('family', '')} ({model.get('model_type', '')})"],
              ["MoE layers", len(model.get("layers", []))], ["routed experts per layer", model.get("experts", "")],
              ["hidden, intermediate", f"{model.get('hidden', '')}, {model.get('intermediate', '')}"],
@@ -219,7 +280,7 @@ def _group_section(group: ErrorGroup, manifest: dict | None) -> str:
     parts = [f"<p>Measured on {html.esc(group.probe)}.</p>"]
     series = {name: [(r["layer"], r["errors"][name]) for r in group.rows if name in r["errors"]]
               for name in _series_names(group)}
-    if series:
+    if series and group.curve:
         parts.append(html.line_chart(series, title=f"Relative L2 error per layer: {group.title}", x_label="layer",
                                      y_label="relative L2", y_min=0, limits=group.limits, group=group.key))
     parts.append(_layer_table(group))
@@ -227,7 +288,8 @@ def _group_section(group: ErrorGroup, manifest: dict | None) -> str:
         parts.append(_heat_map(group, manifest))
         parts.append(_worst_table(group))
     else:
-        parts.append("<p>No per-expert error (no source weights to compare with).</p>")
+        parts.append(f"<p>{html.esc(group.no_experts)}</p>")
+    parts += group.tables
     return html.section(f"Error per layer: {group.title}", *parts)
 
 
@@ -241,9 +303,11 @@ def _series_names(group: ErrorGroup) -> list[str]:
 def _layer_table(group: ErrorGroup) -> str:
     names = _series_names(group)
     cosine = any(r["cosine"] is not None for r in group.rows)
-    header = ["layer", "status", "experts sampled"] + [f"{n} rel L2" for n in names]
+    what = [(key, title) for key, title in (("sampled", "experts sampled"), ("tokens", "calibration tokens"))
+            if any(r.get(key) is not None for r in group.rows)]
+    header = ["layer", "status"] + [title for _, title in what] + [f"{n} rel L2" for n in names]
     header += ["MoE cosine"] if cosine else []
-    rows = [[r["layer"], "ok" if r["ok"] else "FAILED", r["sampled"]]
+    rows = [[r["layer"], "ok" if r["ok"] else "FAILED"] + [r.get(key, "") for key, _ in what]
             + [r["errors"].get(n, float("nan")) for n in names] + ([r["cosine"]] if cosine else [])
             for r in group.rows]
     return html.table(header, rows)
@@ -258,9 +322,14 @@ def _heat_map(group: ErrorGroup, manifest: dict | None) -> str:
     for layer, e, rel in group.experts:
         if layer in row_of:
             values[row_of[layer], e] = rel
+    limit = next((float(v) for v in group.limits.values() if _is_number(v) and v > 0), None)
+    finite = values[np.isfinite(values)]
+    top = limit if limit is not None else (float(finite.max()) if finite.size and finite.max() > 0 else 1.0)
+    scale = f"0 (dark) to {html.fmt(top)}" + (f", the {next(iter(group.limits))} (bright; above it: as bright)"
+                                               if limit is not None else ", the largest value (bright)")
     return html.heat_map(values, row_labels=layers, title="Sampled experts' error", x_label="expert",
-                         y_label="layer", value_label="relative L2", group=group.key,
-                         caption=f"Each cell: {group.expert_measure}. Hatched: not sampled.")
+                         y_label="layer", value_label="relative L2", group=group.key, scale=(0.0, top),
+                         caption=f"Each cell: {group.expert_measure}. Colour: {scale}. Hatched: not sampled.")
 
 
 def _worst_table(group: ErrorGroup) -> str:

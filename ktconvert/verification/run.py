@@ -153,7 +153,8 @@ def _add_report(result: dict, name: str, report: dict) -> None:
 
 def _manifest_summary(manifest: dict) -> str:
     model = manifest["model"]
-    return (f"{manifest.get('method')}, numa {manifest['numa']}, layout {manifest['layout']}, "
+    numa = "" if manifest.get("kind") == "gpu" else f", numa {manifest['numa']}"     # a GPU checkpoint has none
+    return (f"{manifest.get('method')}{numa}, layout {manifest['layout']}, "
             f"{len(model.get('layers', []))} MoE layers x {model.get('experts')} experts, "
             f"{len(manifest['files'])} files")
 
