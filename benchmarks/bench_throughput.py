@@ -9,8 +9,9 @@ process, source GB/s, peak RSS from VmHWM):
     posix_fadvise(DONTNEED) first, where the kernel lets go of them; the page-cache residency after the drop is
     printed so a cold figure that was not cold can be told);
   * ``ktkernel``: kt-kernel 0.7.2's converter path (what convert_cpu_weights.py does per layer) where it runs;
-  * ``cpu`` AMXINT4 / AMXINT8, ``gpu`` W4A16, ``convert`` with 1, 2 (AMXINT4 + W4A16, the issue's target) and 3
-    outputs (AMXINT4 + AMXINT8 + W4A16) through ktconvert.convert's Python API;
+  * ``cpu`` AMXINT4 / AMXINT8, ``cpu`` LLAMAFILE Q4_K (GGUF experts, llama.cpp's quantizer), ``gpu`` W4A16,
+    ``convert`` with 1, 2 (AMXINT4 + W4A16, the issue's target) and 3 outputs (AMXINT4 + AMXINT8 + W4A16) through
+    ktconvert.convert's Python API;
   * thread scaling of ``cpu`` AMXINT4 (1, 2, 4, ... up to the cores, --threads-list to choose);
   * ``cpu`` AMXINT4 cold (source pages dropped first).
 
@@ -139,6 +140,7 @@ def convert_code(model: Path, targets: list[tuple[Path, dict]], threads: int | N
 CPU4 = {"method": "amxint4", "numa": 2}
 CPU8 = {"method": "amxint8", "numa": 2}
 GPU = {"experts": "w4a16", "group_size": 128}
+Q4K = {"method": "llamafile", "ggml_type": "Q4_K", "numa": 1}     # issue 28: RSS <= 0.5 GB, time <= 1.5x AMXINT4
 
 
 def single_code(model: Path, out: Path, opts: dict, threads: int | None) -> str:
@@ -219,6 +221,7 @@ class Bench:
             if name in r:
                 out[f"{name}_GBps"] = r[name]["source_GBps"]
         ratio("convert2_over_cpu_amxint4", "convert2", "cpu_amxint4")
+        ratio("llamafile_q4k_over_cpu_amxint4", "cpu_llamafile_q4k", "cpu_amxint4")
         singles = ("cpu_amxint4", "cpu_amxint8", "gpu_w4a16")
         for key in ("wall_s", "core_s"):
             if of("convert3", key) and all(of(n, key) for n in singles):
@@ -252,7 +255,7 @@ def main() -> None:
     ap.add_argument("--ktkernel-methods", default="amxint4", help="comma list (amxint4,amxint8)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs")
     ap.add_argument("--skip", default="", help="comma list of cases to leave out (cpu_amxint8, gpu_w4a16, "
-                                               "convert1, convert2, convert3, scaling, cold)")
+                                               "cpu_llamafile_q4k, convert1, convert2, convert3, scaling, cold)")
     args = ap.parse_args()
     args.skip = set(filter(None, args.skip.split(",")))
     args.ktkernel_methods = [m for m in args.ktkernel_methods.split(",") if m]
@@ -270,6 +273,7 @@ def main() -> None:
     bench.ktconvert("cpu_amxint4", [CPU4])
     bench.ktconvert("cpu_amxint8", [CPU8])
     bench.ktconvert("gpu_w4a16", [GPU])
+    bench.ktconvert("cpu_llamafile_q4k", [Q4K])
     bench.ktconvert("convert1", [CPU4])
     bench.ktconvert("convert2", [CPU4, GPU])
     bench.ktconvert("convert3", [CPU4, CPU8, GPU])

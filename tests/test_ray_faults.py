@@ -197,6 +197,13 @@ def test_preflight_names_the_node_and_what_to_fix(node_context, source, tmp_path
     assert "3 of 3 nodes" in text and "no-model is not there" in text
     assert f"{files[first]} bytes there, {files[first] + 1} on the driver" in text
     assert "ktconvert 0.0.1" in text and "install the driver's on every node" in text
+    # a node where the native library does not load (a stale or missing build), while the driver's does
+    assert good["native"] == check_node(str(source), files, None, "n")["native"]
+    stale = {**good, "native": "_ktnative.so: ABI version 0, expected 1 (rebuild)"}
+    with pytest.raises(NodeError, match="native library does not load there") as info:
+        check_reports([stale], versions, tmp_path / "parts", "nonce", driver_native="loaded")
+    assert "ABI version 0" in str(info.value) and "1 of 1 nodes" in str(info.value)
+    check_reports([stale], versions, tmp_path / "parts", "nonce", driver_native="not built")  # the driver's neither
 
 
 # ---------------------------------------------------------------- Ray's output and import path (no Ray cluster)

@@ -1,12 +1,14 @@
 """The pre-flight of a Ray run: one cheap task on every node that may run a part, before any conversion work.
 
-Each node reports its host name, node id and package versions (ktconvert, numpy: those that change output
-bytes), stats every source file the plan reads (a local SRC: present, readable, of the planned size) and writes a
-marker file into the parts folder, which the driver then reads back: a node-local ``--parts-dir`` (the default
-``OUT.parts`` beside a node-local OUT) shows as a marker the driver cannot see. ``check_reports`` turns what
-differs into one NodeError line (exit 3) naming each node and what to fix; the run stops there, before a byte of
-output. A node that does not answer in PREFLIGHT_SECONDS is named the same way; one that died meanwhile is left
-out (Ray schedules nothing there).
+Each node reports its host name, node id, package versions (ktconvert, numpy: those that change output bytes) and
+whether ktconvert's native library loads there (``native_status``: a node where it does not, while it does on the
+driver, would run its parts in numpy, many times slower, or fail where a path is native only), stats every source
+file the plan reads (a local SRC: present, readable, of the planned size) and writes a marker file into the parts
+folder, which the driver then reads back: a node-local ``--parts-dir`` (the default ``OUT.parts`` beside a
+node-local OUT) shows as a marker the driver cannot see. ``check_reports`` turns what differs into one NodeError
+line (exit 3) naming each node and what to fix; the run stops there, before a byte of output. A node that does not
+answer in PREFLIGHT_SECONDS is named the same way; one that died meanwhile is left out (Ray schedules nothing
+there).
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ def check_node(src: str, files: dict[str, int] | None, parts_root: str | None, n
     import ray
 
     report = {"host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
-              "versions": package_versions(), "problems": []}
+              "versions": package_versions(), "native": native_status(), "problems": []}
     problems = report["problems"]
     if files is not None and not os.path.exists(src):
         problems.append(f"SRC {src} is not there: make SRC the same path on every node (shared storage)")
@@ -105,10 +107,19 @@ def check_node(src: str, files: dict[str, int] | None, parts_root: str | None, n
     return report
 
 
-def check_reports(reports: list[dict], versions: dict, parts_root, nonce: str) -> None:
+def native_status() -> str:
+    """"loaded", or why ktconvert's native library does not load in this process (one line)."""
+    from ktconvert import native
+
+    return "loaded" if native.lib() is not None else str(native.load_error())
+
+
+def check_reports(reports: list[dict], versions: dict, parts_root, nonce: str, driver_native: str | None = None) \
+        -> None:
     """NodeError naming every node whose report shows a problem: other package versions than `versions`, a
-    problem it found, or a marker it wrote in `parts_root` (None: none) that the driver does not read back with
-    `nonce`."""
+    native library that does not load where the driver's does (`driver_native`: the driver's ``native_status``,
+    asked when None), a problem it found, or a marker it wrote in `parts_root` (None: none) that the driver does
+    not read back with `nonce`."""
     lines = []
     for report in reports:
         problems = list(report.get("problems", []))
@@ -116,6 +127,10 @@ def check_reports(reports: list[dict], versions: dict, parts_root, nonce: str) -
         if theirs is not None and theirs != versions:
             problems.insert(0, f"it runs {_versions(theirs)}, the driver {_versions(versions)}: install the "
                             "driver's on every node")
+        native = report.get("native")
+        if native is not None and native != "loaded" and (driver_native or native_status()) == "loaded":
+            problems.append(f"ktconvert's native library does not load there ({native}), on the driver it does: "
+                            "reinstall ktconvert on that node (pip install --force-reinstall)")
         if parts_root is not None and report.get("marker", True) and "versions" in report \
                 and not _holds(Path(parts_root) / PREFLIGHT_DIR / str(report.get("node_id")), nonce):
             problems.append(f"the file it wrote in --parts-dir {parts_root} is not visible to the driver: put "

@@ -27,11 +27,22 @@ TINY = dict(hidden=256, intermediate=512, experts=4, layers=2)
 TYPES = {"F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
 
 
-def main(lib_path: str) -> int:
+def tiny_expert_matrices(tiny: dict = TINY):
+    """(tensor name, [float32 matrix per expert]) of every routed-expert tensor of make_tiny_model(qwen3_moe,
+    **tiny), in file order: the experts' BF16 values widened to float32 (exact)."""
     from ktconvert.examples.tiny import make_tiny_model
     from ktconvert.formats.sources import open_source
     from ktconvert.quant.bf16 import bf16_bits_to_f32
 
+    with tempfile.TemporaryDirectory() as tmp:
+        source = open_source(make_tiny_model(Path(tmp) / "m", "qwen3_moe", **tiny))
+        for layer in source.info.moe_layers:
+            experts = [source.read_expert(layer, e) for e in range(source.info.n_experts)]
+            for proj in ("gate", "up", "down"):
+                yield f"blk.{layer}.ffn_{proj}_exps.weight", [bf16_bits_to_f32(getattr(w, proj)) for w in experts]
+
+
+def main(lib_path: str) -> int:
     spec = importlib.util.spec_from_file_location("cases", HERE / "make_ggml_quant_fixture.py")
     fixture = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fixture)
@@ -39,16 +50,12 @@ def main(lib_path: str) -> int:
     lib.ggml_row_size.restype = ctypes.c_size_t
     lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
     hashes: dict[str, dict[str, str]] = {name: {} for name in TYPES}
-    with tempfile.TemporaryDirectory() as tmp:
-        source = open_source(make_tiny_model(Path(tmp) / "m", "qwen3_moe", **TINY))
-        for layer in source.info.moe_layers:
-            experts = [source.read_expert(layer, e) for e in range(source.info.n_experts)]
-            for proj in ("gate", "up", "down"):
-                x = np.stack([bf16_bits_to_f32(getattr(w, proj)) for w in experts]).astype(np.float32)
-                rows = np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
-                for name, tid in TYPES.items():
-                    raw = fixture.ggml_quantize(lib, tid, rows, lib.ggml_row_size(tid, rows.shape[1]))
-                    hashes[name][f"blk.{layer}.ffn_{proj}_exps.weight"] = hashlib.sha256(raw.tobytes()).hexdigest()
+    for tensor, matrices in tiny_expert_matrices():
+        x = np.stack(matrices).astype(np.float32)
+        rows = np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
+        for name, tid in TYPES.items():
+            raw = fixture.ggml_quantize(lib, tid, rows, lib.ggml_row_size(tid, rows.shape[1]))
+            hashes[name][tensor] = hashlib.sha256(raw.tobytes()).hexdigest()
     record = {"tool": "llama-cpp-python 0.3.36 vendored llama.cpp, libggml-base ggml_quantize_chunk, imatrix NULL",
               "model": f"ktconvert.examples.tiny.make_tiny_model(qwen3_moe, seed 0, {json.dumps(TINY)})",
               "sha256": hashes}

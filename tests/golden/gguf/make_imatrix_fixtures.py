@@ -181,10 +181,6 @@ def write_sources() -> None:
 
 
 def main(lib_path: str) -> int:
-    from ktconvert.examples.tiny import make_tiny_model
-    from ktconvert.formats.sources import open_source
-    from ktconvert.quant.bf16 import bf16_bits_to_f32
-
     spec = importlib.util.spec_from_file_location("cases", HERE / "make_ggml_quant_fixture.py")
     fixture = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fixture)
@@ -205,16 +201,13 @@ def main(lib_path: str) -> int:
     check_with_ggml(lib, HERE / "tiny-qwen3moe-imatrix.gguf", entries)
     write_imatrix_dat(HERE / "tiny-qwen3moe-imatrix.dat", values)
     hashes: dict[str, dict[str, str]] = {name: {} for name in TYPES}
-    with tempfile.TemporaryDirectory() as tmp:
-        source = open_source(make_tiny_model(Path(tmp) / "m", "qwen3_moe", **TINY))
-        for layer in source.info.moe_layers:
-            experts = [source.read_expert(layer, e) for e in range(source.info.n_experts)]
-            for proj in ("gate", "up", "down"):
-                name = f"blk.{layer}.ffn_{proj}_exps.weight"
-                for type_name, tid in TYPES.items():
-                    raw = [_quantize(lib, tid, bf16_bits_to_f32(getattr(w, proj)), values[name][e])
-                           for e, w in enumerate(experts)]
-                    hashes[type_name][name] = _sha(np.stack(raw))
+    spec = importlib.util.spec_from_file_location("expert_hashes", HERE / "make_ggml_expert_hashes.py")
+    expert_hashes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(expert_hashes)
+    for name, matrices in expert_hashes.tiny_expert_matrices(TINY):
+        for type_name, tid in TYPES.items():
+            raw = [_quantize(lib, tid, x, values[name][e]) for e, x in enumerate(matrices)]
+            hashes[type_name][name] = _sha(np.stack(raw))
     (HERE / "ggml-imatrix-expert-hashes.json").write_text(json.dumps(
         {"tool": TOOL, "model": f"ktconvert.examples.tiny.make_tiny_model(qwen3_moe, seed 0, {json.dumps(TINY)})",
          "imatrix": "tiny-qwen3moe-imatrix.gguf (= tiny-qwen3moe-imatrix.dat)", "sha256": hashes},
