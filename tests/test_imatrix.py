@@ -342,3 +342,14 @@ def test_resume_with_other_imatrix_contents_at_the_same_path_is_refused(model, t
     assert again.returncode == 0, again.stderr
     manifest = json.loads((out / "ktconvert.json").read_text())
     assert manifest["tensors"] == EXPERTS["sha256"]["Q6_K"]
+
+
+def test_help_names_the_values():
+    """--help shows what the values are (FILE, SIZE), on `cpu` and on `convert`'s targets alike."""
+    from click.testing import CliRunner
+
+    from ktconvert.cli.main import cli
+
+    for command in ("cpu", "convert"):
+        text = " ".join(CliRunner().invoke(cli, [command, "--help"]).output.split())
+        assert "--imatrix FILE" in text and "--split-max-size SIZE" in text, command

@@ -190,6 +190,8 @@ def kind_options(name: str):
                 settings = {"type": kind_type, "required": True}
             else:
                 settings = {"type": kind_type, "default": default, "show_default": default is not None}
+            if field.metadata.get("metavar") and kind_type is not None:
+                settings["metavar"] = field.metadata["metavar"]
             help = field.metadata.get("command_help") or field.metadata["help"]
             fn = click.option(f"--{field.name.replace('_', '-')}", help=help + ".", **settings)(fn)
         return fn

@@ -175,6 +175,8 @@ def target_options(fn):
             fields = [f for k in owners for f in k.fields() if f.name == field.name]
             kind_type = click_type(fields, typing.get_type_hints(owners[0].options)[field.name])
             extra = {"is_flag": True} if kind_type is None else {"type": kind_type}
+            if kind_type is not None and field.metadata.get("metavar"):
+                extra["metavar"] = field.metadata["metavar"]
             options.append(click.option(f"--{_flag(field.name)}", default=None, help=_option_help(owners, field.name),
                                         **extra))
     for option in reversed(options):

@@ -57,9 +57,11 @@ class CpuOptions(Options):
                                    command_help="GGUF type of --method llamafile's experts: a ggml type or a "
                                                 "llama-quantize mix (default Q4_K)")
     split_max_size: str | None = option(None, help="--method llamafile: GGUF shards of at most this size (2G)",
+                                        metavar="SIZE",
                                         command_help="--method llamafile: GGUF shards of at most this size, as "
                                                      "llama.cpp's gguf-split (e.g. 500M, 2G; default one per layer)")
     imatrix: str | None = option(None, help="--method llamafile: llama.cpp importance matrix (GGUF or .dat)",
+                                 metavar="FILE",
                                  command_help="--method llamafile: quantize with this llama.cpp importance matrix "
                                               "(llama-imatrix's GGUF or legacy .dat), as llama-quantize --imatrix")
     include_dense: bool = option(False, help="Also write the non-expert tensors (blk.-renamed)",

@@ -16,13 +16,14 @@ SAMPLING_DEFAULTS = {"max_length": 2048, "num_samples": None}
 
 
 def option(default=MISSING, *, help: str = "", choices: str | tuple = (), minimum: int | None = None,
-           target: bool = True, command_help: str = "", **kw) -> Field:
+           target: bool = True, command_help: str = "", metavar: str | None = None, **kw) -> Field:
     """A field of a kind's options with what the schemas are generated from: help (the command line's text for a
     `convert` target's option; command_help: for the kind's own command, `ktconvert cpu` / `gpu`, when it says
     more), choices (a ``vocabulary`` kind such as "method", asked when a value is converted, or a tuple of fixed
     values), minimum (for ints), target (False: not an option of a `convert` target, e.g. GPTQ's, which runs
-    alone; nor of the generated options of the kind's command)."""
-    metadata = {"help": help, "choices": choices, "minimum": minimum, "target": target, "command_help": command_help}
+    alone; nor of the generated options of the kind's command), metavar (the value's name in --help: FILE, SIZE)."""
+    metadata = {"help": help, "choices": choices, "minimum": minimum, "target": target, "command_help": command_help,
+                "metavar": metavar}
     return field(default=default, metadata=metadata, **kw)
 
 
