@@ -98,7 +98,7 @@ def test_tensor_hasher_per_tensor_algorithms_any_chunking(tmp_path):
     algorithms = {"t1": "sha256", "t3": "sha256"}           # the others: BLAKE3 (the default for a name not given)
     want = {n: (_sha(a.tobytes()) if n in algorithms else "blake3:" + _b3(a.tobytes())) for n, a in tensors.items()}
     for step in (1, 7, 4096, len(data)):
-        hasher = digests.TensorHasher(header, algorithms)
+        hasher = digests.TensorHasher(header.tensors, algorithms)
         for i in range(0, len(data), step):
             hasher.update(memoryview(data)[i:i + step])
         assert hasher.digests() == want, step

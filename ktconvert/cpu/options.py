@@ -5,8 +5,6 @@ options are made.
 """
 from __future__ import annotations
 
-import hashlib
-
 from dataclasses import dataclass
 
 from ktconvert.errors import UsageError
@@ -139,9 +137,8 @@ class CpuOptions(Options):
         for name in ("ggml_type", "split_max_size", "imatrix"):
             if data.get(name) is None:
                 data.pop(name, None)
-        if "imatrix" in data:
-            with open(data["imatrix"], "rb") as f:
-                data["imatrix"] = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+        if "imatrix" in data:         # the sha256 taken when the method read the file (quant.imatrix: once a version)
+            data["imatrix"] = "sha256:" + self.method_class().importance.sha256
         return data
 
 

@@ -120,7 +120,7 @@ def check_reports(reports: list[dict], versions: dict, parts_root, nonce: str, d
     native library that does not load where the driver's does (`driver_native`: the driver's ``native_status``,
     asked when None), a problem it found, or a marker it wrote in `parts_root` (None: none) that the driver does
     not read back with `nonce`."""
-    lines = []
+    lines, driver_native = [], driver_native or native_status()
     for report in reports:
         problems = list(report.get("problems", []))
         theirs = report.get("versions")
@@ -128,7 +128,7 @@ def check_reports(reports: list[dict], versions: dict, parts_root, nonce: str, d
             problems.insert(0, f"it runs {_versions(theirs)}, the driver {_versions(versions)}: install the "
                             "driver's on every node")
         native = report.get("native")
-        if native is not None and native != "loaded" and (driver_native or native_status()) == "loaded":
+        if native is not None and native != "loaded" and driver_native == "loaded":
             problems.append(f"ktconvert's native library does not load there ({native}), on the driver it does: "
                             "reinstall ktconvert on that node (pip install --force-reinstall)")
         if parts_root is not None and report.get("marker", True) and "versions" in report \

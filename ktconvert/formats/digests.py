@@ -15,8 +15,6 @@ from typing import Mapping
 
 import blake3
 
-from ktconvert.formats.safetensors_reader import ShardHeader
-
 BLAKE3 = "blake3"
 SHA256 = "sha256"
 DIGEST_ALGORITHM = BLAKE3   # what new tensor and source digests use
@@ -64,14 +62,15 @@ def digest_like(recorded, data) -> str:
 
 
 class TensorHasher:
-    """The digest (``digest_text`` form) of every tensor of a .safetensors file whose bytes are fed in order
-    (``update``), from its parsed header: ``digests()`` -> {tensor: digest} once the whole file was fed.
+    """The digest (``digest_text`` form) of every tensor of a file whose bytes are fed in order (``update``), from
+    its tensors {name: TensorRef} (absolute offset and byte count: a .safetensors ``ShardHeader.tensors``, a GGUF's
+    ``gguf_header.read_header``): ``digests()`` -> {tensor: digest} once the whole file was fed.
 
     algorithms: the algorithm of each tensor: one name for all, or {tensor: name} (e.g. what a manifest's recorded
     digests name, ``digest_algorithm``; a tensor it lacks gets DIGEST_ALGORITHM)."""
 
-    def __init__(self, header: ShardHeader, algorithms: str | Mapping[str, str] = DIGEST_ALGORITHM):
-        self.spans = sorted((ref.offset, ref.offset + ref.nbytes, name) for name, ref in header.tensors.items())
+    def __init__(self, tensors: Mapping, algorithms: str | Mapping[str, str] = DIGEST_ALGORITHM):
+        self.spans = sorted((ref.offset, ref.offset + ref.nbytes, name) for name, ref in tensors.items())
         self._algorithms = algorithms
         self.pos, self.i, self.hashes = 0, 0, {}
         self.current = self._new(self.spans[0][2]) if self.spans else None

@@ -219,12 +219,20 @@ def hash_safetensors(path, header: ShardHeader | None = None, content_git: bool 
     """
     path = Path(path)
     header = parse_header(path) if header is None else header
+    return hash_with_tensors(path, header.tensors, content_git, algorithms)
+
+
+def hash_with_tensors(path, tensors: Mapping, content_git: bool = False,
+                      algorithms: str | Mapping[str, str] = DIGEST_ALGORITHM) -> tuple[int, str, str, dict[str, str]]:
+    """(size, sha256, git blob id, {tensor: digest of its bytes}) of a file holding `tensors` ({name: TensorRef},
+    absolute offsets) in one sequential read; content_git and algorithms as for hash_safetensors."""
+    path = Path(path)
     size = check_regular(path, "file").st_size
-    hasher, tensors = FileHasher(size, content_git), TensorHasher(header, algorithms)
+    hasher, per_tensor = FileHasher(size, content_git), TensorHasher(tensors, algorithms)
     for chunk in _read_chunks(path, size):
         hasher.update(chunk)
-        tensors.update(chunk)
-    return (size, *hasher.hexdigests(), tensors.digests())
+        per_tensor.update(chunk)
+    return (size, *hasher.hexdigests(), per_tensor.digests())
 
 
 def record_for(out_dir, rel_path: str) -> FileRecord:

@@ -13,14 +13,12 @@ output on seeded random activations, limited by the type's ``thresholds["moe_rel
 """
 from __future__ import annotations
 
-import hashlib
 from types import SimpleNamespace
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, Keys, quants
 
 from ktconvert.errors import InputError, KtConvertError
-from ktconvert.formats.fileio import HASH_CHUNK
 from ktconvert.formats.gguf_sink import GgufSink
 from ktconvert.quant import ggml_quant
 from ktconvert.quant.bf16 import bf16_bits_to_f32
@@ -34,28 +32,6 @@ def dequantize(raw: np.ndarray, ggml_type) -> np.ndarray:
     """One expert's blocks (uint8) of `ggml_type` (a gguf.GGMLQuantizationType) -> float32, flat (gguf-py)."""
     return np.asarray(quants.dequantize(np.ascontiguousarray(raw), GGMLQuantizationType(ggml_type)),
                       dtype=np.float32).reshape(-1)
-
-
-def gguf_tensor_hashes(path) -> dict[str, str]:
-    """{tensor name: sha256 of its data} of a GGUF file (as GgufLayerWriter records them); {} for a file gguf-py
-    cannot read (its file hash tells)."""
-    try:
-        tensors = GGUFReader(path).tensors
-    except (ValueError, KeyError, IndexError, OSError):
-        return {}
-    out = {}
-    with open(path, "rb") as f:
-        for t in tensors:
-            h, left = hashlib.sha256(), int(t.n_bytes)
-            f.seek(int(t.data_offset))
-            while left > 0:
-                chunk = f.read(min(HASH_CHUNK, left))
-                if not chunk:
-                    break
-                h.update(chunk)
-                left -= len(chunk)
-            out[t.name] = h.hexdigest()
-    return out
 
 
 def planned_sink(manifest: dict, method) -> GgufSink:

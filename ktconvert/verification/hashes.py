@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ktconvert.errors import InputError
-from ktconvert.formats.digests import DIGEST_ALGORITHM, digest_algorithm
-from ktconvert.formats.fileio import hash_file, hash_safetensors
+from ktconvert.formats.digests import DIGEST_ALGORITHM, SHA256, digest_algorithm
+from ktconvert.formats.fileio import hash_file, hash_safetensors, hash_with_tensors
+from ktconvert.formats.gguf_header import read_header
 from ktconvert.formats.out_manifest import load_manifest, output_files
 from ktconvert.layouts.naming import key_for_kt_path
-from ktconvert.verification.gguf_output import gguf_tensor_hashes
 
 
 def verify_hashes(out_dir, manifest: dict | None = None, folder=None) -> dict:
@@ -68,9 +68,13 @@ def file_hashes(root: Path, rel: str, header=None, content_git: bool = False,
             return hash_safetensors(root / rel, header, content_git, algorithms)
         except InputError:
             return (*hash_file(root / rel, content_git), {})
-    size, sha256, git_sha1 = hash_file(root / rel, content_git)
     if rel.endswith(".gguf"):
-        return size, sha256, git_sha1, gguf_tensor_hashes(root / rel)
+        try:
+            tensors = read_header(root / rel)[1]
+        except InputError:      # not a GGUF whose header reads: its file hash tells, its tensors are missing
+            return (*hash_file(root / rel, content_git), {})
+        return hash_with_tensors(root / rel, tensors, content_git, SHA256)   # as GgufLayerWriter records them
+    size, sha256, git_sha1 = hash_file(root / rel, content_git)
     key = key_for_kt_path(rel)
     return size, sha256, git_sha1, ({key: sha256} if key is not None else {})
 

@@ -133,7 +133,7 @@ class PartProof:
         hasher, key = None, None
         if rel.endswith(".safetensors"):
             try:
-                hasher = TensorHasher(parse_header(source), self.algorithms)
+                hasher = TensorHasher(parse_header(source).tensors, self.algorithms)
             except InputError:          # not a shard after all: its manifest then lists no tensor of it
                 hasher = None
         else:
