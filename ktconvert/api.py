@@ -30,7 +30,7 @@ from ktconvert.activation import stats as activation_stats
 from ktconvert.activation.placement import plan_placement, render_placement
 from ktconvert.architectures.manifests import families as _families
 from ktconvert.distributed import ray_convert as ray_executor
-from ktconvert.distributed import ray_gptq
+from ktconvert.distributed import ray_gptq, ray_plan
 from ktconvert.run.local import convert_here, plan_outputs, target_list  # noqa: F401  (plan_outputs: API)
 from ktconvert.cpu import convert as cpu_convert
 from ktconvert.cpu.options import CpuOptions
@@ -156,6 +156,9 @@ def _convert_one(local, options_class, src, out, options, option_values: dict, *
     force, progress, verify_source_hash."""
     options = _options(options, options_class) or options_class.make(**option_values)
     on_ray = _on_ray(executor, layers, ray_address, parts, parts_dir, workers, options.quant)
+    if on_ray and getattr(options, "calibration", None) is not None and options.quant != "gptq":
+        raise UsageError("--executor ray is not available with --method llamafile --calibration",
+                         hint="the importance matrix's calibration forward runs every layer in order: convert locally")
     if on_ray and options.quant != "gptq":
         return convert(src, [(out, options)], executor=executor, ray_address=ray_address, parts=parts,
                        parts_dir=parts_dir, **run)[0]
@@ -191,7 +194,9 @@ def _on_ray(executor: str, layers, ray_address, parts, parts_dir, workers=None, 
 
 
 def plan(src, cpu=None, gpu=None, *, out=None, threads: int | None = None, placement: dict | None = None,
-         targets=None, **cpu_option_values) -> PlanResult:
+         targets=None, executor: str = "local", ray_address: str | None = None, parts: int | None = None,
+         workers: int | None = None, nodes: int | None = None, node_cpus=None, node_memory=None,
+         node_rate: float | None = None, **cpu_option_values) -> PlanResult:
     """What converting `src` would write, checked without reading weights: cpu (CpuOptions or its fields; or
     give the fields as keywords, e.g. plan(src, method="amxint4", numa=2)) and / or gpu (GpuOptions or its
     fields). out: the CPU output folder whose free disk is checked. targets (instead of cpu / gpu / out): the
@@ -201,25 +206,57 @@ def plan(src, cpu=None, gpu=None, *, out=None, threads: int | None = None, place
     (--kt-gpu-experts-ratio) or "per_layer": N (--kt-num-gpu-experts), "stats": an expert_activation.pt (frequency
     placement; None: SGLang's uniform)}, their VRAM with the gpu options' (or the first GPU target's) expert
     scheme (else placement's "experts" / "group_size", default w4a16 / 128). Raises on every problem (a NUMA
-    count that cannot work lists the ones that do)."""
+    count that cannot work lists the ones that do).
+    executor "ray": also what the Ray run (convert's executor="ray", parts / workers / ray_address as there,
+    `threads` CPUs per part) asks of the cluster: result.ray (distributed.ray_plan: per part or GPTQ step its
+    CPUs and memory, per node what it runs at once, the default parts / workers and why, bytes read and written
+    per part or shipped per layer, the storage bandwidth at `node_rate` GB/s per node). The cluster: nodes x
+    node_cpus x node_memory (a size: "512G") described, else the live one at ray_address / RAY_ADDRESS (joined,
+    no task started), else none (figures per task). UsageError for those options without executor "ray"."""
     cpu = _options(cpu, CpuOptions) or (CpuOptions.make(**cpu_option_values) if cpu_option_values else None)
     gpu = _options(gpu, GpuOptions)
-    if targets is not None:
+    wanted = None if targets is None else target_list(targets)
+    quant = next((o.quant for o in (cpu, gpu) if o is not None and o.quant == "gptq"), None)
+    on_ray = _on_ray(executor, None, ray_address, parts, None, workers, quant)
+    cluster, rate = _ray_plan_options(on_ray, ray_address, nodes, node_cpus, node_memory, node_rate)
+    if on_ray:
+        threads = max(1, threads or 1) if quant is None else threads     # a part's CPUs, as the run's
+    if wanted is not None:
         if cpu is not None or gpu is not None or out is not None:
             raise UsageError("plan takes targets or cpu / gpu / out options, not both")
-        wanted = target_list(targets)
         planned, combined = plan_targets(open_input(src), wanted, threads)
         gpu = next((GpuOptions.make(**t.values) for t in wanted if t.kind == "gpu"), None)   # placement's scheme
+        ray = None if not on_ray else ray_plan.plan_on_ray(
+            [(t["kind"], t["plan"], t["out"]) for t in planned], cluster, threads=threads, parts=parts,
+            workers=workers, node_rate=rate, address=ray_address)
         return PlanResult(source=str(getattr(src, "spec", src)), targets=planned, combined=combined,
-                          placement=None if placement is None else _plan_placement(src, gpu, placement))
+                          placement=None if placement is None else _plan_placement(src, gpu, placement), ray=ray)
     if cpu is None and gpu is None and placement is None:
         raise UsageError("nothing to plan", expected="CPU options (method=...), GPU options (gpu=...), targets "
                                                      "and / or a GPU expert placement (placement=...)")
     input = open_input(src)
     cpu_plan, gpu_plan = (None if options is None else KINDS.get(name).plan(input, options, out=out, threads=threads)
                           for name, options in (("cpu", cpu), ("gpu", gpu)))
+    planned = [(name, one, out if name == "cpu" else None) for name, one in (("cpu", cpu_plan), ("gpu", gpu_plan))
+               if one is not None]
+    if on_ray and not planned:
+        raise UsageError("--executor ray plans a conversion", expected="--method and / or --experts, or targets")
+    ray = None if not on_ray else ray_plan.plan_on_ray(planned, cluster, threads=threads, parts=parts,
+                                                       workers=workers, node_rate=rate, address=ray_address)
     return PlanResult(source=input.spec, cpu=cpu_plan, gpu=gpu_plan,
-                      placement=None if placement is None else _plan_placement(src, gpu, placement))
+                      placement=None if placement is None else _plan_placement(src, gpu, placement), ray=ray)
+
+
+def _ray_plan_options(on_ray: bool, ray_address, nodes, node_cpus, node_memory, node_rate) -> tuple:
+    """(cluster, node rate in bytes per second) of a Ray plan (ray_plan.cluster_of / check_rate); UsageError for
+    a cluster description or rate without executor "ray"."""
+    given = [flag for flag, value in (("--nodes", nodes), ("--node-cpus", node_cpus), ("--node-memory", node_memory),
+                                      ("--node-rate", node_rate)) if value is not None]
+    if not on_ray:
+        if given:
+            raise UsageError(f"{given[0]} needs --executor ray")
+        return None, None
+    return ray_plan.cluster_of(ray_address, nodes, node_cpus, node_memory), ray_plan.check_rate(node_rate)
 
 
 def _plan_placement(src, gpu, placement: dict) -> dict:
@@ -396,6 +433,7 @@ def render(result, kind: str | None = None) -> str:
         parts += [render_combined(result.source, result.targets, result.combined)] if result.targets else []
         parts += [KINDS.get(name).render(one.report) for name, one in (("cpu", result.cpu), ("gpu", result.gpu))
                   if one is not None]
+        parts += [ray_plan.render(result.ray)] if result.ray is not None else []
         return "\n\n".join(parts + ([render_placement(result.placement)] if result.placement is not None else []))
     if isinstance(result, VerifyResult):
         text = verify_run.render(result.to_dict())

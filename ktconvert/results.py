@@ -63,7 +63,7 @@ class PlanResult:
     the opened source and its JSON-ready report (``plan.cpu["total_bytes"]``), and / or placement (the GPU experts
     SGLang-KT would choose, activation.placement.plan_placement's dict); or, for several targets, targets
     ([{"name", "kind", "out", "plan": CpuPlan | GpuPlan}]) and combined (the one pass's figures:
-    plan_targets)."""
+    plan_targets); ray: what a Ray run would ask of the cluster (plan's executor="ray")."""
 
     source: str
     cpu: object | None = None
@@ -71,15 +71,16 @@ class PlanResult:
     placement: dict | None = None
     targets: list | None = None
     combined: dict | None = None
+    ray: dict | None = None
 
     def to_dict(self) -> dict:
         """One shape whatever was planned: {"source", "cpu": report or None, "gpu": report or None,
         "placement": dict or None, "targets": [{"name", "kind", "out", "plan": report}] or None, "combined":
-        dict or None}."""
+        dict or None, "ray": the Ray run's figures (plan executor="ray": distributed.ray_plan) or None}."""
         targets = None if self.targets is None else [{**t, "plan": t["plan"].to_dict()} for t in self.targets]
         return {"source": self.source, "cpu": None if self.cpu is None else self.cpu.to_dict(),
                 "gpu": None if self.gpu is None else self.gpu.to_dict(), "placement": self.placement,
-                "targets": targets, "combined": self.combined}
+                "targets": targets, "combined": self.combined, "ray": self.ray}
 
 
 @dataclass(frozen=True)

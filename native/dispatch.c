@@ -15,7 +15,7 @@
 
 static const char *const feature_names[KT_CPU_NFEATURES] = {
     "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-    "avx512dq", "avx512vnni", "avx512bf16", "amx-tile", "amx-int8", "amx-bf16",
+    "avx512dq", "avx512vnni", "avx512bf16", "amx-tile", "amx-int8", "amx-bf16", "sha",
 };
 
 KT_API int kt_abi_version(void) { return KT_ABI_VERSION; }
@@ -45,6 +45,7 @@ static int detect_features(void) {
     if (__get_cpuid_max(0, NULL) < 7) return f;
     __cpuid_count(7, 0, a, b, c, d);
     if ((b >> 5) & 1) f |= KT_CPU_AVX2;
+    if ((b >> 29) & 1) f |= KT_CPU_SHA;     /* SHA extensions (the SSE4.1 they go with comes with AVX) */
     if (os_zmm) {
         if ((b >> 16) & 1) f |= KT_CPU_AVX512F;
         if ((b >> 17) & 1) f |= KT_CPU_AVX512DQ;

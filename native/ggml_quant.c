@@ -72,169 +72,316 @@ KT_INLINE void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, sizeof v); }
 
 /* ---------------------------------------------------------------- lane-parallel searches
  *
- * The searches run on 8 sub-blocks at once, one per vector lane (GCC vector extensions: SSE2 pairs in the plain
- * build, one register with AVX2 / AVX-512). Each lane does exactly the scalar reference's operations in its order
- * (sums stay sequential per lane), so lanes are 8 independent copies of the C loop; lanes the reference would have
- * left early (a flat or all-zero sub-block) compute garbage that is never selected. */
+ * The searches run on 16 sub-blocks at once (two super-blocks of Q4_K / Q5_K, one of Q6_K), one per vector lane:
+ * G = 2 vectors of 8 (GCC vector extensions: SSE2 pairs in the plain build, one register with AVX2 / AVX-512),
+ * each step done for both before the next, so two independent chains of sequential sums are in flight. Each lane
+ * does exactly the scalar reference's operations in its order (sums stay sequential per lane), so lanes are
+ * independent copies of the C loop; lanes the reference would have left early (a flat or all-zero sub-block, or
+ * padding) compute garbage that is never selected. A search keeps the winning candidate's inverse scale (and the
+ * min it subtracted) instead of copying its codes at every improvement, and recomputes those codes once at the end
+ * from the same operands with nearest_clamp.
+ *
+ * Rounding: nearest_int(v) clamped to [lo, hi] (nearest_clamp: the magic add, the mantissa read as an integer, two
+ * compares) equals round_clamp, ((v + 1.5*2^23) - 1.5*2^23) clamped, whenever |v| < 2^21: v + 1.5*2^23 then lies in
+ * (2^23, 2^24), where floats are the integers, so the add rounds v to the nearest integer, ties to even (1.5*2^23
+ * is even), and the subtraction is exact, giving the same integer (0 as +0.0) as the mantissa read. Where |v| >= 2^22,
+ * v is not finite or v is NaN the two differ (the magic sum leaves the binade: nearest_int(Inf) is -2^22), so a
+ * candidate takes the short rounding only when every lane that matters is proven in range before its codes are
+ * computed: all x finite (checked once: no NaN / Inf among the lanes), and the bounds of v over the lane below 2^21
+ * (fast_mode, qx_mode); where those bounds also keep v within half a code of [lo, hi], a clamp that cannot act is
+ * left out. The codes only feed the sums that choose a candidate (the chosen one's are recomputed exactly), and
+ * equal codes give equal sums. */
 
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
+typedef uint64_t vu __attribute__((vector_size(32)));
 
-KT_INLINE vf splat(float a) { return (vf){a, a, a, a, a, a, a, a}; }
+#define LANES 16                /* groups searched at once: G vectors of 8, G dependency chains in flight */
+#define G (LANES / 8)
+
+#define RNE_MAGIC 12582912.f    /* 1.5 * 2^23 */
+#define FAST_LIMIT 0x1p21f      /* round_clamp equals nearest_clamp for |v| below this */
+
+KT_INLINE vf splat(float a) { return (vf){0} + a; }
 KT_INLINE vf sel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 KT_INLINE vf vabs(vf a) { return (vf)((vi)a & 0x7fffffff); }
 KT_INLINE int any(vi m) {
-    int r = 0;
-    for (int j = 0; j < 8; j++) r |= m[j];
-    return r;
+    const vu u = (vu)m;
+    return (u[0] | u[1] | u[2] | u[3]) != 0;
 }
+KT_INLINE vf ld(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+KT_INLINE void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
+KT_INLINE int all(vi m) { return !any(~m); }
 
-/* nearest_int of every lane, clamped to [lo, hi], as float */
-KT_INLINE vf nearest_clamp(vf v, float lo, float hi) {
-    const vf val = v + splat(12582912.f);
+/* nearest_int of every lane, clamped to [lo, hi], as float: ggml's arithmetic for any v */
+KT_INLINE vf nearest_clamp(vf v, vf lo, vf hi) {
+    const vf val = v + RNE_MAGIC;
     const vf f = __builtin_convertvector(((vi)val & 0x007fffff) - 0x00400000, vf);
-    const vf a = sel(f < splat(lo), splat(lo), f);
-    return sel(a > splat(hi), splat(hi), a);
+    const vf a = sel(f < lo, lo, f);
+    return sel(a > hi, hi, a);
 }
 
-/* make_qkx2_quants (use_mad false) on 8 sub-blocks of 32: codes L[i] (lane j: value i of sub-block j) in
- * 0..nmax, returns the scales, *the_min = -min >= 0. */
-KT_INLINE vf qkx2(const vf *x, const vf *w, vf *L, vf *the_min, int nmax, float rmin, float rdelta, int nstep) {
-    vf min = x[0], max = x[0], sum_w = w[0], sum_x = w[0] * x[0], Laux[32];
-    for (int i = 1; i < 32; ++i) {
-        min = sel(x[i] < min, x[i], min);
-        max = sel(x[i] > max, x[i], max);
-        sum_w += w[i];
-        sum_x += w[i] * x[i];
-    }
-    min = sel(min > splat(0), splat(0), min);
-    const vi flat = max == min;
-    vf iscale = splat((float)nmax) / (max - min), scale = splat(1) / iscale, best = splat(0);
-    for (int i = 0; i < 32; ++i) {
-        L[i] = nearest_clamp(iscale * (x[i] - min), 0, (float)nmax);
-        vf diff = scale * L[i] + min - x[i];
-        diff = diff * diff;
-        best += w[i] * diff;
-    }
-    for (int is = 0; is <= nstep; ++is) {
-        iscale = splat(rmin + rdelta * is + nmax) / (max - min);
-        vf sum_l = splat(0), sum_l2 = splat(0), sum_xl = splat(0);
-        for (int i = 0; i < 32; ++i) {
-            const vf l = nearest_clamp(iscale * (x[i] - min), 0, (float)nmax);
-            Laux[i] = l;
-            sum_l += w[i] * l;
-            sum_l2 += w[i] * l * l;
-            sum_xl += w[i] * l * x[i];
+/* the same for lanes with |v| < 2^21 (see above); lo and hi are integers */
+KT_INLINE vf round_clamp(vf v, vf lo, vf hi) {
+    const vf f = (v + RNE_MAGIC) - RNE_MAGIC;
+    const vf a = sel(f < lo, lo, f);
+    return sel(a > hi, hi, a);
+}
+
+/* qkx2's v = iscale * (x - min) for x in [xmin, max] (x finite, so x - min is monotone in x and so is the product
+ * with one finite iscale) lies between a = iscale * (xmin - min) and b = iscale * (max - min), computed the same way.
+ * Both below 2^21 in magnitude (false for NaN / Inf) in every lane not flat: round_clamp gives nearest_clamp's codes
+ * (FAST); both above -0.5 besides: no code rounds below 0 and the lower clamp changes nothing (NO_LO); both below
+ * top + 0.5: none above top (NO_HI). 0: nearest_clamp. */
+#define FAST 1
+#define NO_LO 2
+#define NO_HI 4
+KT_INLINE int fast_mode(vf iscale, vf xmin, vf min, vf max, vi flat, vf top) {
+    const vf a = iscale * (xmin - min), b = iscale * (max - min), lim = splat(FAST_LIMIT);
+    if (!all(flat | ((vabs(a) < lim) & (vabs(b) < lim)))) return 0;
+    const vf lo = splat(-0.5f), hi = top + 0.5f;
+    return FAST | (all(flat | ((a > lo) & (b > lo))) ? NO_LO : 0) | (all(flat | ((a < hi) & (b < hi))) ? NO_HI : 0);
+}
+
+/* the codes of v under a fast_mode (a constant after inlining: one specialised loop per mode) */
+KT_INLINE vf codes(vf v, vf lo, vf hi, int mode) {
+    if (!(mode & FAST)) return nearest_clamp(v, lo, hi);
+    vf f = (v + RNE_MAGIC) - RNE_MAGIC;
+    if (!(mode & NO_LO)) f = sel(f < lo, lo, f);
+    if (!(mode & NO_HI)) f = sel(f > hi, hi, f);
+    return f;
+}
+
+/* one qkx2 candidate's codes Laux and sums (sequential per lane) */
+KT_INLINE void qkx2_pass(const float (*x)[LANES], const float (*w)[LANES], const vf *iscale, const vf *min, vf top,
+                         vf (*Laux)[G], vf *sum_l, vf *sum_l2, vf *sum_xl, int mode) {
+    for (int i = 0; i < 32; ++i)
+        for (int g = 0; g < G; ++g) {
+            const vf xi = ld(&x[i][8 * g]);
+            const vf l = codes(iscale[g] * (xi - min[g]), splat(0), top, mode), wl = ld(&w[i][8 * g]) * l;
+            Laux[i][g] = l;
+            sum_l[g] += wl;
+            sum_l2[g] += wl * l;
+            sum_xl[g] += wl * xi;
         }
-        const vf D = sum_w * sum_l2 - sum_l * sum_l;
-        vf this_scale = (sum_w * sum_xl - sum_x * sum_l) / D, this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
-        const vi clamp = this_min > splat(0);
-        this_min = sel(clamp, splat(0), this_min);
-        this_scale = sel(clamp, sum_xl / sum_l2, this_scale);
-        vf cur = splat(0);
-        for (int i = 0; i < 32; ++i) {
-            vf diff = this_scale * Laux[i] + this_min - x[i];
+}
+
+/* make_qkx2_quants (use_mad false) on LANES sub-blocks of 32 (x[i][j]: value i of sub-block j; G vectors of 8
+ * lanes side by side, each step done for every vector before the next): codes L[i][j] in 0..nmax, scale[j],
+ * the_min[j] = -min >= 0. min follows the reference: a better candidate's min is the one the next candidates
+ * subtract. */
+KT_INLINE void qkx2(const float (*x)[LANES], const float (*w)[LANES], float (*L)[LANES], float *scale_out,
+                    float *the_min, int nmax, float rmin, float rdelta, int nstep) {
+    const vf zero = splat(0), top = splat((float)nmax);
+    vf xmin[G], max[G], sum_w[G], sum_x[G], min[G], iscale[G], scale[G], best[G], best_iscale[G], best_sub[G];
+    vf Laux[32][G];
+    vi flat[G], finite = ~(vi){0};
+    for (int g = 0; g < G; ++g) {
+        const vf x0 = ld(&x[0][8 * g]), w0 = ld(&w[0][8 * g]);
+        xmin[g] = max[g] = x0;
+        sum_w[g] = w0;
+        sum_x[g] = w0 * x0;
+        finite &= vabs(x0) <= splat(__FLT_MAX__);
+    }
+    for (int i = 1; i < 32; ++i)
+        for (int g = 0; g < G; ++g) {
+            const vf xi = ld(&x[i][8 * g]), wi = ld(&w[i][8 * g]);
+            xmin[g] = sel(xi < xmin[g], xi, xmin[g]);
+            max[g] = sel(xi > max[g], xi, max[g]);
+            sum_w[g] += wi;
+            sum_x[g] += wi * xi;
+            finite &= vabs(xi) <= splat(__FLT_MAX__);
+        }
+    const int checked = all(finite);       /* no NaN / Inf in any lane: the range test below is valid */
+    int mode = checked ? FAST | NO_LO | NO_HI : 0;
+    for (int g = 0; g < G; ++g) {
+        min[g] = sel(xmin[g] > zero, zero, xmin[g]);
+        flat[g] = max[g] == min[g];
+        iscale[g] = top / (max[g] - min[g]);
+        scale[g] = splat(1) / iscale[g];
+        best[g] = zero;
+        best_iscale[g] = iscale[g];
+        best_sub[g] = min[g];
+        mode &= fast_mode(iscale[g], xmin[g], min[g], max[g], flat[g], top);
+    }
+    for (int i = 0; i < 32; ++i)
+        for (int g = 0; g < G; ++g) {
+            const vf xi = ld(&x[i][8 * g]), v = iscale[g] * (xi - min[g]);
+            const vf l = mode ? round_clamp(v, zero, top) : nearest_clamp(v, zero, top);
+            vf diff = scale[g] * l + min[g] - xi;
             diff = diff * diff;
-            cur += w[i] * diff;
+            best[g] += ld(&w[i][8 * g]) * diff;
         }
-        const vi better = (D > splat(0)) & (cur < best) & ~flat;
-        if (!any(better)) continue;
-        for (int i = 0; i < 32; ++i) L[i] = sel(better, Laux[i], L[i]);
-        best = sel(better, cur, best);
-        scale = sel(better, this_scale, scale);
-        min = sel(better, this_min, min);
+    for (int is = 0; is <= nstep; ++is) {
+        vf sum_l[G], sum_l2[G], sum_xl[G], this_scale[G], this_min[G], cur[G];
+        vi better[G], some = (vi){0};
+        mode = checked ? FAST | NO_LO | NO_HI : 0;
+        for (int g = 0; g < G; ++g) {
+            iscale[g] = splat(rmin + rdelta * is + nmax) / (max[g] - min[g]);
+            sum_l[g] = sum_l2[g] = sum_xl[g] = cur[g] = zero;
+            mode &= fast_mode(iscale[g], xmin[g], min[g], max[g], flat[g], top);
+        }
+        switch (mode) {
+        case FAST | NO_LO | NO_HI: qkx2_pass(x, w, iscale, min, top, Laux, sum_l, sum_l2, sum_xl, FAST | NO_LO | NO_HI);
+            break;
+        case FAST | NO_LO: qkx2_pass(x, w, iscale, min, top, Laux, sum_l, sum_l2, sum_xl, FAST | NO_LO); break;
+        case FAST | NO_HI: qkx2_pass(x, w, iscale, min, top, Laux, sum_l, sum_l2, sum_xl, FAST | NO_HI); break;
+        case FAST: qkx2_pass(x, w, iscale, min, top, Laux, sum_l, sum_l2, sum_xl, FAST); break;
+        default: qkx2_pass(x, w, iscale, min, top, Laux, sum_l, sum_l2, sum_xl, 0);
+        }
+        for (int g = 0; g < G; ++g) {
+            const vf D = sum_w[g] * sum_l2[g] - sum_l[g] * sum_l[g];
+            this_scale[g] = (sum_w[g] * sum_xl[g] - sum_x[g] * sum_l[g]) / D;
+            this_min[g] = (sum_l2[g] * sum_x[g] - sum_l[g] * sum_xl[g]) / D;
+            const vi clamp = this_min[g] > zero;
+            this_min[g] = sel(clamp, zero, this_min[g]);
+            this_scale[g] = sel(clamp, sum_xl[g] / sum_l2[g], this_scale[g]);
+            better[g] = D > zero;
+        }
+        for (int i = 0; i < 32; ++i)
+            for (int g = 0; g < G; ++g) {
+                vf diff = this_scale[g] * Laux[i][g] + this_min[g] - ld(&x[i][8 * g]);
+                diff = diff * diff;
+                cur[g] += ld(&w[i][8 * g]) * diff;
+            }
+        for (int g = 0; g < G; ++g) {
+            better[g] &= (cur[g] < best[g]) & ~flat[g];
+            some |= better[g];
+        }
+        if (!any(some)) continue;
+        for (int g = 0; g < G; ++g) {
+            best[g] = sel(better[g], cur[g], best[g]);
+            scale[g] = sel(better[g], this_scale[g], scale[g]);
+            best_iscale[g] = sel(better[g], iscale[g], best_iscale[g]);
+            best_sub[g] = sel(better[g], min[g], best_sub[g]);
+            min[g] = sel(better[g], this_min[g], min[g]);
+        }
     }
-    for (int i = 0; i < 32; ++i) L[i] = sel(flat, splat(0), L[i]);
-    *the_min = -min;
-    return sel(flat, splat(0), scale);
+    /* the chosen candidate's codes, recomputed from the same operands (nearest_clamp: right for any v) */
+    for (int i = 0; i < 32; ++i)
+        for (int g = 0; g < G; ++g)
+            st(&L[i][8 * g],
+               sel(flat[g], zero, nearest_clamp(best_iscale[g] * (ld(&x[i][8 * g]) - best_sub[g]), zero, top)));
+    for (int g = 0; g < G; ++g) {
+        st(&the_min[8 * g], -min[g]);
+        st(&scale_out[8 * g], sel(flat[g], zero, scale[g]));
+    }
 }
 
-/* make_qx_quants with rmse_type 1 on 8 groups of n values (n <= 32), codes l in [-nmax, nmax-1]: weights qw[i]
- * (lane j: the importance of value i of group j) or, qw NULL, x^2. Codes L[i] = l + nmax (0 for an all-zero group),
- * returns the scales. */
-KT_INLINE vf qx_w(const vf *x, const vf *qw, vf *L, int n, int nmax) {
-    vf max = splat(0), amax = splat(0), laux[32];
-    for (int i = 0; i < n; ++i) {
-        const vf ax = vabs(x[i]);
-        const vi m = ax > amax;
-        amax = sel(m, ax, amax);
-        max = sel(m, x[i], max);
+/* qx_w's v = iscale * x with |x| <= |max| (x finite) is at most m = |iscale * max| in magnitude: m below 2^21 in
+ * every lane not all-zero: FAST; below -lo + 0.5 besides: NO_LO; below hi + 0.5: NO_HI (as fast_mode). */
+KT_INLINE int qx_mode(vf m, vi zero_group, vf lo, vf hi) {
+    if (!all(zero_group | (m < splat(FAST_LIMIT)))) return 0;
+    return FAST | (all(zero_group | (m < 0.5f - lo)) ? NO_LO : 0) | (all(zero_group | (m < hi + 0.5f)) ? NO_HI : 0);
+}
+
+/* one qx_w candidate's sums (sequential per lane) */
+KT_INLINE void qx_pass(const float (*x)[LANES], const float (*qw)[LANES], const vf *iscale, vf lo, vf hi, int n,
+                       vf *sumlx, vf *suml2, int mode) {
+    for (int i = 0; i < n; ++i)
+        for (int g = 0; g < G; ++g) {
+            const vf xi = ld(&x[i][8 * g]), w = qw ? ld(&qw[i][8 * g]) : xi * xi;
+            const vf l = codes(iscale[g] * xi, lo, hi, mode);
+            sumlx[g] += w * xi * l;
+            suml2[g] += w * l * l;
+        }
+}
+
+/* qx_pass specialised for the mode at hand */
+KT_INLINE void qx_sums(const float (*x)[LANES], const float (*qw)[LANES], const vf *iscale, vf lo, vf hi, int n,
+                       vf *sumlx, vf *suml2, int mode) {
+    switch (mode) {
+    case FAST | NO_LO | NO_HI: qx_pass(x, qw, iscale, lo, hi, n, sumlx, suml2, FAST | NO_LO | NO_HI); break;
+    case FAST | NO_LO: qx_pass(x, qw, iscale, lo, hi, n, sumlx, suml2, FAST | NO_LO); break;
+    case FAST | NO_HI: qx_pass(x, qw, iscale, lo, hi, n, sumlx, suml2, FAST | NO_HI); break;
+    case FAST: qx_pass(x, qw, iscale, lo, hi, n, sumlx, suml2, FAST); break;
+    default: qx_pass(x, qw, iscale, lo, hi, n, sumlx, suml2, 0);
     }
-    const vi zero = amax < splat(GROUP_MAX_EPS);
-    const float lo = (float)-nmax, hi = (float)(nmax - 1);
-    vf iscale = splat((float)-nmax) / max, sumlx = splat(0), suml2 = splat(0);
-    for (int i = 0; i < n; ++i) {
-        const vf l = nearest_clamp(iscale * x[i], lo, hi), w = qw ? qw[i] : x[i] * x[i];
-        L[i] = l + splat((float)nmax);
-        sumlx += w * x[i] * l;
-        suml2 += w * l * l;
+}
+
+/* make_qx_quants with rmse_type 1 on LANES groups of n values (n <= 32, x[i][j]: value i of group j), codes l in
+ * [-nmax, nmax-1]: weights qw[i][j] or, qw NULL, x^2. Codes L[i][j] = l + nmax (0 for an all-zero group), scales
+ * scale[j]. Each candidate's codes take the shortest rounding qx_mode proves exact. */
+KT_INLINE void qx_w(const float (*x)[LANES], const float (*qw)[LANES], float (*L)[LANES], float *scale_out, int n,
+                    int nmax) {
+    const vf zero = splat(0), lo = splat((float)-nmax), hi = splat((float)(nmax - 1)), off = splat((float)nmax);
+    vf max[G], amax[G], iscale[G], best_iscale[G], scale[G], best[G];
+    vi zero_group[G], finite = ~(vi){0};
+    for (int g = 0; g < G; ++g) max[g] = amax[g] = zero;
+    for (int i = 0; i < n; ++i)
+        for (int g = 0; g < G; ++g) {
+            const vf xi = ld(&x[i][8 * g]), ax = vabs(xi);
+            const vi m = ax > amax[g];
+            amax[g] = sel(m, ax, amax[g]);
+            max[g] = sel(m, xi, max[g]);
+            finite &= ax <= splat(__FLT_MAX__);
+        }
+    const int checked = all(finite);       /* no NaN / Inf in any lane: the range test is valid */
+    int mode = checked ? FAST | NO_LO | NO_HI : 0;
+    vf sumlx[G], suml2[G];
+    for (int g = 0; g < G; ++g) {
+        zero_group[g] = amax[g] < splat(GROUP_MAX_EPS);
+        iscale[g] = best_iscale[g] = splat((float)-nmax) / max[g];
+        sumlx[g] = suml2[g] = zero;
+        mode &= qx_mode(vabs(iscale[g] * max[g]), zero_group[g], lo, hi);
     }
-    vf scale = sel(suml2 != splat(0), sumlx / suml2, splat(0)), best = scale * sumlx;
+    qx_sums(x, qw, iscale, lo, hi, n, sumlx, suml2, mode);
+    for (int g = 0; g < G; ++g) {
+        scale[g] = sel(suml2[g] != zero, sumlx[g] / suml2[g], zero);
+        best[g] = scale[g] * sumlx[g];
+    }
     for (int is = -9; is <= 9; ++is) {
         if (is == 0) continue;
-        iscale = splat(-(nmax + 0.1f * is)) / max;
-        sumlx = suml2 = splat(0);
-        for (int i = 0; i < n; ++i) {
-            const vf l = nearest_clamp(iscale * x[i], lo, hi), w = qw ? qw[i] : x[i] * x[i];
-            laux[i] = l;
-            sumlx += w * x[i] * l;
-            suml2 += w * l * l;
+        mode = checked ? FAST | NO_LO | NO_HI : 0;
+        for (int g = 0; g < G; ++g) {
+            iscale[g] = splat(-(nmax + 0.1f * is)) / max[g];
+            sumlx[g] = suml2[g] = zero;
+            mode &= qx_mode(vabs(iscale[g] * max[g]), zero_group[g], lo, hi);
         }
-        const vi better = (suml2 > splat(0)) & (sumlx * sumlx > best * suml2);
-        if (!any(better)) continue;
-        for (int i = 0; i < n; ++i) L[i] = sel(better, laux[i] + splat((float)nmax), L[i]);
-        scale = sel(better, sumlx / suml2, scale);
-        best = sel(better, scale * sumlx, best);
+        qx_sums(x, qw, iscale, lo, hi, n, sumlx, suml2, mode);
+        for (int g = 0; g < G; ++g) {
+            const vi better = (suml2[g] > zero) & (sumlx[g] * sumlx[g] > best[g] * suml2[g]);
+            best_iscale[g] = sel(better, iscale[g], best_iscale[g]);
+            scale[g] = sel(better, sumlx[g] / suml2[g], scale[g]);
+            best[g] = sel(better, scale[g] * sumlx[g], best[g]);
+        }
     }
-    for (int i = 0; i < n; ++i) L[i] = sel(zero, splat(0), L[i]);
-    return sel(zero, splat(0), scale);
+    /* the chosen candidate's codes, recomputed from the same operands */
+    for (int i = 0; i < n; ++i)
+        for (int g = 0; g < G; ++g)
+            st(&L[i][8 * g], sel(zero_group[g], zero,
+                                 nearest_clamp(best_iscale[g] * ld(&x[i][8 * g]), lo, hi) + off));
+    for (int g = 0; g < G; ++g) st(&scale_out[8 * g], sel(zero_group[g], zero, scale[g]));
 }
 
-/* ---------------------------------------------------------------- super-blocks */
-
-/* Q4_K (nmax 15) / Q5_K (nmax 31, five): d, dmin, 12 scale bytes, [qh 32,] qs 128. */
-KT_INLINE void block_qkx(const float *x, uint8_t *y, int nmax, float rmin, int nstep, int five) {
-    uint8_t L[QK_K], ls[8], lm[8];
-    vf xt[32], w[32], Lv[32], sum_x2 = splat(0), av_x, scales_v, mins_v;
-    for (int i = 0; i < 32; ++i)
-        for (int j = 0; j < 8; ++j) xt[i][j] = x[32 * j + i];
-    for (int i = 0; i < 32; ++i) sum_x2 += xt[i] * xt[i];
-    for (int j = 0; j < 8; ++j) av_x[j] = sqrtf(sum_x2[j] / 32);
-    for (int i = 0; i < 32; ++i) w[i] = av_x + vabs(xt[i]);
-    scales_v = qkx2(xt, w, Lv, &mins_v, nmax, rmin, 0.1f, nstep);
-    float scales[8], mins[8], max_scale = 0, max_min = 0;
-    for (int j = 0; j < 8; ++j) {
-        scales[j] = scales_v[j];
-        mins[j] = mins_v[j];
-        for (int i = 0; i < 32; ++i) L[32 * j + i] = (uint8_t)Lv[i][j];
-        if (scales[j] > max_scale) max_scale = scales[j];
-        if (mins[j] > max_min) max_min = mins[j];
-    }
-    const float inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f, inv_min = max_min > 0 ? 63.f / max_min : 0.f;
-    uint8_t *sc = y + 4;
-    for (int j = 0; j < 8; ++j) {
-        const uint8_t a = (uint8_t)nearest_int(inv_scale * scales[j]), b = (uint8_t)nearest_int(inv_min * mins[j]);
-        ls[j] = a < 63 ? a : 63;
-        lm[j] = b < 63 ? b : 63;
-    }
-    for (int j = 0; j < 4; ++j) {
-        sc[j] = (uint8_t)(ls[j] | ((ls[j + 4] >> 4) << 6));
-        sc[j + 4] = (uint8_t)(lm[j] | ((lm[j + 4] >> 4) << 6));
-        sc[j + 8] = (uint8_t)((ls[j + 4] & 0xF) | ((lm[j + 4] & 0xF) << 4));
-    }
-    const uint16_t d16 = f32_to_f16(max_scale / 63.f), m16 = f32_to_f16(max_min / 63.f);
-    put16(y, d16);
-    put16(y + 2, m16);
-    const float dd = f16_to_f32(d16), dm = f16_to_f32(m16);
-    for (int j = 0; j < 8; ++j) {
-        const float d = dd * ls[j];
-        if (!d) continue;
-        const float m = dm * lm[j];
-        for (int i = 0; i < 32; ++i) {
-            const int l = nearest_int((x[32 * j + i] + m) / d);
-            L[32 * j + i] = (uint8_t)(l < 0 ? 0 : l > nmax ? nmax : l);
+/* codes Lv[i][j] (value i of group j, integers 0..255 as float) -> L[n * j + i] */
+KT_INLINE void untranspose(const float (*Lv)[LANES], int n, uint8_t *L) {
+    for (int i = 0; i < n; ++i)
+        for (int g = 0; g < G; ++g) {
+            const vi c = __builtin_convertvector(ld(&Lv[i][8 * g]), vi);
+            for (int j = 0; j < 8; ++j) L[n * (8 * g + j) + i] = (uint8_t)c[j];
         }
+}
+
+/* the final codes of a K-quant with a minimum, sub-block j in lane j: nearest_int((x + m[j]) / d[j]) clamped to
+ * 0..nmax where d[j] != 0 (the reference's `if (!d) continue` keeps the search codes) */
+KT_INLINE void requant_min(const float (*xt)[LANES], float (*Lv)[LANES], const float *d, const float *m, int nmax) {
+    for (int g = 0; g < G; ++g) {
+        const vf dg = ld(d + 8 * g), mg = ld(m + 8 * g);
+        const vi keep = dg == splat(0);
+        for (int i = 0; i < 32; ++i)
+            st(&Lv[i][8 * g], sel(keep, ld(&Lv[i][8 * g]),
+                                  nearest_clamp((ld(&xt[i][8 * g]) + mg) / dg, splat(0), splat((float)nmax))));
     }
+}
+
+/* codes L[256] (0..nmax) of a Q4_K / Q5_K super-block into y: qs (low nibbles, sub-blocks 2p and 2p+1 in one byte), and
+ * for Q5_K (five) the fifth bits in qh (sub-block j: bit j) */
+KT_INLINE void pack_qkx(const uint8_t *L, uint8_t *y, int five) {
     uint8_t *qh = y + 16, *qs = y + (five ? 48 : 16);
     if (five) memset(qh, 0, 32);
     for (int p = 0; p < 4; ++p) {           /* sub-blocks 2p (low nibbles) and 2p+1 (high nibbles) */
@@ -246,25 +393,70 @@ KT_INLINE void block_qkx(const float *x, uint8_t *y, int nmax, float rmin, int n
     }
 }
 
+/* ---------------------------------------------------------------- super-blocks */
+
+/* Q4_K (nmax 15) / Q5_K (nmax 31, five) of nsb (1 or 2) super-blocks, their 16 sub-blocks in the lanes (a missing
+ * second super-block: zeros, flat lanes never stored): d, dmin, 12 scale bytes, [qh 32,] qs 128 each. */
+KT_INLINE void blocks_qkx(const float *x, uint8_t *y, int nsb, int nmax, float rmin, int nstep, int five) {
+    const int bytes = five ? 176 : 144;
+    uint8_t L[2 * QK_K];
+    float xt[32][LANES], w[32][LANES], Lv[32][LANES], scales_v[LANES], mins_v[LANES], d[LANES] = {0}, m[LANES] = {0};
+    for (int j = 0; j < LANES; ++j)
+        for (int i = 0; i < 32; ++i) xt[i][j] = j < 8 * nsb ? x[32 * j + i] : 0.f;
+    for (int g = 0; g < G; ++g) {           /* weights av_x + |x|, av_x = sqrt(mean x^2) of the sub-block */
+        vf sum_x2 = splat(0), av_x;
+        for (int i = 0; i < 32; ++i) sum_x2 += ld(&xt[i][8 * g]) * ld(&xt[i][8 * g]);
+        for (int j = 0; j < 8; ++j) av_x[j] = sqrtf(sum_x2[j] / 32);
+        for (int i = 0; i < 32; ++i) st(&w[i][8 * g], av_x + vabs(ld(&xt[i][8 * g])));
+    }
+    qkx2(xt, w, Lv, scales_v, mins_v, nmax, rmin, 0.1f, nstep);
+    for (int b = 0; b < nsb; ++b) {
+        uint8_t ls[8], lm[8], *yb = y + bytes * b, *sc = yb + 4;
+        float scales[8], mins[8], max_scale = 0, max_min = 0;
+        for (int j = 0; j < 8; ++j) {
+            scales[j] = scales_v[8 * b + j];
+            mins[j] = mins_v[8 * b + j];
+            if (scales[j] > max_scale) max_scale = scales[j];
+            if (mins[j] > max_min) max_min = mins[j];
+        }
+        const float inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f, inv_min = max_min > 0 ? 63.f / max_min : 0.f;
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t a = (uint8_t)nearest_int(inv_scale * scales[j]), c = (uint8_t)nearest_int(inv_min * mins[j]);
+            ls[j] = a < 63 ? a : 63;
+            lm[j] = c < 63 ? c : 63;
+        }
+        for (int j = 0; j < 4; ++j) {
+            sc[j] = (uint8_t)(ls[j] | ((ls[j + 4] >> 4) << 6));
+            sc[j + 4] = (uint8_t)(lm[j] | ((lm[j + 4] >> 4) << 6));
+            sc[j + 8] = (uint8_t)((ls[j + 4] & 0xF) | ((lm[j + 4] & 0xF) << 4));
+        }
+        const uint16_t d16 = f32_to_f16(max_scale / 63.f), m16 = f32_to_f16(max_min / 63.f);
+        put16(yb, d16);
+        put16(yb + 2, m16);
+        const float dd = f16_to_f32(d16), dm = f16_to_f32(m16);
+        for (int j = 0; j < 8; ++j) {
+            d[8 * b + j] = dd * ls[j];
+            m[8 * b + j] = dm * lm[j];
+        }
+    }
+    requant_min(xt, Lv, d, m, nmax);
+    untranspose(Lv, 32, L);
+    for (int b = 0; b < nsb; ++b) pack_qkx(L + QK_K * b, y + bytes * b, five);
+}
+
 /* Q6_K: ql 128, qh 64, 16 int8 scales, d. qw: the 256 importances of this super-block's columns (quantize_row_q6_K_impl
  * passes them to make_qx_quants unchanged) or NULL (weights x^2, quantize_row_q6_K_ref). */
 KT_INLINE void block_q6k(const float *x, const float *qw, uint8_t *y) {
     uint8_t L[QK_K];
     int8_t sc[16];
     float scales[16], max_scale = 0, max_abs = 0;
-    for (int half = 0; half < 2; ++half) {  /* sub-blocks 8*half .. 8*half+7 in the lanes */
-        vf xt[16], wt[16], Lv[16];
-        for (int i = 0; i < 16; ++i)
-            for (int j = 0; j < 8; ++j) {
-                xt[i][j] = x[16 * (8 * half + j) + i];
-                wt[i][j] = qw ? qw[16 * (8 * half + j) + i] : 0.f;
-            }
-        const vf s = qx_w(xt, qw ? wt : NULL, Lv, 16, 32);
-        for (int j = 0; j < 8; ++j) {
-            scales[8 * half + j] = s[j];
-            for (int i = 0; i < 16; ++i) L[16 * (8 * half + j) + i] = (uint8_t)Lv[i][j];
+    float xt[16][LANES], wt[16][LANES], Lv[16][LANES];
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 16; ++j) {
+            xt[i][j] = x[16 * j + i];
+            wt[i][j] = qw ? qw[16 * j + i] : 0.f;
         }
-    }
+    qx_w(xt, qw ? wt : NULL, Lv, scales, 16, 32);
     for (int j = 0; j < 16; ++j) {
         if (fabsf(scales[j]) > max_abs) {
             max_abs = fabsf(scales[j]);
@@ -282,15 +474,15 @@ KT_INLINE void block_q6k(const float *x, const float *qw, uint8_t *y) {
         sc[j] = (int8_t)(l < 127 ? l : 127);
     }
     const float dd = f16_to_f32(d16);
-    for (int j = 0; j < 16; ++j) {
-        const float d = dd * sc[j];
-        if (!d) continue;
-        for (int i = 0; i < 16; ++i) {
-            int l = nearest_int(x[16 * j + i] / d);
-            l = l < -32 ? -32 : l > 31 ? 31 : l;
-            L[16 * j + i] = (uint8_t)(l + 32);
-        }
+    for (int g = 0; g < G; ++g) {           /* nearest_int(x / d) in -32..31, + 32, where d != 0 */
+        vf d;
+        for (int j = 0; j < 8; ++j) d[j] = dd * sc[8 * g + j];
+        const vi keep = d == splat(0);
+        for (int i = 0; i < 16; ++i)
+            st(&Lv[i][8 * g], sel(keep, ld(&Lv[i][8 * g]),
+                                  nearest_clamp(ld(&xt[i][8 * g]) / d, splat(-32), splat(31)) + 32));
     }
+    untranspose(Lv, 16, L);
     uint8_t *ql = y, *qh = y + 128;
     for (int h = 0; h < 2; ++h) {           /* 128 values each: 4 groups of 32 */
         const uint8_t *g = L + 128 * h;
@@ -401,70 +593,68 @@ KT_INLINE float qp(int n, int nmax, const float *x, uint8_t *L, const float *w) 
 
 /* Q4_K / Q5_K (quantize_row_q{4,5}_K_impl): weights qw * sqrt(sigma2 + x^2) (sigma2 = 2 * mean x^2 of the
  * super-block), make_qkx3_quants (the make_qkx2 search with 37 steps from nmax - 0.9 by 0.05) per sub-block, the 8
- * scales and mins quantized to 6 bits by make_qp_quants weighted by each sub-block's weight sum. */
-KT_INLINE void block_qkx_w(const float *x, const float *qw, uint8_t *y, int nmax, int five) {
-    uint8_t L[QK_K], Ls[8], Lm[8];
-    vf xt[32], w[32], Lv[32], mins_v;
-    float sum_x2 = 0, sw[8], scales[8], mins[8];
-    for (int l = 0; l < QK_K; ++l) sum_x2 += x[l] * x[l];
-    const float sigma2 = 2 * sum_x2 / QK_K;
-    for (int j = 0; j < 8; ++j) {
-        float sumw = 0;
-        for (int i = 0; i < 32; ++i) {
-            const float v = x[32 * j + i], wi = qw[32 * j + i] * sqrtf(sigma2 + v * v);
-            xt[i][j] = v;
-            w[i][j] = wi;
-            sumw += wi;
-        }
-        sw[j] = sumw;
-    }
-    const vf scales_v = qkx2(xt, w, Lv, &mins_v, nmax, -0.9f, 0.05f, 36);
-    for (int j = 0; j < 8; ++j) {
-        scales[j] = scales_v[j];
-        mins[j] = mins_v[j];
-        for (int i = 0; i < 32; ++i) L[32 * j + i] = (uint8_t)Lv[i][j];
-    }
-    const float d_block = qp(8, 63, scales, Ls, sw), m_block = qp(8, 63, mins, Lm, sw);
-    uint8_t *sc = y + 4;
-    for (int j = 0; j < 8; ++j) {
-        uint8_t ls = Ls[j], lm = Lm[j];
-        if (five) {
-            ls = ls < 63 ? ls : 63;
-            lm = lm < 63 ? lm : 63;
-        }
-        if (j < 4) {
-            sc[j] = ls;
-            sc[j + 4] = lm;
-        } else {
-            sc[j + 4] = (uint8_t)((ls & 0xF) | ((lm & 0xF) << 4));
-            sc[j - 4] |= (uint8_t)((ls >> 4) << 6);
-            sc[j] |= (uint8_t)((lm >> 4) << 6);
+ * scales and mins quantized to 6 bits by make_qp_quants weighted by each sub-block's weight sum; nsb (1 or 2)
+ * super-blocks of one row (qw: their importances), searched together as in blocks_qkx. */
+KT_INLINE void blocks_qkx_w(const float *x, const float *qw, uint8_t *y, int nsb, int nmax, int five) {
+    const int bytes = five ? 176 : 144;
+    uint8_t L[2 * QK_K];
+    float xt[32][LANES], w[32][LANES], Lv[32][LANES], scales_v[LANES], mins_v[LANES], d[LANES] = {0}, m[LANES] = {0};
+    float sw[LANES];
+    for (int b = 0; b < 2; ++b) {
+        float sum_x2 = 0;
+        if (b < nsb)
+            for (int l = 0; l < QK_K; ++l) sum_x2 += x[QK_K * b + l] * x[QK_K * b + l];
+        const float sigma2 = 2 * sum_x2 / QK_K;
+        for (int j = 8 * b; j < 8 * b + 8; ++j) {
+            float sumw = 0;
+            for (int i = 0; i < 32; ++i) {
+                const float v = b < nsb ? x[32 * j + i] : 0.f;
+                const float wi = b < nsb ? qw[32 * j + i] * sqrtf(sigma2 + v * v) : 0.f;
+                xt[i][j] = v;
+                w[i][j] = wi;
+                sumw += wi;
+            }
+            sw[j] = sumw;
         }
     }
-    const uint16_t d16 = f32_to_f16(d_block), m16 = f32_to_f16(m_block);
-    put16(y, d16);
-    put16(y + 2, m16);
-    const float dd = f16_to_f32(d16), dm = f16_to_f32(m16);
-    for (int j = 0; j < 8; ++j) {   /* get_scale_min_k4 of the packed bytes */
-        const uint8_t s6 = j < 4 ? sc[j] & 63 : (uint8_t)((sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4));
-        const uint8_t m6 = j < 4 ? sc[j + 4] & 63 : (uint8_t)((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4));
-        const float d = dd * s6;
-        if (!d) continue;
-        const float m = dm * m6;
-        for (int i = 0; i < 32; ++i) {
-            const int l = nearest_int((x[32 * j + i] + m) / d);
-            L[32 * j + i] = (uint8_t)(l < 0 ? 0 : l > nmax ? nmax : l);
+    qkx2(xt, w, Lv, scales_v, mins_v, nmax, -0.9f, 0.05f, 36);
+    for (int b = 0; b < nsb; ++b) {
+        uint8_t Ls[8], Lm[8], *yb = y + bytes * b, *sc = yb + 4;
+        float scales[8], mins[8];
+        for (int j = 0; j < 8; ++j) {
+            scales[j] = scales_v[8 * b + j];
+            mins[j] = mins_v[8 * b + j];
+        }
+        const float d_block = qp(8, 63, scales, Ls, sw + 8 * b), m_block = qp(8, 63, mins, Lm, sw + 8 * b);
+        for (int j = 0; j < 8; ++j) {
+            uint8_t ls = Ls[j], lm = Lm[j];
+            if (five) {
+                ls = ls < 63 ? ls : 63;
+                lm = lm < 63 ? lm : 63;
+            }
+            if (j < 4) {
+                sc[j] = ls;
+                sc[j + 4] = lm;
+            } else {
+                sc[j + 4] = (uint8_t)((ls & 0xF) | ((lm & 0xF) << 4));
+                sc[j - 4] |= (uint8_t)((ls >> 4) << 6);
+                sc[j] |= (uint8_t)((lm >> 4) << 6);
+            }
+        }
+        const uint16_t d16 = f32_to_f16(d_block), m16 = f32_to_f16(m_block);
+        put16(yb, d16);
+        put16(yb + 2, m16);
+        const float dd = f16_to_f32(d16), dm = f16_to_f32(m16);
+        for (int j = 0; j < 8; ++j) {   /* get_scale_min_k4 of the packed bytes */
+            const uint8_t s6 = j < 4 ? sc[j] & 63 : (uint8_t)((sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4));
+            const uint8_t m6 = j < 4 ? sc[j + 4] & 63 : (uint8_t)((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4));
+            d[8 * b + j] = dd * s6;
+            m[8 * b + j] = dm * m6;
         }
     }
-    uint8_t *qh = y + 16, *qs = y + (five ? 48 : 16);
-    if (five) memset(qh, 0, 32);
-    for (int p = 0; p < 4; ++p) {
-        for (int l = 0; l < 32; ++l) {
-            const uint8_t a = L[64 * p + l], b = L[64 * p + 32 + l];
-            qs[32 * p + l] = (uint8_t)((a & 0xF) | ((b & 0xF) << 4));
-            if (five) qh[l] |= (uint8_t)(((a >> 4) << (2 * p)) | ((b >> 4) << (2 * p + 1)));
-        }
-    }
+    requant_min(xt, Lv, d, m, nmax);
+    untranspose(Lv, 32, L);
+    for (int b = 0; b < nsb; ++b) pack_qkx(L + QK_K * b, y + bytes * b, five);
 }
 
 /* Q4_0 of one row (quantize_row_q4_0_impl): weights qw * sqrt(sigma2 + x^2), sigma2 = mean x^2 of the whole row,
@@ -473,19 +663,16 @@ KT_INLINE void row_q4_0_w(const float *x, const float *qw, int64_t k, uint8_t *y
     float sum_x2 = 0;
     for (int64_t j = 0; j < k; ++j) sum_x2 += x[j] * x[j];
     const float sigma2 = sum_x2 / k;
-    for (int64_t b0 = 0; b0 < k / 32; b0 += 8) {
-        const int nb = k / 32 - b0 < 8 ? (int)(k / 32 - b0) : 8;
-        vf xt[32], wt[32], Lv[32];
-        for (int i = 0; i < 32; ++i) {
-            xt[i] = splat(0);
-            wt[i] = splat(0);
+    for (int64_t b0 = 0; b0 < k / 32; b0 += LANES) {
+        const int nb = k / 32 - b0 < LANES ? (int)(k / 32 - b0) : LANES;
+        float xt[32][LANES] = {{0}}, wt[32][LANES] = {{0}}, Lv[32][LANES], d[LANES];
+        for (int i = 0; i < 32; ++i)
             for (int j = 0; j < nb; ++j) {
                 const float v = x[32 * (b0 + j) + i];
                 xt[i][j] = v;
                 wt[i][j] = qw[32 * (b0 + j) + i] * sqrtf(sigma2 + v * v);
             }
-        }
-        const vf d = qx_w(xt, wt, Lv, 32, 8);
+        qx_w(xt, wt, Lv, d, 32, 8);
         for (int j = 0; j < nb; ++j) {
             uint8_t *yb = y + 18 * (b0 + j);
             put16(yb, f32_to_f16(d[j]));
@@ -499,10 +686,12 @@ KT_INLINE void row_q4_0_w(const float *x, const float *qw, int64_t k, uint8_t *y
 
 #define KT_QUANT_VARIANTS(SUFFIX, ATTR)                                                    \
     ATTR static void q4k_##SUFFIX(const float *x, int64_t nb, uint8_t *y) {              \
-        for (int64_t i = 0; i < nb; i++) block_qkx(x + QK_K * i, y + 144 * i, 15, -1.f, 20, 0); \
+        for (int64_t i = 0; i < nb; i += 2)                                               \
+            blocks_qkx(x + QK_K * i, y + 144 * i, nb - i < 2 ? 1 : 2, 15, -1.f, 20, 0);       \
     }                                                                                      \
     ATTR static void q5k_##SUFFIX(const float *x, int64_t nb, uint8_t *y) {              \
-        for (int64_t i = 0; i < nb; i++) block_qkx(x + QK_K * i, y + 176 * i, 31, -0.5f, 15, 1); \
+        for (int64_t i = 0; i < nb; i += 2)                                               \
+            blocks_qkx(x + QK_K * i, y + 176 * i, nb - i < 2 ? 1 : 2, 31, -0.5f, 15, 1);      \
     }                                                                                      \
     ATTR static void q6k_##SUFFIX(const float *x, int64_t nb, uint8_t *y) {              \
         for (int64_t i = 0; i < nb; i++) block_q6k(x + QK_K * i, NULL, y + 210 * i);            \
@@ -514,10 +703,12 @@ KT_INLINE void row_q4_0_w(const float *x, const float *qw, int64_t k, uint8_t *y
         for (int64_t i = 0; i < nb; i++) block_q4_0(x + 32 * i, y + 18 * i);              \
     }                                                                                      \
     ATTR static void q4kw_##SUFFIX(const float *x, const float *qw, int64_t k, uint8_t *y) { \
-        for (int64_t i = 0; i < k / QK_K; i++) block_qkx_w(x + QK_K * i, qw + QK_K * i, y + 144 * i, 15, 0); \
+        for (int64_t i = 0; i < k / QK_K; i += 2)                                         \
+            blocks_qkx_w(x + QK_K * i, qw + QK_K * i, y + 144 * i, k / QK_K - i < 2 ? 1 : 2, 15, 0); \
     }                                                                                      \
     ATTR static void q5kw_##SUFFIX(const float *x, const float *qw, int64_t k, uint8_t *y) { \
-        for (int64_t i = 0; i < k / QK_K; i++) block_qkx_w(x + QK_K * i, qw + QK_K * i, y + 176 * i, 31, 1); \
+        for (int64_t i = 0; i < k / QK_K; i += 2)                                         \
+            blocks_qkx_w(x + QK_K * i, qw + QK_K * i, y + 176 * i, k / QK_K - i < 2 ? 1 : 2, 31, 1); \
     }                                                                                      \
     ATTR static void q6kw_##SUFFIX(const float *x, const float *qw, int64_t k, uint8_t *y) { \
         for (int64_t i = 0; i < k / QK_K; i++) block_q6k(x + QK_K * i, qw + QK_K * i, y + 210 * i); \

@@ -78,7 +78,8 @@ extern "C" {
 #define KT_CPU_AMX_TILE (1 << 9) /* CPUID + XCR0 tile bits; the process still needs arch_prctl permission */
 #define KT_CPU_AMX_INT8 (1 << 10)
 #define KT_CPU_AMX_BF16 (1 << 11)
-#define KT_CPU_NFEATURES 12
+#define KT_CPU_SHA (1 << 12)      /* SHA extensions (sha256rnds2, ...): native/sha256_multi.c */
+#define KT_CPU_NFEATURES 13
 
 /* Library ABI version; bump when a signature changes. */
 #define KT_ABI_VERSION 1

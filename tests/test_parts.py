@@ -17,13 +17,10 @@ from ktconvert.cli.main import cli
 from ktconvert.distributed.merge import merge
 from ktconvert.distributed.parts import PART_NAME, balanced_ranges, load_part, parse_range
 
+from trees import tree
+
 MODEL = dict(layers=4, experts=4, hidden=128, intermediate=256)   # deepseek_v3: layer 0 dense, MoE layers 1..3
 CPU = dict(method="amxint4", numa=2)
-
-
-def tree(folder: Path) -> dict[str, bytes]:
-    """{relative path: bytes} of every file under `folder`."""
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")

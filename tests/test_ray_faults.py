@@ -29,15 +29,12 @@ from ktconvert.distributed.preflight import NodeError, check_node, check_reports
 from ktconvert.formats.out_manifest import JOURNAL_NAME, LOCK_NAME, package_versions
 from ktconvert.util.progress import Progress
 
+from trees import tree
+
 MODEL = dict(layers=4, experts=4, hidden=128, intermediate=256)   # deepseek_v3: layer 0 dense, MoE layers 1..3
 CPU = dict(method="amxint4", numa=2)
 
 ME = {"host": socket.gethostname(), "pid": os.getpid(), "node_id": "n-live", "task_id": "t-retry"}
-
-
-def tree(folder: Path) -> dict[str, bytes]:
-    """{relative path: bytes} of every file under `folder`."""
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +65,8 @@ class Notes(Progress):
 @pytest.fixture
 def held(tmp_path):
     """hold(holder, folder=tmp_path/layers-1-1): part folder `folder` whose lock this test holds (flock on its own
-    open file, as another process would) with `holder` as its task record; the descriptor closed after the test."""
+    open file, as another process would; "PID HOST" in it, as lock_folder writes) with `holder` as its task
+    record; the descriptor closed after the test."""
     fds = []
 
     def hold(holder: dict, folder: Path | None = None) -> Path:
@@ -76,7 +74,7 @@ def held(tmp_path):
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.pwrite(fd, f"{holder['pid']}\n".encode(), 0)
+        os.pwrite(fd, f"{holder['pid']} {holder['host']}\n".encode(), 0)     # as run.output.lock_folder writes it
         fds.append(fd)
         write_task_record(folder, holder)
         return folder
@@ -208,16 +206,69 @@ def test_preflight_names_the_node_and_what_to_fix(node_context, source, tmp_path
 
 # ---------------------------------------------------------------- Ray's output and import path (no Ray cluster)
 
-def test_ray_messages_go_to_the_log_one_line_each_none_to_stdout(tmp_path, capfd):
+def test_ray_messages_go_to_the_log_one_line_per_fault_none_to_stdout(tmp_path, capfd, monkeypatch):
+    """One fault's reports (a raylet's termination twice, as two of its workers report it; its node marked dead;
+    the driver's own notes; a line of the driver's Ray core on stderr) all in ray.log, one line on the progress;
+    a fault after BURST_SECONDS gets its own line; nothing on stdout, other stderr passed on."""
     ray_worker = pytest.importorskip("ray._private.worker")
     progress = Notes()
+    clock = [1000.0]
+    monkeypatch.setattr(ray_runtime.time, "monotonic", lambda: clock[0])
+    native = "[2026-11-28 17:04:36,554 E 27882 27955] task_manager.cc:1545: Failed to push error to driver\n"
+
+    def report(*lines):
+        ray_worker.print_to_stdstream({"lines": list(lines), "pid": "raylet", "is_err": False}, ignore_prefix=False)
+
     with ray_runtime.ray_output(tmp_path / "parts" / "ray.log", progress) as log:
-        ray_worker.print_to_stdstream({"lines": ["\x1b[33mA worker died or was killed\x1b[0m", "detail 2"],
-                                       "pid": "raylet", "is_err": False}, ignore_prefix=False)
-    ray_worker.print_to_stdstream({"lines": ["after the run"], "pid": "raylet", "is_err": False}, ignore_prefix=False)
-    assert capfd.readouterr().out == ""
-    assert log.read_text() == "(raylet) A worker died or was killed\n(raylet) detail 2\n(raylet) after the run\n"
-    assert progress.notes == [f"Ray: A worker died or was killed (details: {log})"]
+        report("\x1b[33mRaylet is terminated. Termination is unexpected.\x1b[0m", "Last 20 lines:")
+        report("Raylet is terminated. Termination is unexpected.")
+        os.write(2, native.encode())
+        os.write(2, b"not Ray's\n")
+        clock[0] += 10
+        report("The node with node id: n1 has been marked dead")
+        ray_runtime.note_fault("part p: started again", progress)
+        clock[0] += ray_runtime.BURST_SECONDS + 1
+        report("A worker died or was killed")
+    report("after the run")
+    captured = capfd.readouterr()
+    assert captured.out == "" and captured.err == "not Ray's\n"
+    lines = log.read_text().splitlines(keepends=True)
+    assert lines.count("(driver) " + native) == 1               # written by the stderr pump: order not kept
+    assert [line for line in lines if not line.startswith("(driver)")] == [
+        "(raylet) Raylet is terminated. Termination is unexpected.\n", "(raylet) Last 20 lines:\n",
+        "(raylet) Raylet is terminated. Termination is unexpected.\n",
+        "(raylet) The node with node id: n1 has been marked dead\n", "(ktconvert) part p: started again\n",
+        "(raylet) A worker died or was killed\n", "(raylet) after the run\n"]
+    assert progress.notes == [f"Ray: Raylet is terminated. Termination is unexpected. (details: {log})",
+                              f"Ray: A worker died or was killed (details: {log})"]
+    ray_runtime.note_fault("outside a run", progress)          # no log: said as it is
+    assert progress.notes[-1] == "outside a run"
+
+
+def test_lock_taken_by_a_frozen_process_of_a_dead_node_is_taken_over(tmp_path):
+    """A part's lock taken by lock_folder in another process, that process stopped (SIGSTOP, as on a frozen node):
+    named with its pid and host while its node lives, taken over once its node is dead."""
+    import signal
+
+    folder = tmp_path / "layers-1-1"
+    folder.mkdir()
+    code = ("import sys, time; from ktconvert.run.output import lock_folder; lock_folder(sys.argv[1]); "
+            "print('locked', flush=True); time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "locked\n"
+        os.kill(child.pid, signal.SIGSTOP)
+        state, text = lock_state(folder, ME, lambda: {"n-live"})
+        assert state == "held" and f"pid {child.pid} on host {socket.gethostname()} (no task record" in text
+        write_task_record(folder, {"host": socket.gethostname(), "pid": child.pid, "node_id": "n-frozen",
+                                   "task_id": "t-first"})
+        assert lock_state(folder, ME, lambda: {"n-live", "n-frozen"})[0] == "held"
+        state, text = lock_state(folder, ME, lambda: {"n-live"})
+        assert state == "taken" and f"pid {child.pid} on host {socket.gethostname()}" in text
+        assert "its Ray node is dead" in text and not (folder / LOCK_NAME).exists()
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_ray_starts_from_the_package_folder(monkeypatch, tmp_path):
@@ -351,7 +402,8 @@ def test_stale_part_redone_and_foreign_lock_named_then_taken_over(cluster, sourc
     progress = Notes()
     run(progress)
     assert tree(tmp_path / "out") == tree(single)
-    assert [n for n in progress.notes if "taken over: its Ray node is dead" in n and "node-b.example" in n]
+    assert [n for n in progress.notes if "taken over: its Ray node is dead" in n and "node-b.example" in n], \
+        progress.notes
 
 
 # ---------------------------------------------------------------- resources as data (no Ray)

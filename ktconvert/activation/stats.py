@@ -25,7 +25,7 @@ from ktconvert.formats.fileio import record_for
 from ktconvert.formats.hf_source import HFSource
 from ktconvert.formats.out_manifest import placement_flags
 from ktconvert.gptq.calibration import load_samples
-from ktconvert.gptq.skeleton import experts_module, torch_dtype, torch_dtype_of
+from ktconvert.gptq.skeleton import routed_experts, torch_dtype, torch_dtype_of
 from ktconvert.gptq.stream import DecoderStream
 
 DTYPES = ("float32", "bfloat16")
@@ -40,10 +40,7 @@ class RoutingStream(DecoderStream):
         if L not in self.info.moe_layers:
             self.propagate(L, layer)
             return None
-        experts = experts_module(layer)
-        if experts is None or experts.num_experts != self.info.n_experts:
-            raise InputError(f"layer {L}: the model transformers builds has no routed experts module with "
-                             f"{self.info.n_experts} experts where the checkpoint has them", file="config.json")
+        experts = routed_experts(layer, L, self.info.n_experts)
         with counting(experts, self.info.n_experts, where=f"layer {L}") as counter:
             self.propagate(L, layer)
         return counter

@@ -110,7 +110,8 @@ def inspect(src: str, as_json: bool, expert_orientation) -> None:
 @click.argument("out", type=click.Path())
 @kind_options("cpu")
 @click.option("--calibration", type=InputPath(dir_okay=False), default=None,
-              help="For --quant gptq: JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
+              help="For --quant gptq, or --method llamafile (an importance matrix computed from it, as "
+                   "llama-imatrix): JSON lines of {\"text\": ...} or {\"input_ids\": [...]} (nothing is downloaded).")
 @click.option("--dampening", type=float, default=None,
               help="For --quant gptq: GPTQ's relative Hessian dampening (default 0.1; llm-compressor's "
                    "dampening_frac defaults to 0.01: 0.1 is KTransformers' GPTQ converter's value, for expert "

@@ -255,6 +255,38 @@ def pop_distribution(options: dict) -> dict:
     return {key: options.pop(key) for key in DISTRIBUTION}
 
 
+def ray_plan_options(fn):
+    """plan's --executor ray with the run's --ray-address / --parts / --workers / --threads, and the cluster it is
+    figured for when there is no live one (--nodes, --node-cpus, --node-memory) and --node-rate."""
+    for option in reversed([
+            click.option("--executor", type=choice(["local", "ray"]), default="local", show_default=True,
+                         help="ray: also what a Ray run with these options asks of the cluster (computed)."),
+            click.option("--ray-address", default=None, metavar="ADDR",
+                         help="With --executor ray: the live cluster whose nodes are read (no task is started; "
+                              "default: RAY_ADDRESS when set)."),
+            click.option("--parts", type=int, default=None, help="With --executor ray: as convert's (default: "
+                                                                  "what the nodes run at once)."),
+            click.option("--workers", type=int, default=None,
+                         help="With --executor ray and --quant gptq: as cpu's / gpu's (default: what the nodes' "
+                              "memory holds)."),
+            click.option("--threads", type=click.IntRange(min=1), default=None,
+                         help="CPUs per part task with --executor ray (default 1, as convert's); else the workers "
+                              "the peak RAM is estimated for (default: all cores)."),
+            click.option("--nodes", type=int, default=None,
+                         help="With --executor ray and no live cluster: N alike nodes, with --node-cpus and "
+                              "--node-memory."),
+            click.option("--node-cpus", type=float, default=None, help="CPUs of each --nodes node."),
+            click.option("--node-memory", default=None, metavar="SIZE",
+                         help="Ray's `memory` resource of each --nodes node (by default its available RAM less "
+                              "the object store's 30%; 512G, 1.5T: powers of 1000; 256GiB: of 1024)."),
+            click.option("--node-rate", type=float, default=None, metavar="GB/S",
+                         help="With --executor ray: source GB per second one node converts, all its parts "
+                              "together (default 0.87: measured on 2 cores with every hash, README Benchmarks; "
+                              "time one `--layers A-B` part on a node for yours).")]):
+        fn = option(fn)
+    return fn
+
+
 def batch_executor_options(fn):
     """--executor / --ray-address of batch."""
     fn = ray_address_option(fn)

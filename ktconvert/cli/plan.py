@@ -3,13 +3,16 @@
 each target's plan and the pass's combined figures; or, as before, one CPU output (``--method``) and / or one GPU
 checkpoint (``--experts``; the old ``--gpu SCHEME`` is read as ``--experts SCHEME`` with a deprecation line) with an
 optional OUT whose free disk is checked. Either way also the GPU expert placement (``--gpu-experts-ratio`` /
-``--gpu-experts``). Light: loads click only; the API is imported when the command runs.
+``--gpu-experts``), and with ``--executor ray`` what the Ray run asks of the cluster (``distributed.ray_plan``:
+the live one's nodes, ``--nodes`` / ``--node-cpus`` / ``--node-memory`` described ones, or none). Light: loads
+click only; the API is imported when the command runs.
 """
 from __future__ import annotations
 
 import click
 
-from ktconvert.cli.options import InputPath, emit, json_option, load_api, orientation_option, source_arg
+from ktconvert.cli.options import (InputPath, emit, json_option, load_api, orientation_option, ray_plan_options,
+                                   sampling_options, source_arg)
 from ktconvert.cli.targets import META_KEY, TargetCommand, given_targets, kind_fields, kind_flags, starts_target, \
     target_options
 
@@ -57,10 +60,17 @@ def _old_gpu_scheme(args: list[str]) -> list[str]:
               help="The same with --kt-num-gpu-experts N (per MoE layer).")
 @click.option("--expert-stats", type=InputPath(dir_okay=False), default=None,
               help="Activation counts (ktconvert expert-stats): frequency placement; without: SGLang's uniform.")
+@click.option("--calibration", type=InputPath(dir_okay=False), default=None,
+              help="With --quant gptq: the calibration file `cpu` / `gpu` would read (its tokens size the Ray "
+                   "steps).")
+@sampling_options
+@ray_plan_options
 @json_option
 @orientation_option
 @click.argument("out", required=False, type=click.Path())
-def plan(src, targets_file, gpu_ratio, gpu_count, expert_stats, as_json, expert_orientation, out, **given) -> None:
+def plan(src, targets_file, gpu_ratio, gpu_count, expert_stats, as_json, expert_orientation, out, calibration,
+         max_length, num_samples, executor, ray_address, parts, workers, threads, nodes, node_cpus, node_memory,
+         node_rate, **given) -> None:
     """What a conversion of SRC would write: files, bytes, peak RAM, disk, and the alignment checks. For the
     outputs of one `convert` pass (--cpu OUT / --gpu OUT, each followed by its options, or --targets FILE):
     each output's plan, then the pass's figures (source bytes read once, the outputs' bytes together, peak RAM,
@@ -73,6 +83,18 @@ def plan(src, targets_file, gpu_ratio, gpu_count, expert_stats, as_json, expert_
       ktconvert plan SRC --cpu OUT1 --method amxint4 --numa 2 --cpu OUT2 --method amxint8 --gpu OUT3 --experts w4a16
 
     No weights are read. A NUMA count that cannot work fails here and lists the ones that would.
+
+    With --executor ray, also what the Ray run of the same options asks of the cluster, before anything runs:
+    per layer-range part (or per GPTQ step with --quant gptq --calibration FILE) the CPUs and memory each task
+    declares, per node how many run at once and what bounds it (CPUs or memory), the --parts / --workers the run
+    would take and why, the source bytes each part reads and writes (GPTQ: bytes shipped per MoE layer), and the
+    storage bandwidth the nodes need at --node-rate GB/s each. The nodes: the live cluster (--ray-address, or
+    RAY_ADDRESS; its nodes are read, no task started), or N alike nodes described with --nodes N --node-cpus C
+    --node-memory SIZE, or none (figures per task). All computed from the plan and the model's dims.
+
+    \b
+      ktconvert plan SRC --method amxint4 --numa 2 --executor ray --nodes 8 --node-cpus 64 --node-memory 512G
+      ktconvert plan SRC --method amxint4 --quant gptq --calibration C.jsonl --executor ray --ray-address HEAD:6379
     """
     placing = gpu_ratio is not None or gpu_count is not None
     if expert_stats and not placing:
@@ -80,19 +102,26 @@ def plan(src, targets_file, gpu_ratio, gpu_count, expert_stats, as_json, expert_
     placement = dict(ratio=gpu_ratio, per_layer=gpu_count, stats=expert_stats) if placing else None
     ctx = click.get_current_context()
     options = {key: value for key, value in given.items() if value not in (None, ())}
+    ray = dict(executor=executor, ray_address=ray_address, parts=parts, workers=workers, threads=threads,
+               nodes=nodes, node_cpus=node_cpus, node_memory=node_memory, node_rate=node_rate)
+    sampling = {key: value for key, value in (("calibration", calibration), ("max_length", max_length),
+                                              ("num_samples", num_samples)) if value is not None}
     src = source_arg(src, expert_orientation)
     if targets_file or ctx.meta.get(META_KEY):
-        if options:
-            raise click.UsageError(f"--{next(iter(options)).replace('_', '-')} applies to no target: give it after "
-                                   f"a {kind_flags()} OUT")
+        if options or sampling:
+            first = next(iter({**options, **sampling}))
+            raise click.UsageError(f"--{first.replace('_', '-')} applies to no target: give it after "
+                                   f"a {kind_flags()} OUT" if first in options else
+                                   f"--{first.replace('_', '-')} is for --quant gptq, which targets do not take")
         if out is not None:
             raise click.UsageError("with --cpu / --gpu / --targets each output names its folder: drop OUT")
-        emit(load_api().plan(src, targets=given_targets(ctx, targets_file), placement=placement), as_json)
+        emit(load_api().plan(src, targets=given_targets(ctx, targets_file), placement=placement, **ray), as_json)
         return
     cpu, gpu = _one_output_each(options, placing)
+    cpu, gpu = ({**side, **sampling} if side is not None else None for side in (cpu, gpu))
     if placement is not None and gpu is None:
         placement.update(experts="w4a16", group_size=options.get("group_size") or 128)
-    emit(load_api().plan(src, cpu, gpu, out=out, placement=placement), as_json)
+    emit(load_api().plan(src, cpu, gpu, out=out, placement=placement, **ray), as_json)
 
 
 def _one_output_each(options: dict, placing: bool) -> tuple[dict | None, dict | None]:

@@ -13,6 +13,7 @@ import time
 from ktconvert.cpu.options import CpuOptions
 from ktconvert.util.extras import require
 from ktconvert.gptq import cpu as gptq_cpu
+from ktconvert.gptq.imatrix import convert_llamafile_calibrated
 from ktconvert.kinds import KINDS
 from ktconvert.run.inputs import open_input
 from ktconvert.run.local import target_output
@@ -40,5 +41,10 @@ def convert_cpu(src, out, options: CpuOptions | None = None, *, threads: int | N
         make_stream = gptq_stream(plan.input) if gptq_stream is not None else None
         return gptq_cpu.convert_cpu_gptq(output, progress or Progress(), timings, make_stream=make_stream,
                                          max_length=options.max_length, num_samples=options.num_samples)
+    if options.calibration is not None:       # --method llamafile: its importance matrix from the calibration
+        require("gpu", "--method llamafile --calibration")
+        return convert_llamafile_calibrated(output, progress or Progress(), timings, threads=threads,
+                                            verify_source_hash=verify_source_hash, max_length=options.max_length,
+                                            num_samples=options.num_samples)
     return write_outputs([output], threads=threads, progress=progress, timings=timings,
                          verify_source_hash=verify_source_hash)[0]

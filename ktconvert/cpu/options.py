@@ -5,6 +5,7 @@ options are made.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from ktconvert.errors import UsageError
@@ -26,7 +27,8 @@ class CpuOptions(Options):
     """What a CPU output is: method (a registered CPU method: amxint4, amxint8, bf16, fp8, llamafile, rawint4, ...),
     numa (T, = SGLang's --kt-threadpool-count), layout ("safetensors" merged shards, the "kt" tree, "gguf"; None:
     the method's first layout, set by check), ggml_type (llamafile's GGUF type; None: its default), quant (the per-row
-    quantizer: "rtn", "mse", or "gptq" with calibration, a JSON-lines file), group_size (a grouped method's; None =
+    quantizer: "rtn", "mse", or "gptq" with calibration, a JSON-lines file; with llamafile, calibration gives its
+    importance matrix), group_size (a grouped method's; None =
     the method's default, e.g. rawint4's 32, the only size kt-kernel 0.7.2 runs), include_dense (also the
     non-expert tensors), include_mtp (also the MTP layers' experts), allow_drop_bias (convert although non-zero
     expert biases are dropped); with gptq: dampening (GPTQ's relative Hessian dampening) and min_tokens (routed
@@ -117,8 +119,12 @@ class CpuOptions(Options):
                              found=self.quant)
         if self.quant == "gptq" and self.calibration is None:
             raise UsageError("--quant gptq needs calibration data", expected="--calibration FILE (JSON lines)")
-        if self.quant != "gptq" and self.calibration is not None:
-            raise UsageError("--calibration is only used with --quant gptq", found=f"--quant {self.quant}")
+        if self.quant != "gptq" and self.calibration is not None:   # llamafile: an importance matrix from it
+            check = getattr(self.method_class(), "check_calibration", None)
+            if check is None:
+                raise UsageError("--calibration is only used with --quant gptq or --method llamafile",
+                                 found=f"--quant {self.quant}")
+            check(self.imatrix)
         if self.quant == "gptq" and self.include_dense:
             raise UsageError("not available with --quant gptq", found="--include-dense")
         if not (0 <= self.dampening < float("inf")) or self.min_tokens < 0:
@@ -139,6 +145,9 @@ class CpuOptions(Options):
                 data.pop(name, None)
         if "imatrix" in data:         # the sha256 taken when the method read the file (quant.imatrix: once a version)
             data["imatrix"] = "sha256:" + self.method_class().importance.sha256
+        if data.get("calibration") is not None and self.quant != "gptq":   # llamafile's computed importance matrix
+            with open(self.calibration, "rb") as fh:
+                data["calibration"] = "sha256:" + hashlib.file_digest(fh, "sha256").hexdigest()
         return data
 
 

@@ -48,6 +48,7 @@ class CpuOutput(Output):
         self.run_notes: list[str] = []
         self.run_details: dict = {}
         self.manifest_extra: dict = {}   # ktconvert.json keys a calibrated run adds ("gptq", gptq/cpu.py)
+        self.side_records: list = []     # FileRecords of files a calibrated run adds to OUT (gptq/imatrix.py)
         # the source's experts already are this method's tensors: copied byte for byte (None: quantized here)
         self.carried_over = plan.report["carried_over"]   # planned once (cpu.plan: headers of every expert)
 
@@ -83,6 +84,7 @@ class CpuOutput(Output):
             files, tensors = list(dense.files), dict(dense.tensors)
         files += self.sink.finalize(copy_from=self.source.side_files(),
                                     fallback_config=self.source.info.minimal_config(), check_layers=not self.part)
+        files += self.side_records
         return LayerResult(files, tensors)
 
     def manifest_fields(self) -> dict:

@@ -327,12 +327,12 @@ def lock_state(folder, me: dict, alive_nodes) -> tuple[str, str]:
     except OSError as exc:
         if exc.errno not in (errno.EAGAIN, errno.EACCES):
             raise
-        pid = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        pid, _, host = os.pread(fd, 320, 0).decode(errors="replace").strip().partition(" ")   # lock_folder's
     finally:
         os.close(fd)
     holder = read_task_record(folder)
-    if str(holder.get("pid")) != pid:        # the record is of another process than the lock's holder
-        holder = {"pid": pid}
+    if str(holder.get("pid")) != pid or holder.get("host", host) != host:   # the record is of another process
+        holder = {"pid": pid, "host": host}
     why = _stale(holder, me, alive_nodes)
     if why is None:
         return "held", describe_holder(holder)
@@ -353,7 +353,9 @@ def _stale(holder: dict, me: dict, alive_nodes) -> str | None:
 def describe_holder(holder: dict) -> str:
     """ "held by pid N on host H (Ray task T on node N)", with what the record knows."""
     text = f"held by pid {holder.get('pid') or 'unknown'}"
-    text += f" on host {holder['host']}" if holder.get("host") else " (no task record: not a Ray task of ktconvert)"
+    text += f" on host {holder['host']}" if holder.get("host") else ""
+    if "format" not in holder:                # only the lock file's pid and host: no task of ktconvert on Ray
+        text += " (no task record: not a Ray task of ktconvert)"
     ray_ids = [f"{key} {str(holder[key])[:16]}" for key in ("task_id", "node_id") if holder.get(key)]
     return text + (f" (Ray {', '.join(ray_ids)})" if ray_ids else "")
 

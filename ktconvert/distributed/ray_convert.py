@@ -27,7 +27,9 @@ the driver's (``preflight``: exit 3 naming the node, before a byte of output). P
 when they record this ktconvert version and these options (``parts.stale_reason``; others are converted again).
 A task first looks at its part's lock: a holder Ray has given up on (an earlier attempt of the same task, a task
 on a dead node) or a dead pid on its host is taken over, a live one named with its host (``parts.lock_state``).
-Ray's own messages go to PARTS_DIR/ray.log, one line each on the progress (``ray_runtime.ray_output``).
+A part whose task runs on a node Ray has declared dead (a frozen node: Ray never finds its worker dead, so never
+retries the task) is started again by the driver (``_restart_lost``). Ray's own messages and the driver's fault
+notes go to PARTS_DIR/ray.log, one line per fault on the progress (``ray_runtime.ray_output``).
 
 ``import ray`` happens only inside functions (here and in the modules beside this one): ``ktconvert --help``
 never loads it.
@@ -39,6 +41,7 @@ import shutil
 import socket
 import time
 from contextlib import contextmanager
+from itertools import accumulate
 from pathlib import Path
 
 from ktconvert.run.local import convert_here, plan_outputs, target_list
@@ -49,16 +52,18 @@ from ktconvert.run.inputs import open_input
 from ktconvert.distributed.merge import merge, unfinished
 from ktconvert.distributed.preflight import preflight
 from ktconvert.distributed.ray_progress import POLL_SECONDS, BoardProgress, BoardWatch, start_board
-from ktconvert.distributed.ray_runtime import RAY_LOG, connect, ray_output
+from ktconvert.distributed.ray_runtime import (RAY_LOG, connect, note_fault, ray_initialized, ray_output,
+                                               shut_down_after)
 from ktconvert.run.output import lock_folder
 from ktconvert.run.outputs import result_of
 from ktconvert.ops.remote_names import TOKEN_ENV
-from ktconvert.distributed.parts import (balanced_ranges, lock_state, source_sample, stale_reason, task_record_path,
-                                         write_task_record)
+from ktconvert.distributed.parts import (balanced_ranges, lock_state, read_task_record, source_sample, stale_reason,
+                                         task_record_path, write_task_record)
 from ktconvert.util.progress import Progress
 from ktconvert.run.targets import is_gptq
 
 MAX_RETRIES = 3               # Ray re-runs a task whose worker died this many times (each resumes its part)
+NODE_CHECK_SECONDS = 5        # how often the driver looks for running parts on nodes Ray counts dead
 # what a task reads from the environment as the driver does, sent in runtime_env: hub endpoints, family manifests
 TASK_ENV = ("HF_ENDPOINT", "MODELSCOPE_ENDPOINT", "KTCONVERT_MANIFEST_PATH")
 TOKEN_VARS = tuple(var for names in TOKEN_ENV.values() for var in names)    # never in runtime_env: hub_tokens
@@ -111,12 +116,13 @@ def _convert_parts(source: dict, verify_source_hash, outputs, todo, parts, addre
     every task opens it), merged into their OUTs; timings completed with convert and merge seconds. runtime_env:
     the task option {"runtime_env": ...} or {}; tokens: hub_tokens, handed to every task (``remote_task``)."""
     t0 = time.monotonic()
+    joined_here = not ray_initialized()
     ray = connect(address)
     resources = {"num_cpus": cpus, "memory": _memory(outputs, cpus), "max_retries": MAX_RETRIES, **runtime_env}
     nodes = _check_feasible(ray, resources)
     root = parts_root(outputs, parts_dir)
     root.mkdir(parents=True, exist_ok=True)
-    with ray_output(root / RAY_LOG, progress):
+    with ray_output(root / RAY_LOG, progress), shut_down_after(ray, joined_here):
         for line in preflight(ray, nodes, source["src"], _source_files(outputs[0].source, source), root,
                               runtime_env):
             progress.message(line)
@@ -352,28 +358,60 @@ def _run_tasks(ray, source: tuple, outputs, todo: list[int], ranges, folders, re
     refs, sizes = {}, {}
     for index, r in enumerate(ranges):
         targets = [(str(folders[(k, r)]), outputs[k].plan.options) for k in todo]
-        refs[task.remote(*source, targets, r, cpus, board, index)] = (index, r)
-        held = [layer for layer in layer_bytes if r[0] <= layer <= r[1]]
-        sizes[index] = (sum(layer_bytes[layer] for layer in held), len(held))
+        call = (*source, targets, r, cpus, board, index)
+        refs[task.remote(*call)] = (index, r, call)
+        sizes[index] = [layer_bytes[layer] for layer in layer_bytes if r[0] <= layer <= r[1]]
     total, layers = sum(layer_bytes.values()), len(outputs[0].layers)
     progress.start(total, layers, f"{len(ranges)} parts on Ray: " + " + ".join(outputs[k].label() for k in todo),
                    unit="layers")
-    watch, finished = BoardWatch(ray, board, progress), {}
+    watch, finished, checked = BoardWatch(ray, board, progress), set(), time.monotonic()
     shown, pending = (0, 0), list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_SECONDS)
         for ref in ready:
-            index, r = refs[ref]
+            index, r, _ = refs[ref]
             for note in _outcome(ray, ref, r, folders, log):
-                progress.message(note)
-            finished[index] = sizes[index]
-        running = watch.poll()
-        now = [sum(values) for values in zip(*([(0, 0)] + list(finished.values())
-                                              + [v for i, v in running.items() if i not in finished]))]
+                note_fault(note, progress)
+            finished.add(index)
+        if pending and time.monotonic() - checked > NODE_CHECK_SECONDS:
+            pending, checked = _restart_lost(ray, task, refs, pending, progress), time.monotonic()
+        running = {i: nbytes for i, (nbytes, _) in watch.poll().items() if i not in finished}
+        now = (sum(sum(sizes[i]) for i in finished) + sum(running.values()),
+               sum(len(sizes[i]) for i in finished)
+               + sum(sum(1 for upto in accumulate(sizes[i]) if upto <= nbytes) for i, nbytes in running.items()))
         if now[0] > shown[0] or now[1] > shown[1]:
             progress.advance(max(0, now[0] - shown[0]), items=max(0, now[1] - shown[1]))
             shown = (max(now[0], shown[0]), max(now[1], shown[1]))
     progress.advance(max(0, total - shown[0]), items=max(0, layers - shown[1]))
+
+
+def _restart_lost(ray, task, refs: dict, pending: list, progress) -> list:
+    """`pending` with each task whose part's task record puts it on a node Ray counts dead replaced by the same task
+    started again (`refs` updated; the lost one cancelled), one fault note each: Ray retries a task only once it
+    finds its worker dead, which a frozen node's never is (its node declared dead, the task stays pending); the new
+    attempt takes the lost one's part lock over (``parts.lock_state``)."""
+    alive, kept = None, []
+    for ref in pending:
+        index, r, call = refs[ref]
+        folder = call[2][0][0]
+        record = read_task_record(folder)
+        if record.get("task_id") != ref.task_id().hex() or not record.get("node_id"):
+            kept.append(ref)              # not started yet, or the record is of another attempt
+            continue
+        alive = alive if alive is not None else alive_nodes()
+        if record["node_id"] in alive:
+            kept.append(ref)
+            continue
+        try:
+            ray.cancel(ref)
+        except Exception:                 # noqa: BLE001  whatever Ray says of a task on a dead node: it is replaced
+            pass
+        new = task.remote(*call)
+        refs[new] = refs[ref]
+        kept.append(new)
+        note_fault(f"part {folder}: its Ray node {record['node_id'][:16]} is dead and Ray has not retried it; "
+                   "started again", progress)
+    return kept
 
 
 def _outcome(ray, ref, layer_range, folders, log: Path) -> list[str]:
@@ -383,8 +421,9 @@ def _outcome(ray, ref, layer_range, folders, log: Path) -> list[str]:
     try:
         outcome = ray.get(ref)
     except ray.exceptions.RayError as exc:
-        raise PartFailed(f"part {where}: Ray task failed after {MAX_RETRIES} retries "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}; details: {log})", 1) from None
+        raise PartFailed(f"part {where}: Ray gave up on its task ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:200]}; details: {log}); the same command with --resume goes on "
+                         "from the parts done", 1) from None
     if outcome.get("error"):
         raise PartFailed(f"part {where}: {outcome['error']}", outcome["exit_code"])
     return outcome.get("notes", [])

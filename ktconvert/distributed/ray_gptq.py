@@ -19,7 +19,8 @@ node). Resources: every task declares one CPU and the memory its step needs (``t
 gptq.distributed's docstring and docs/scale.md, computed from the model's dims, the calibration tokens and the
 number of workers; computed, not measured). Without ``workers`` the count is what the cluster's memory holds
 (``default_workers``: per node, as many of the largest task as fit, at most its CPUs). A step no live node has the
-memory for is refused before any task runs (UsageError), where Ray would wait forever.
+memory for is refused before any task runs (UsageError), where Ray would wait forever (``step_resources``: the
+count and the memory, which ``ray_plan`` shows for ``plan --executor ray``).
 """
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ import os
 from ktconvert.cpu.sizes import PROCESS_BASE_BYTES
 from ktconvert.errors import KtConvertError, UsageError
 from ktconvert.gptq.determinism import worker_env
-from ktconvert.gptq.distributed import DistributedStream
+from ktconvert.gptq.distributed import DistributedStream, contiguous
 from ktconvert.distributed.preflight import preflight
 from ktconvert.distributed.ray_runtime import route_to_log, temp_log
 from ktconvert.distributed.ray_convert import (MAX_RETRIES, connect, hub_tokens, is_hub, pinned_spec, remote_task,
                                                source_spec, task_runtime_env)
+
+TASK_CPUS = 1          # every step's task: its forward and solve run at one torch thread (gptq.determinism)
 
 
 class RayTasks:
@@ -90,7 +93,7 @@ def ray_streams(input, *, address: str | None = None, workers: int | None = None
     route_to_log(temp_log())                 # the raylet's messages: never on stdout
     spec, orientation = source_spec(input)
     resources = ray.cluster_resources()
-    options = {"num_cpus": 1, "max_retries": MAX_RETRIES, **task_runtime_env(runtime_env)}
+    options = {"num_cpus": TASK_CPUS, "max_retries": MAX_RETRIES, **task_runtime_env(runtime_env)}
     if resources.get("GPU", 0) >= 1:
         options["num_gpus"] = 1
     tasks = RayTasks(ray, options, hub_tokens(is_hub(spec)))     # a hub source: its tasks download shards
@@ -100,25 +103,43 @@ def ray_streams(input, *, address: str | None = None, workers: int | None = None
 
 def _stream(source, samples, *args, ray, tasks: RayTasks, workers: int | None, **kw):
     """The DistributedStream of `source` and `samples` (called as LayerStream is) on `ray`, after the pre-flight
-    on every node that can run a task (versions, and a local SRC's files); its workers counted
-    (``default_workers`` unless given) and its tasks' memory set (``task_memory``); UsageError when no live node
-    has the memory of the largest task."""
-    able = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
+    on every node that can run a task (versions, and a local SRC's files); its workers counted and its tasks'
+    memory set (``step_resources``; UsageError when no live node has the memory of the largest task)."""
+    able = able_nodes(ray)
     spec = kw["spec"]
     files = None if is_hub(spec) else {os.path.abspath(p): os.stat(p).st_size for p in source.files()}
     preflight(ray, able, spec, files, None, {k: v for k, v in tasks.options.items() if k == "runtime_env"})
-    nodes = [n["Resources"] for n in able]
-    tokens, squares = sum(len(s) for s in samples), sum(len(s) ** 2 for s in samples)
-    count = workers or default_workers(source.info, tokens, squares, nodes)
-    tasks.memory = task_memory(source.info, tokens, squares, count)
-    largest = max(tasks.memory.values())
-    if not any(n.get("CPU", 0) >= 1 and n.get("memory", 0) >= largest for n in nodes):
-        step = max(tasks.memory, key=tasks.memory.get)
-        raise UsageError("no Ray node can run a GPTQ step", expected=f"1 CPU and {largest >> 20} MiB ({step}, "
-                         f"{count} workers: docs/scale.md)",
+    count, tasks.memory = step_resources(source.info, *calibration_tokens(samples),
+                                         [n["Resources"] for n in able], workers)
+    return DistributedStream(source, samples, *args, tasks=tasks, workers=count, **kw)
+
+
+def able_nodes(ray) -> list[dict]:
+    """The live nodes (``ray.nodes()`` entries) that can run a step's task (TASK_CPUS CPUs)."""
+    return [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= TASK_CPUS]
+
+
+def calibration_tokens(samples) -> tuple[int, int]:
+    """(tokens, the sum of each sample's length squared: its attention mask's elements) of the calibration
+    samples: what ``task_memory`` and ``shipped_per_layer`` count."""
+    return sum(len(s) for s in samples), sum(len(s) ** 2 for s in samples)
+
+
+def step_resources(info, tokens: int, squares: int, nodes: list[dict], workers: int | None) -> tuple[int, dict]:
+    """(workers, {step function name: bytes its tasks declare}) of a run on `nodes` (each node's resources:
+    {"CPU", "memory"}, as ``ray.nodes()`` gives them): `workers`, or ``default_workers`` when None; the memory
+    ``task_memory`` at that count. UsageError when no node has TASK_CPUS CPUs and the largest task's memory (Ray
+    would wait for one forever)."""
+    count = workers or default_workers(info, tokens, squares, nodes)
+    memory = task_memory(info, tokens, squares, count)
+    largest = max(memory.values())
+    if not any(n.get("CPU", 0) >= TASK_CPUS and n.get("memory", 0) >= largest for n in nodes):
+        step = max(memory, key=memory.get)
+        raise UsageError("no Ray node can run a GPTQ step", expected=f"{TASK_CPUS} CPU and {largest >> 20} MiB "
+                         f"({step}, {count} workers: docs/scale.md)",
                          found=f"at most {max((int(n.get('memory', 0)) for n in nodes), default=0) >> 20} MiB",
                          hint="use nodes with more memory, or more --workers (owners hold 1/N of the experts)")
-    return DistributedStream(source, samples, *args, tasks=tasks, workers=count, **kw)
+    return count, memory
 
 
 def task_memory(info, tokens: int, squares: int, workers: int) -> dict[str, int]:
@@ -143,24 +164,25 @@ def task_memory(info, tokens: int, squares: int, workers: int) -> dict[str, int]
             "solve_experts": PROCESS_BASE_BYTES + int(2.5 * captures) + hessians + -(-E // n) * 3 * H * I * 2 * 2}
 
 
-def shipped_per_layer(info, tokens: int, workers: int) -> int:
+def shipped_per_layer(info, tokens: int, workers: int, samples: int | None = None) -> int:
     """Bytes one MoE layer's steps send between tasks (docs/scale.md): every slice's captured inputs to every
-    owner (tokens x H x 2 bytes, N times) and every written expert to every slice (E x 3 H I x 2 bytes, N
-    times); the propagation's weights dominate."""
+    owner (tokens x H x 2 bytes, once per owner) and every written expert to every slice (E x 3 H I x 2 bytes,
+    once per slice); the propagation's weights dominate. `workers` slices and owners, fewer where there are
+    fewer `samples` (None: as many) or experts (``gptq.distributed.contiguous``)."""
     n = max(1, workers)
-    return n * tokens * info.hidden * 2 + n * info.n_experts * 3 * info.hidden * info.intermediate * 2
+    owners, slices = len(contiguous(info.n_experts, n)), n if samples is None else len(contiguous(samples, n))
+    return owners * tokens * info.hidden * 2 + slices * info.n_experts * 3 * info.hidden * info.intermediate * 2
 
 
-def figures(info, tokens: int, squares: int, workers: int) -> dict:
-    """What ``plan --executor ray`` shows of a GPTQ run on `workers` workers: {"workers", "task_memory": {step:
-    bytes}, "largest_task_bytes", "shipped_bytes_per_layer"} (computed, not measured)."""
-    memory = task_memory(info, tokens, squares, workers)
-    return {"workers": workers, "task_memory": memory, "largest_task_bytes": max(memory.values()),
-            "shipped_bytes_per_layer": shipped_per_layer(info, tokens, workers)}
+def tasks_at_once(node: dict, cpus: float, memory: int) -> tuple[int, str]:
+    """(how many tasks of `cpus` CPUs and `memory` bytes a node with resources `node` ({"CPU", "memory"}) runs
+    at once, what bounds it: "CPUs" or "memory"): Ray schedules by what tasks declare."""
+    by_cpus, by_memory = int(node.get("CPU", 0) // cpus), int(node.get("memory", 0) // max(1, memory))
+    return min(by_cpus, by_memory), "CPUs" if by_cpus <= by_memory else "memory"
 
 
 def default_workers(info, tokens: int, squares: int, nodes: list[dict]) -> int:
     """Workers (slices and owners) when --workers is not given: on every node as many of the largest task (at
-    one worker per node) as its memory holds, at most its CPUs; at least 1."""
+    one worker per node) as its memory holds, at most its CPUs (``tasks_at_once``); at least 1."""
     largest = max(task_memory(info, tokens, squares, max(1, len(nodes))).values())
-    return max(1, sum(min(int(n.get("CPU", 0)), int(n.get("memory", 0)) // max(1, largest)) for n in nodes))
+    return max(1, sum(tasks_at_once(n, TASK_CPUS, largest)[0] for n in nodes))

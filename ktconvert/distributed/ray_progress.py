@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from ktconvert.distributed.ray_runtime import note_fault
 from ktconvert.util.progress import Progress
 
 POLL_SECONDS = 0.5
@@ -67,8 +68,8 @@ class BoardWatch:
     def _tell(self, what: str) -> None:
         if not self.told:
             self.told = True
-            self.progress.message(f"progress actor {what}; the run goes on, its progress counts the parts that "
-                                  "finished")
+            note_fault(f"progress actor {what}; the run goes on, its progress counts the parts that finished",
+                       self.progress)
 
 
 class ProgressBoard:

@@ -5,12 +5,16 @@
   run started from a folder holding another ``ktconvert`` (a checkout) would have every task import that one; from
   the package's own folder the workers find the package the driver runs, or, on a node without that folder, the
   one installed there (the pre-flight checks it is the same version: ``ktconvert.distributed.preflight``).
+  ``shut_down_after``: a run that joined Ray itself leaves it at its end, while Ray's output is still logged.
 * ``ray_output``: while a run is on Ray, Ray's messages (the raylet's fault reports, which Ray 2.60 prints on the
   driver's stdout through ``ray._private.worker.print_to_stdstream``, and the ``ray`` logger's records) go to a log
-  file (the parts folder's ``ray.log``), and each raylet message becomes one line on the run's progress
-  (stderr) naming that file: stdout carries only the result, so ``--json`` stays JSON after any fault. Messages
-  that arrive after the run go to the last log too, never to stdout. Runs without a parts folder (GPTQ, batch)
-  use ``temp_log`` (``route_to_log`` where there is no progress to tell: GPTQ's stream).
+  file (the parts folder's ``ray.log``), with the driver's own fault notices (``note_fault``) and the error lines
+  the driver's Ray core (C++) writes on stderr (``native_lines_to``). Each fault is one line on the run's progress
+  (stderr) naming that file: the first message of a burst (one fault's reports arrive together: a raylet's
+  termination, its node marked dead, the parts started again, a lock taken over); stdout carries only the result,
+  so ``--json`` stays JSON after any fault. Messages that arrive after the run go to the last log too, never to
+  stdout. Runs without a parts folder (GPTQ, batch) use ``temp_log`` (``route_to_log`` where there is no progress
+  to tell: GPTQ's stream).
 
 ``import ray`` happens inside the functions only.
 """
@@ -19,8 +23,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,7 +34,9 @@ import ktconvert
 
 RAY_LOG = "ray.log"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_sink: dict = {"log": None, "progress": None}      # where Ray's messages go now (ray_output)
+_NATIVE_LOG = re.compile(rb"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [DIWEF] \d+ \d+\] ")
+BURST_SECONDS = 60       # the messages of one fault arrive within this: one line on the progress for all of them
+_sink: dict = {"log": None, "progress": None, "said": None}    # where Ray's messages go now (ray_output)
 _sink_lock = threading.Lock()
 
 
@@ -41,6 +49,25 @@ def connect(address: str | None):
         with package_folder():
             ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     return ray
+
+
+def ray_initialized() -> bool:
+    """Whether this process has joined a Ray cluster (``ray.init``)."""
+    import ray
+
+    return ray.is_initialized()
+
+
+@contextmanager
+def shut_down_after(ray, joined_here: bool):
+    """The block, then, when `joined_here` (this run joined Ray: ``connect`` on a process not yet joined),
+    ``ray.shutdown()``: inside ``ray_output`` what Ray's core says as it stops (the tasks it could not report after
+    a fault) goes to the log, not to stderr after the run's last line."""
+    try:
+        yield
+    finally:
+        if joined_here:
+            ray.shutdown()
 
 
 @contextmanager
@@ -74,17 +101,18 @@ def route_to_log(log) -> Path:
 
 @contextmanager
 def ray_output(log, progress):
-    """Ray's messages to file `log` (created with its folder) while the block runs, each raylet message also one
-    line on `progress` (``progress.message``) naming `log`; the ``ray`` logger's records to `log` only."""
+    """Ray's messages to file `log` (created with its folder) while the block runs, the ``ray`` logger's records
+    there too; each fault said in one line on `progress` naming `log` (``note_fault``)."""
     log = route_to_log(log)
     logger = logging.getLogger("ray")
     handler = logging.FileHandler(log)
     saved = logger.handlers[:], logger.propagate
     logger.handlers, logger.propagate = [handler], False
     with _sink_lock:
-        _sink["progress"] = progress
+        _sink.update(progress=progress, said=None)
     try:
-        yield log
+        with native_lines_to(log):
+            yield log
     finally:
         with _sink_lock:
             _sink["progress"] = None
@@ -92,12 +120,83 @@ def ray_output(log, progress):
         handler.close()
 
 
-def _to_log(data: dict, ignore_prefix: bool = False) -> None:
-    """``print_to_stdstream``'s replacement: the lines appended to the current log, the first one as a progress
-    message naming it (nothing when no run has set a log: Ray printed nothing to ktconvert's stdout either)."""
-    lines = [_ANSI.sub("", str(line)) for line in data.get("lines", [])]
+@contextmanager
+def native_lines_to(log):
+    """While the block runs, this process's stderr (file descriptor 2) read through a pipe: lines in the format of
+    Ray's native (C++) log (``[2026-01-01 10:00:00,000 E 123 456] file.cc:12: ...``, which the driver's Ray core
+    writes there whatever its log file says, e.g. one per task it cannot report after a node's death) appended to
+    `log`, every other byte passed on to the real stderr as it comes."""
+    try:
+        sys.stderr.flush()
+        real = os.dup(2)
+    except (OSError, ValueError):                 # no stderr to read through
+        yield
+        return
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def pump():
+        held = b""                                # an unfinished line that may be a native one
+        with open(log, "ab") as fh:
+            while chunk := os.read(read, 1 << 16):
+                lines = (held + chunk).splitlines(keepends=True)
+                held = lines.pop() if not lines[-1].endswith(b"\n") else b""
+                if held and not held.startswith(b"["):
+                    lines, held = lines + [held], b""     # a progress bar's \r update goes out at once
+                for line in lines:
+                    if _NATIVE_LOG.match(line):
+                        fh.write(b"(driver) " + line)
+                        fh.flush()
+                    else:
+                        _write(real, line)
+            _write(real, held)
+        os.close(read)
+
+    thread = threading.Thread(target=pump, name="ktconvert-ray-stderr", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(real, 2)                          # the pipe's last writer closed: the pump ends
+        thread.join(timeout=10)
+        if not thread.is_alive():                 # else a process started meanwhile holds the pipe: the pump goes
+            os.close(real)                        # on passing its lines to stderr
+
+
+def _write(fd: int, data: bytes) -> None:
+    """`data` written whole to `fd` (a stderr that is gone loses it)."""
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        pass
+
+
+def note_fault(text: str, progress) -> None:
+    """A fault notice of the driver (a lost progress actor, a part started again, a lock taken over): inside
+    ``ray_output``, appended to its log and said on its progress, in one line naming the log, only when it opens a
+    burst (no line said in the last BURST_SECONDS: one fault's raylet reports and notices arrive together);
+    elsewhere `text` on `progress`."""
     with _sink_lock:
-        log, progress = _sink["log"], _sink["progress"]
+        active = _sink["progress"] is not None
+    if active:
+        _to_log({"lines": [text], "pid": "ktconvert"})
+    else:
+        progress.message(text)
+
+
+def _to_log(data: dict, ignore_prefix: bool = False) -> None:
+    """``print_to_stdstream``'s replacement: the lines appended to the current log; the first one said as in
+    ``note_fault`` (nothing when no run has set a log: Ray printed nothing to ktconvert's stdout either)."""
+    lines = [_ANSI.sub("", str(line)) for line in data.get("lines", [])]
+    now = time.monotonic()
+    with _sink_lock:
+        log, progress, said = _sink["log"], _sink["progress"], _sink.get("said")
+        opens = progress is not None and (said is None or now - said > BURST_SECONDS)
+        if opens:
+            _sink["said"] = now
     if log is None or not lines:
         return
     try:
@@ -106,5 +205,7 @@ def _to_log(data: dict, ignore_prefix: bool = False) -> None:
     except OSError:
         pass                                      # a log that cannot be written must not stop the run
     first = next((line.strip() for line in lines if line.strip()), "")
-    if progress is not None and first:
-        progress.message(f"Ray: {first[:160]}{'...' if len(first) > 160 else ''} (details: {log})")
+    if opens and first:
+        if data.get("pid") != "ktconvert":      # a raylet's report: its first line, cut
+            first = f"Ray: {first[:160]}{'...' if len(first) > 160 else ''}"
+        progress.message(f"{first} (details: {log})")

@@ -10,10 +10,11 @@ covers its bytes). The form names the algorithm, so a checker re-hashes with whi
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Mapping
 
 import blake3
+
+from ktconvert.native import sha256 as native_sha256
 
 BLAKE3 = "blake3"
 SHA256 = "sha256"
@@ -22,11 +23,12 @@ _PREFIX = {BLAKE3: "blake3:", SHA256: ""}
 
 
 def new_hash(algorithm: str = DIGEST_ALGORITHM):
-    """A fresh hash object of `algorithm` ("blake3": one thread, or "sha256"), hashlib's interface."""
+    """A fresh hash object of `algorithm` ("blake3": one thread, or "sha256": ``ktconvert.native.sha256.new``),
+    hashlib's interface."""
     if algorithm == BLAKE3:
         return blake3.blake3()
     if algorithm == SHA256:
-        return hashlib.sha256()
+        return native_sha256.new()
     raise ValueError(f"unknown digest algorithm {algorithm!r}")
 
 

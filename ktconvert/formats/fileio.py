@@ -4,6 +4,9 @@
   finished layer (or any shard) wrote: its FileRecords and {tensor key: digest of its bytes}.
 * Integrity digests of tensors and source files (BLAKE3 or sha256, the form naming the algorithm): ``digests``.
 * Hashes: ``hash_bytes`` / ``hash_file`` / ``FileHasher`` give (size, sha256 hex, git blob id hex) in one pass.
+  The sha256 is the native library's where it is built (``ktconvert.native.sha256``: files that threads hash at
+  the same moment share a core, two streams interleaved; ``update_together`` feeds several on one thread), else
+  hashlib's: the same digests either way.
   Hubs report sha256 for LFS files and a git blob SHA-1 for the others (publish.md §2), and an LFS file's git
   blob is its LFS pointer (``lfs_pointer``): so the git blob SHA-1 is computed over the content only for files
   below ``LFS_THRESHOLD`` and derived from size + sha256 for the others (``git_blob_id``; ``content_git=True``
@@ -33,6 +36,7 @@ from typing import Mapping, NamedTuple
 
 from ktconvert.util import profile
 from ktconvert.errors import InputError, OutputError
+from ktconvert.native import sha256 as native_sha256
 from ktconvert.formats.digests import DIGEST_ALGORITHM, TensorHasher, new_hash
 from ktconvert.formats.safetensors_reader import ShardHeader, parse_header
 from ktconvert.util.safe_read import check_regular, open_regular
@@ -85,7 +89,7 @@ class FileHasher:
 
     def __init__(self, size: int, content_git: bool = False):
         self.size, self.content_git = size, content_git
-        self.sha256 = hashlib.sha256()
+        self.sha256 = native_sha256.new()
         self.git = hashlib.sha1(b"blob %d\0" % size) if content_git or size < LFS_THRESHOLD else None
 
     def update(self, data) -> None:
@@ -101,6 +105,22 @@ class FileHasher:
         if self.content_git:
             return sha256, self.git.hexdigest()
         return sha256, git_blob_id(self.size, sha256, self.git.hexdigest() if self.git is not None else None)
+
+
+def update_together(hashers: list[FileHasher], pieces: list) -> None:
+    """``update`` of each FileHasher by the bytes-like piece at the same index, their sha256s interleaved on this
+    thread where they are the native hasher's (``sha256.sha256_multi``)."""
+    sizes = [memoryview(piece).nbytes for piece in pieces]
+    with profile.span("hash.file", sum(sizes)):
+        if len(hashers) > 1 and all(isinstance(h.sha256, native_sha256.Sha256) for h in hashers):
+            native_sha256.sha256_multi([h.sha256 for h in hashers], pieces)
+        else:
+            for h, piece in zip(hashers, pieces):
+                h.sha256.update(piece)
+    for h, piece, size in zip(hashers, pieces, sizes):
+        if h.git is not None:
+            with profile.span("hash.git", size):
+                h.git.update(piece)
 
 
 def hash_bytes(data, content_git: bool = False) -> tuple[int, str, str]:

@@ -15,6 +15,8 @@ on that stream (llmcompressor's own functions for the GPU checkpoint, a fixed-gr
   GPTQ_INT4's -8..7 per group, F16 steps), written as the method's own tensors.
 * ``holdout.py``: the fit / held-out split and the per-expert choice between GPTQ and the data-free codes.
 * ``calibration.py``: ``--calibration FILE`` (jsonl of {"text": ...} or {"input_ids": [...]}).
+* ``imatrix.py``: ``--method llamafile --calibration``: llama-imatrix's importance matrix from the float stream
+  (``ImatrixStream``), written into OUT and used as ``--imatrix`` uses one.
 
 Heavy imports (torch, transformers, llmcompressor) happen inside functions.
 """

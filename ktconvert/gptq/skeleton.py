@@ -173,6 +173,16 @@ def experts_module(layer):
     return None
 
 
+def routed_experts(layer, L: int, n_experts: int):
+    """The experts module (``experts_module``) of MoE layer `L`; InputError when transformers built none with the
+    checkpoint's `n_experts` experts there."""
+    experts = experts_module(layer)
+    if experts is None or experts.num_experts != n_experts:
+        raise InputError(f"layer {L}: the model transformers builds has no routed experts module with "
+                         f"{n_experts} experts where the checkpoint has them", file="config.json")
+    return experts
+
+
 def routed(top_k_index, top_k_weights, expert: int):
     """(token indices int64 [n_e], routing weights [n_e]) of the tokens routed to `expert`, in the order
     LinearExperts2D selects them. top_k_index int64 [T, k], top_k_weights [T, k]."""

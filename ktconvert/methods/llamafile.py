@@ -9,6 +9,8 @@ model metadata and tokenizer, a complete GGUF llama.cpp loads (``formats/gguf_mo
 expert choices do not depend on one). ``--imatrix FILE``: llama-imatrix's GGUF or legacy .dat (``quant/imatrix.py``),
 each expert quantized with its slice as llama-quantize does (Q4_K, Q5_K, Q6_K, Q4_0; Q8_0 / BF16 / F16 ignore it);
 read when the options are, its entries checked against the model in open_sink (the plan), its sha256 in the manifest.
+``--calibration FILE`` instead: the importance matrix computed from calibration tokens (``gptq.imatrix``: a float
+forward of the source, llama-imatrix's sums), written into OUT and then used exactly as ``--imatrix`` of that file.
 
 kt-kernel's rules, as data: its LLAMAFILE backend needs the expert intermediate size I to be a multiple of 256
 (QK_K; a ValueError otherwise, whatever the type), splits I into NUMA parts of whole 256-row blocks (T <= I/256),
@@ -93,6 +95,17 @@ class Llamafile(CpuMethod):
                              expected=" or ".join(cls.ggml_types), found=str(ggml_type))
         return type(f"{cls.__name__}{name}", (cls,), {"ggml_type": name,
                                                       "thresholds": {"moe_rel_l2": MOE_REL_L2[MIXES.get(name, name)]}})
+
+    @classmethod
+    def check_calibration(cls, imatrix: str | None) -> None:
+        """``--calibration FILE`` (the importance matrix computed from it, ktconvert.gptq.imatrix): UsageError with
+        --imatrix too, or for a type whose quantizer ignores an importance matrix (ggml's Q8_0, BF16, F16)."""
+        if imatrix is not None:
+            raise UsageError("--calibration and --imatrix both give the importance matrix: pass one",
+                             found=f"--imatrix {imatrix}")
+        if cls.base_type() not in ggml_quant.IMATRIX_TYPES:
+            raise UsageError(f"--calibration has no effect on --ggml-type {cls.ggml_type}: ggml quantizes it without "
+                             "an importance matrix", expected="--ggml-type " + " or ".join(ggml_quant.IMATRIX_TYPES))
 
     @classmethod
     def manifest_fields(cls) -> dict:
@@ -190,13 +203,18 @@ class Llamafile(CpuMethod):
         """uint8 [n, row bytes] -> float32 [n, k] (gguf-py's dequantize)."""
         return ggml_quant.dequantize(np.asarray(raw).reshape(n, -1), ggml_type or cls.base_type(), k)
 
+    @staticmethod
+    def importance_entries(layers, info) -> dict[str, tuple[int, int]]:
+        """{expert tensor name: (n_expert, n_per_row)}: the importance matrix entries `layers` need."""
+        return {f"blk.{L}.{PROJ_TENSORS[p]}.weight": (info.n_experts, info.intermediate if p == "down" else
+                                                      info.hidden) for L in layers for p in PROJ_TENSORS}
+
     @classmethod
     def open_sink(cls, out_dir, layers, info, numa: int, layout: str, include_dense: bool) -> GgufSink:
         """The GGUF shards; include_dense: also the non-expert tensors, metadata and tokenizer (their specs come
         with planned_files, or start_run's source)."""
         if cls.importance is not None:     # every expert tensor has its entry (the plan runs this before OUT)
-            cls.importance.check({f"blk.{L}.{PROJ_TENSORS[p]}.weight": (info.n_experts, info.intermediate if p ==
-                                  "down" else info.hidden) for L in layers for p in PROJ_TENSORS})
+            cls.importance.check(cls.importance_entries(layers, info))
         return GgufSink(out_dir, cls, layers, info, numa=numa, dense=bool(include_dense))
 
     @classmethod

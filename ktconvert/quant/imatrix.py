@@ -15,7 +15,8 @@ tensors they weigh, ``blk.L.ffn_{gate,up,down}_exps.weight`` for the routed expe
 expert, [n_expert * n_per_row], expert e's slice ``[e * n_per_row, (e + 1) * n_per_row)`` (llama-quant.cpp: the
 imatrix must hold ne[0] * ne[2] values; each expert's rows use their own slice). The file is read with gguf-py
 (GGUF) or numpy (legacy); every problem is a UsageError naming the file (and the tensor), so the command line
-exits 2 before anything is written.
+exits 2 before anything is written. ``--calibration`` computes such a GGUF file itself (``gptq.imatrix``), read
+back here like any other.
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ class Options:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UsageError(f"{name} must be a whole number of at least 1", expected=">= 1", found=repr(value))
         given = [f"--{k.replace('_', '-')}" for k, v in SAMPLING_DEFAULTS.items() if getattr(self, k) != v]
-        if given and self.quant != "gptq":
+        if given and self.quant != "gptq" and self.calibration is None:
             raise UsageError(f"{given[0]} is only used with --quant gptq (calibration)", found=f"--quant {self.quant}")
 
     def journalled(self) -> dict:
