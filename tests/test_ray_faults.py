@@ -245,6 +245,20 @@ def test_ray_messages_go_to_the_log_one_line_per_fault_none_to_stdout(tmp_path, 
     assert progress.notes[-1] == "outside a run"
 
 
+def test_stderr_read_through_the_pipe_when_its_log_cannot_be_written(tmp_path, capfd, monkeypatch):
+    """The stderr pump never stops reading before the run ends: with a log it cannot append to, Ray's core lines
+    and every other line (more than a pipe holds) reach stderr, and the block ends (no writer left blocked)."""
+    from ktconvert.distributed.ray_runtime import native_lines_to
+
+    native = b"[2026-11-28 17:04:36,554 E 27882 27955] task_manager.cc:1545: Failed to push error to driver\n"
+    with native_lines_to(tmp_path / "no-such-folder" / "ray.log"):
+        os.write(2, native)
+        for i in range(2000):                     # ~140 KB: more than a pipe's buffer
+            os.write(2, b"line %05d of the run's own stderr\n" % i)
+    err = capfd.readouterr().err
+    assert err.count("of the run's own stderr") == 2000 and native.decode() in err
+
+
 def test_lock_taken_by_a_frozen_process_of_a_dead_node_is_taken_over(tmp_path):
     """A part's lock taken by lock_folder in another process, that process stopped (SIGSTOP, as on a frozen node):
     named with its pid and host while its node lives, taken over once its node is dead."""

@@ -387,3 +387,16 @@ def test_forked_child_hashes_with_a_lane_of_its_own(tmp_path, small_lane):
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child hung hashing its files")
+
+
+def test_env_names_what_hashes_output_files():
+    """`ktconvert env` says which hasher output files get here: the native one exactly where SHA-NI runs."""
+    from ktconvert.util.envinfo import env_info
+
+    has_sha_ni = "sha_ni" in open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else None
+    got = env_info()["file_sha256"]
+    assert got == ("native sha-ni, two streams per core" if sha256.runs_sha_ni() else "hashlib")
+    forced = any(os.environ.get(k) for k in ("KTCONVERT_DISABLE_CPU_FEATURES", "KTCONVERT_FORCE_IMPL",
+                                              "KTCONVERT_NO_NATIVE"))
+    if has_sha_ni is not None and sha256.available() and not forced:
+        assert sha256.runs_sha_ni() == has_sha_ni

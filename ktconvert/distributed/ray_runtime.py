@@ -136,22 +136,26 @@ def native_lines_to(log):
     os.dup2(write, 2)
     os.close(write)
 
-    def pump():
+    def pump():                                   # never stops reading before the pipe ends: a writer would block
         held = b""                                # an unfinished line that may be a native one
-        with open(log, "ab") as fh:
+        try:
+            fh = open(log, "ab")
+        except OSError:                           # no log to write: every line goes on to stderr
+            fh = None
+        try:
             while chunk := os.read(read, 1 << 16):
                 lines = (held + chunk).splitlines(keepends=True)
                 held = lines.pop() if not lines[-1].endswith(b"\n") else b""
                 if held and not held.startswith(b"["):
                     lines, held = lines + [held], b""     # a progress bar's \r update goes out at once
                 for line in lines:
-                    if _NATIVE_LOG.match(line):
-                        fh.write(b"(driver) " + line)
-                        fh.flush()
-                    else:
+                    if not (fh is not None and _NATIVE_LOG.match(line) and _append(fh, b"(driver) " + line)):
                         _write(real, line)
             _write(real, held)
-        os.close(read)
+        finally:
+            if fh is not None:
+                fh.close()
+            os.close(read)
 
     thread = threading.Thread(target=pump, name="ktconvert-ray-stderr", daemon=True)
     thread.start()
@@ -163,6 +167,16 @@ def native_lines_to(log):
         thread.join(timeout=10)
         if not thread.is_alive():                 # else a process started meanwhile holds the pipe: the pump goes
             os.close(real)                        # on passing its lines to stderr
+
+
+def _append(fh, line: bytes) -> bool:
+    """`line` appended to the open log `fh`; False where the log cannot be written."""
+    try:
+        fh.write(line)
+        fh.flush()
+        return True
+    except OSError:
+        return False
 
 
 def _write(fd: int, data: bytes) -> None:

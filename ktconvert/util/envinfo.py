@@ -1,4 +1,5 @@
-"""`ktconvert env`: what this machine offers the converter (versions, CPU features, native implementation)."""
+"""`ktconvert env`: what this machine offers the converter (versions, CPU features, native implementation, what
+hashes output files: the native SHA-NI hasher, two streams per core, or hashlib)."""
 from __future__ import annotations
 
 import os
@@ -6,6 +7,7 @@ import platform
 from importlib import metadata
 
 from ktconvert import native
+from ktconvert.native import sha256 as native_sha256
 
 PACKAGES = ("ktconvert", "numpy", "safetensors", "gguf", "huggingface-hub", "torch", "compressed-tensors",
             "llmcompressor", "transformers", "kt-kernel")
@@ -39,5 +41,6 @@ def env_info() -> dict:
         "cpu_count": os.cpu_count(),
         "cpu_flags": cpu_flags(),
         "native": {"available": native.available(), "implementation": native.implementation()},
+        "file_sha256": "native sha-ni, two streams per core" if native_sha256.runs_sha_ni() else "hashlib",
         "packages": {name: _version(name) for name in PACKAGES},
     }
