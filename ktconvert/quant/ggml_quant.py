@@ -60,12 +60,12 @@ def quantize(x: np.ndarray, ggml_type: str, where: str = "", threads: int = 1, i
     ``quant.imatrix``): the bytes ``ggml_quantize_chunk`` writes given it (quantize_row_<type>_impl, native only;
     Q4_K, Q5_K, Q6_K, Q4_0; ggml's Q8_0, F16 and BF16 ignore it, ``IMATRIX_TYPES``).
 
-    Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 run in C (native/ggml_quant.c: same bytes; K-quants measured 30-70 MB/s of
-    BF16 input per AVX2 thread against 3-15 in numpy) when the native library has them, else in numpy / gguf-py;
-    ``impl``: None (native where possible, KTCONVERT_FORCE_IMPL honoured), "numpy" (never native), or "scalar" |
-    "avx2" | "avx512". ``threads``: block ranges on the shared native pool (bytes never depend on it).
-    NumericError for NaN / Inf (llama.cpp's output is undefined for them), ShapeError for k not a whole number of
-    blocks; ``where`` names the tensor in both.
+    Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 run in C (native/ggml_quant.c: same bytes; K-quants measured 200-310 MB/s
+    of BF16 input per AVX2 thread (Q4_K ~200) against 3-15 in numpy) when the native library has them, else in
+    numpy / gguf-py; ``impl``: None (native where possible, KTCONVERT_FORCE_IMPL honoured), "numpy" (never
+    native), or "scalar" | "avx2" | "avx512". ``threads``: block ranges on the shared native pool (bytes never
+    depend on it). NumericError for NaN / Inf (llama.cpp's output is undefined for them), ShapeError for k not a
+    whole number of blocks; ``where`` names the tensor in both.
     """
     _geometry(ggml_type)
     x = np.ascontiguousarray(x, dtype=np.float32)
