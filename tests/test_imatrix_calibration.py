@@ -197,6 +197,15 @@ def test_refusals_are_one_line_exit_2(model, calib, tmp_path, extra, words):
     assert not (tmp_path / "o").exists()
 
 
+def test_dry_run_says_the_matrix_is_computed_first(model, calib, tmp_path):
+    """`--dry-run` names the computed matrix and where it is kept, writes nothing; without --calibration no word."""
+    out = _cli("cpu", model, tmp_path / "o", "--method", "llamafile", "--calibration", calib, "--dry-run", code=0)
+    assert f"computed first from --calibration {calib.name}" in out and "OUT/calibration.imatrix" in out
+    assert not (tmp_path / "o").exists()
+    plain = _cli("cpu", model, tmp_path / "o", "--method", "llamafile", "--dry-run", code=0)
+    assert "importance matrix" not in plain
+
+
 def test_calibration_with_another_method_is_refused(model, calib, tmp_path):
     err = _cli("cpu", model, tmp_path / "o", "--method", "bf16", "--calibration", calib, code=2)
     assert "--calibration is only used with --quant gptq or --method llamafile" in err

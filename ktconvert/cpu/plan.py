@@ -20,6 +20,7 @@ from ktconvert.errors import InputError, OutputError
 from ktconvert.formats.out_manifest import sglang_args
 from ktconvert.run.inputs import Input, open_input
 from ktconvert.methods.base import CpuMethod, check
+from ktconvert.quant.imatrix import IMATRIX_NAME
 from ktconvert.run.options import Plan
 
 
@@ -87,6 +88,9 @@ def _notes(source, method, info, options: CpuOptions, report: dict) -> list[str]
                      "(`cpu` refuses non-zero biases unless --allow-drop-bias)")
     if info.mtp_layers and not options.include_mtp and source.present_mtp_layers():
         notes.append(f"MTP layers {list(source.present_mtp_layers())} not converted (--include-mtp)")
+    if options.calibration is not None and options.quant != "gptq":     # llamafile's computed importance matrix
+        notes.append(f"the importance matrix is computed first from --calibration {Path(options.calibration).name} "
+                     f"(a float32 forward of the source through every layer in order) and kept as OUT/{IMATRIX_NAME}")
     carried = report["carried_over"] = None if options.quant == "gptq" else method.carry_over(source, report["layers"])
     if carried:
         notes.append(f"the routed experts are already {method.kt_method}'s tensors ({carried}): carried over "

@@ -52,10 +52,9 @@ from ktconvert.formats.gguf_shard import PROJ_TENSORS
 from ktconvert.gptq.calibration import load_samples
 from ktconvert.gptq.skeleton import routed_experts
 from ktconvert.gptq.stream import DecoderStream
-from ktconvert.quant.imatrix import load as load_imatrix
+from ktconvert.quant.imatrix import IMATRIX_NAME, load as load_imatrix
 from ktconvert.run.outputs import _run, write_in_layer_order
 
-IMATRIX_NAME = "calibration.imatrix"
 HIDDEN_STATES = "float32 forward of the source (no quantization), as llama-imatrix runs the unquantized model"
 
 

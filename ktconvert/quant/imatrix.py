@@ -33,6 +33,7 @@ from ktconvert.errors import UsageError
 GGUF_MAGIC = b"GGUF"
 KEYS = ("imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size")
 SUM2, COUNTS = ".in_sum2", ".counts"
+IMATRIX_NAME = "calibration.imatrix"   # the matrix `--calibration` computes, in OUT (ktconvert.gptq.imatrix)
 
 
 @dataclass
