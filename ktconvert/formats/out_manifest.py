@@ -32,9 +32,8 @@ from typing import Iterable
 from ktconvert import __version__
 from ktconvert.architectures.config_checks import MAX_DIM, MAX_EXPERTS, MAX_LAYERS
 from ktconvert.errors import InputError, OutputError
-from ktconvert.formats.digests import DIGEST_ALGORITHM, SHA256
 from ktconvert.formats.fileio import FileRecord, digest_file, git_blob_id, hash_file, write_atomic
-from ktconvert.formats.stream import known_sha256
+from ktconvert.formats.stream import known_sha256, source_algorithm
 from ktconvert.util.safe_read import MAX_MANIFEST_BYTES, read_json
 
 MANIFEST_NAME = "ktconvert.json"
@@ -76,10 +75,8 @@ def source_file_entry(path) -> dict:
     {"bytes", "blake3"} from one read."""
     path = Path(path)
     known = known_sha256(path)
-    if known is not None:
-        return {"bytes": path.stat().st_size, SHA256: known}
-    size, hexdigest = digest_file(path)
-    return {"bytes": size, DIGEST_ALGORITHM: hexdigest}
+    size, hexdigest = (path.stat().st_size, known) if known is not None else digest_file(path)
+    return {"bytes": size, source_algorithm(known): hexdigest}
 
 
 def kt_flags(kt_method: str, numa: int) -> dict:

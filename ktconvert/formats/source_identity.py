@@ -28,9 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ktconvert.errors import InputError
-from ktconvert.formats.digests import DIGEST_ALGORITHM, SHA256
+from ktconvert.formats.digests import SHA256
 from ktconvert.formats.fileio import digest_file_in
-from ktconvert.formats.stream import HEAD_BYTES, entry_algorithm, head_sha256, known_sha256, stat_identity
+from ktconvert.formats.stream import (HEAD_BYTES, entry_algorithm, head_sha256, known_sha256, source_algorithm,
+                                      stat_identity)
 from ktconvert.run.journal import digest_mismatch, source_mismatch
 from ktconvert.util.safe_read import open_regular
 
@@ -98,7 +99,7 @@ def _needs_hash(journal, name: str, present: dict) -> bool:
 
 def _run_algorithm(path: Path) -> str:
     """The algorithm of the digest a conversion's read records for `path` (``stream.HashingFileReader``)."""
-    return SHA256 if known_sha256(path) is not None else DIGEST_ALGORITHM
+    return source_algorithm(known_sha256(path))
 
 
 def _wanted(recorded: dict, path: Path) -> set[str]:

@@ -186,6 +186,12 @@ def known_sha256(path, size: int | None = None) -> str | None:
     return target.name
 
 
+def source_algorithm(known: str | None) -> str:
+    """The one rule for a source file's digest: the algorithm a conversion records for a file whose sha256 is
+    `known` without reading it (``known_sha256``: then that sha256) or not (then BLAKE3, from one read)."""
+    return SHA256 if known is not None else DIGEST_ALGORITHM
+
+
 class HashingFileReader:
     """Reads one file strictly front to back. `read_range` returns the requested bytes and hashes everything up
     to their end (gaps included); `finish` hashes the tail and returns the file's size and digest (BLAKE3).
@@ -201,7 +207,7 @@ class HashingFileReader:
         self._size = self._opened[2]
         self._pos = 0
         self._known = known
-        self.algorithm = DIGEST_ALGORITHM if known is None else SHA256
+        self.algorithm = source_algorithm(known)
         self._hash = _BackgroundHash(self.algorithm) if known is None or verify else None
 
     def __enter__(self) -> "HashingFileReader":
