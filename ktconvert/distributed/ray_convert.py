@@ -118,8 +118,8 @@ def _convert_parts(source: dict, verify_source_hash, outputs, todo, parts, addre
     t0 = time.monotonic()
     joined_here = not ray_initialized()
     ray = connect(address)
-    resources = {"num_cpus": cpus, "memory": _memory(outputs, cpus), "max_retries": MAX_RETRIES, **runtime_env}
-    nodes = _check_feasible(ray, resources)
+    resources = {"num_cpus": cpus, "memory": part_memory(outputs, cpus), "max_retries": MAX_RETRIES, **runtime_env}
+    nodes = check_feasible(ray, resources)
     root = parts_root(outputs, parts_dir)
     root.mkdir(parents=True, exist_ok=True)
     with ray_output(root / RAY_LOG, progress), shut_down_after(ray, joined_here):
@@ -128,7 +128,7 @@ def _convert_parts(source: dict, verify_source_hash, outputs, todo, parts, addre
             progress.message(line)
         layers = outputs[0].layers
         count = parts or default_parts(nodes, resources, len(layers))
-        layer_bytes = _layer_bytes(outputs[0].source, layers)
+        layer_bytes = moe_layer_bytes(outputs[0].source, layers)
         ranges = balanced_ranges(layer_bytes, count)
         folders = _part_folders(outputs, ranges, root, force)
         _redo_stale(outputs, todo, ranges, folders, progress)
@@ -257,7 +257,7 @@ def _check_outs(outputs: list, force: bool, resume: bool) -> None:
             shutil.rmtree(out)
 
 
-def _check_feasible(ray, resources: dict) -> list[dict]:
+def check_feasible(ray, resources: dict) -> list[dict]:
     """The live nodes (ray.nodes() entries) with the CPUs and memory a task asks for; UsageError when there is
     none (Ray would wait for one forever)."""
     alive = [n for n in ray.nodes() if n.get("Alive")]
@@ -276,9 +276,15 @@ def _check_feasible(ray, resources: dict) -> list[dict]:
 def default_parts(nodes: list[dict], resources: dict, layers: int) -> int:
     """--parts when not given: as many tasks of `resources` ({"num_cpus", "memory"}) as the `nodes` (ray.nodes()
     entries) run at once, each node by its CPUs and its memory, at most one per MoE layer; at least 1."""
-    at_once = sum(min(int(n["Resources"].get("CPU", 0) // resources["num_cpus"]),
-                      int(n["Resources"].get("memory", 0) // max(1, resources["memory"]))) for n in nodes)
+    at_once = sum(tasks_at_once(n["Resources"], resources["num_cpus"], resources["memory"])[0] for n in nodes)
     return max(1, min(layers, at_once))
+
+
+def tasks_at_once(node: dict, cpus: float, memory: int) -> tuple[int, str]:
+    """(how many tasks of `cpus` CPUs and `memory` bytes a node with resources `node` ({"CPU", "memory"}) runs
+    at once, what bounds it: "CPUs" or "memory"): Ray schedules by what tasks declare."""
+    by_cpus, by_memory = int(node.get("CPU", 0) // cpus), int(node.get("memory", 0) // max(1, memory))
+    return min(by_cpus, by_memory), "CPUs" if by_cpus <= by_memory else "memory"
 
 
 def _source_files(source, opened: dict) -> dict[str, int] | None:
@@ -289,7 +295,7 @@ def _source_files(source, opened: dict) -> dict[str, int] | None:
     return {os.path.abspath(path): os.stat(path).st_size for path in sorted(source.files())}
 
 
-def _layer_bytes(source, layers: list[int]) -> dict[int, int]:
+def moe_layer_bytes(source, layers: list[int]) -> dict[int, int]:
     """{MoE layer: source bytes of its expert matrices} (what the ranges balance and the progress counts)."""
     layer_bytes = dict.fromkeys(layers, 0)
     for job in source.matrix_jobs(layers):
@@ -338,7 +344,7 @@ def _redo_stale(outputs: list, todo: list[int], ranges: list, folders: dict, pro
             progress.message(f"part {folder}: {why}; converting it again")
 
 
-def _memory(outputs: list, cpus: int) -> int:
+def part_memory(outputs: list, cpus: int) -> int:
     """Bytes a task declares: the largest of the outputs' peak RAM estimates with `cpus` workers."""
     info = outputs[0].source.info
     estimates = [o.plan.report.get("peak_ram_bytes") or 0 for o in outputs]

@@ -34,7 +34,7 @@ from ktconvert.gptq.distributed import DistributedStream, contiguous
 from ktconvert.distributed.preflight import preflight
 from ktconvert.distributed.ray_runtime import route_to_log, temp_log
 from ktconvert.distributed.ray_convert import (MAX_RETRIES, connect, hub_tokens, is_hub, pinned_spec, remote_task,
-                                               source_spec, task_runtime_env)
+                                               source_spec, task_runtime_env, tasks_at_once)
 
 TASK_CPUS = 1          # every step's task: its forward and solve run at one torch thread (gptq.determinism)
 
@@ -172,13 +172,6 @@ def shipped_per_layer(info, tokens: int, workers: int, samples: int | None = Non
     n = max(1, workers)
     owners, slices = len(contiguous(info.n_experts, n)), n if samples is None else len(contiguous(samples, n))
     return owners * tokens * info.hidden * 2 + slices * info.n_experts * 3 * info.hidden * info.intermediate * 2
-
-
-def tasks_at_once(node: dict, cpus: float, memory: int) -> tuple[int, str]:
-    """(how many tasks of `cpus` CPUs and `memory` bytes a node with resources `node` ({"CPU", "memory"}) runs
-    at once, what bounds it: "CPUs" or "memory"): Ray schedules by what tasks declare."""
-    by_cpus, by_memory = int(node.get("CPU", 0) // cpus), int(node.get("memory", 0) // max(1, memory))
-    return min(by_cpus, by_memory), "CPUs" if by_cpus <= by_memory else "memory"
 
 
 def default_workers(info, tokens: int, squares: int, nodes: list[dict]) -> int:

@@ -4,10 +4,10 @@
     report = plan_on_ray(planned, cluster, threads=, parts=, workers=, node_rate=)
 
 Layer-range parts (RTN / mse outputs, ``ray_convert.convert_on_ray``): the CPUs (``--threads``) and memory (the
-run's ``ray_convert._memory``: the plan's peak RAM estimate) every part task declares, the nodes able to run one
-(``ray_convert._check_feasible``) and the parts each runs at once (``ray_gptq.tasks_at_once``), the part count
+run's ``ray_convert.part_memory``: the plan's peak RAM estimate) every part task declares, the nodes able to run one
+(``ray_convert.check_feasible``) and the parts each runs at once (``ray_convert.tasks_at_once``), the part count
 (``--parts``, else ``ray_convert.default_parts``), each part's MoE layers (``parts.balanced_ranges`` over
-``ray_convert._layer_bytes``), the source bytes it reads (``run.outputs.part_files``) and about the bytes it
+``ray_convert.moe_layer_bytes``), the source bytes it reads (``run.outputs.part_files``) and about the bytes it
 writes (the outputs' layer bytes in proportion to its source bytes, the files of no layer with the first part),
 and the storage bandwidth the busy nodes need at a per-node conversion rate (``--node-rate``, else NODE_RATE).
 GPTQ (``ray_gptq``): the workers and each step's memory (``step_resources``: ``--workers`` or
@@ -37,7 +37,7 @@ from ktconvert.gptq.calibration import load_samples
 from ktconvert.gptq.distributed import contiguous
 from ktconvert.util.extras import require
 from ktconvert.distributed.parts import balanced_ranges
-from ktconvert.distributed.ray_convert import _check_feasible, _layer_bytes, _memory, default_parts
+from ktconvert.distributed.ray_convert import check_feasible, default_parts, moe_layer_bytes, part_memory, tasks_at_once
 from ktconvert.distributed.ray_runtime import connect, route_to_log, temp_log
 from ktconvert.distributed import ray_gptq
 
@@ -179,13 +179,13 @@ def _node_name(node: dict) -> str:
 
 def _nodes(cluster, cpus: float, memory: int) -> list[dict]:
     """Each live node's resources and the tasks of `cpus` CPUs and `memory` bytes it runs at once
-    (``ray_gptq.tasks_at_once``), with the memory they declare together."""
+    (``ray_convert.tasks_at_once``), with the memory they declare together."""
     if cluster is None:
         return []
     rows = []
     for node in (n for n in cluster.nodes() if n.get("Alive")):
         resources = node["Resources"]
-        at_once, bound = ray_gptq.tasks_at_once(resources, cpus, memory)
+        at_once, bound = tasks_at_once(resources, cpus, memory)
         rows.append({"node": _node_name(node), "cpus": resources.get("CPU", 0),
                      "memory_bytes": int(resources.get("memory", 0)), "gpus": resources.get("GPU", 0),
                      "tasks_at_once": at_once, "bound": bound, "declared_bytes": at_once * memory})
@@ -196,12 +196,12 @@ def _parts(planned: list, cluster, threads, parts, node_rate) -> dict:
     """The figures of a layer-range run (module docstring)."""
     cpus = max(1, threads or 1)                              # as convert_on_ray: --threads CPUs per part
     outputs = [target_output(KINDS.get(kind), out or "OUT", plan) for kind, plan, out in planned]
-    resources = {"num_cpus": cpus, "memory": _memory(outputs, cpus)}
+    resources = {"num_cpus": cpus, "memory": part_memory(outputs, cpus)}
     source, layers = outputs[0].source, outputs[0].layers
     nodes = _nodes(cluster, cpus, resources["memory"])
     count, why = parts, "given"
     if cluster is not None:
-        able = _check_feasible(cluster, resources)           # UsageError when no node can run a part
+        able = check_feasible(cluster, resources)           # UsageError when no node can run a part
         if parts is None:
             count = default_parts(able, resources, len(layers))
             why = (f"what the {_count(len(able), 'able node')} run at once, "
@@ -209,7 +209,7 @@ def _parts(planned: list, cluster, threads, parts, node_rate) -> dict:
                    f"{len(layers)}")
     elif parts is None:
         why = "what the live nodes run at once, known when it runs (give --parts N, or --ray-address / --nodes)"
-    layer_bytes = _layer_bytes(source, layers)
+    layer_bytes = moe_layer_bytes(source, layers)
     sizes = {path: os.stat(path).st_size for path in source.files()}
     rest = sum(f["bytes"] for o in outputs for f in o.plan.report.get("files", []) if f.get("layer") is None)
     written = sum(o.plan.report["total_bytes"] for o in outputs)
