@@ -52,7 +52,7 @@ from ktconvert.formats.gguf_shard import PROJ_TENSORS
 from ktconvert.gptq.calibration import load_samples
 from ktconvert.gptq.skeleton import routed_experts
 from ktconvert.gptq.stream import DecoderStream
-from ktconvert.quant.imatrix import IMATRIX_NAME, load as load_imatrix
+from ktconvert.quant.imatrix import IMATRIX_NAME
 from ktconvert.run.outputs import _run, write_in_layer_order
 
 HIDDEN_STATES = "float32 forward of the source (no quantization), as llama-imatrix runs the unquantized model"
@@ -203,10 +203,8 @@ def convert_llamafile_calibrated(output, progress, timings: dict | None = None, 
             write_imatrix(path, stream, output.layers, Path(opts.calibration).name, max_length, progress)
             del stream
         output.run_details["imatrix_seconds"] = round(time.monotonic() - t0, 3)
-        method = output.method
-        output.method = type(f"{method.__name__}Calibrated", (method,),
-                             {"imatrix": str(path), "importance": load_imatrix(path)})
-        output.method.importance.check(method.importance_entries(output.layers, source.info))
+        output.method = output.method.with_imatrix(path)
+        output.method.importance.check(output.method.importance_entries(output.layers, source.info))
         output.side_records.append(record_for(output.out_dir, IMATRIX_NAME))
         output.manifest_extra["imatrix_calibration"] = {
             "file": IMATRIX_NAME, "calibration_sha256": file_sha256(opts.calibration),

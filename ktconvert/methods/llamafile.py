@@ -77,9 +77,7 @@ class Llamafile(CpuMethod):
         type's limit, in shards of at most `split_max_size` (split_bytes_of). UsageError for a type it does not
         write or a size it cannot read."""
         if imatrix is not None:        # llama-quantize --imatrix: read (and refused, UsageError) here, before OUT
-            method = cls.with_options(ggml_type, split_max_size)
-            return type(f"{method.__name__}Imatrix", (method,), {"imatrix": str(imatrix),
-                                                                  "importance": load_imatrix(imatrix)})
+            return cls.with_options(ggml_type, split_max_size).with_imatrix(imatrix)
         if split_max_size is not None:
             size = split_bytes_of(split_max_size)
             method = cls.with_options(ggml_type)
@@ -95,6 +93,12 @@ class Llamafile(CpuMethod):
                              expected=" or ".join(cls.ggml_types), found=str(ggml_type))
         return type(f"{cls.__name__}{name}", (cls,), {"ggml_type": name,
                                                       "thresholds": {"moe_rel_l2": MOE_REL_L2[MIXES.get(name, name)]}})
+
+    @classmethod
+    def with_imatrix(cls, imatrix) -> type["Llamafile"]:
+        """This method quantizing with the importance matrix in file `imatrix` (``quant.imatrix.load``: UsageError
+        for a file it cannot read), as llama-quantize --imatrix does."""
+        return type(f"{cls.__name__}Imatrix", (cls,), {"imatrix": str(imatrix), "importance": load_imatrix(imatrix)})
 
     @classmethod
     def check_calibration(cls, imatrix: str | None) -> None:
